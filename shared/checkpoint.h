@@ -1,0 +1,68 @@
+// A Hugging Face checkpoint directory opened for serving: config.json, generation_config.json and
+// the weights (model.safetensors, or shards listed in model.safetensors.index.json), memory-mapped,
+// with every tensor the architecture needs found and its shape checked against the config.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shared/model_config.h"
+#include "shared/safetensors.h"
+#include "shared/status.h"
+
+namespace bulkhead {
+
+struct LayerTensors {
+  const TensorView* input_norm = nullptr;
+  const TensorView* q = nullptr;
+  const TensorView* k = nullptr;
+  const TensorView* v = nullptr;
+  const TensorView* o = nullptr;
+  const TensorView* q_bias = nullptr;  // null when the architecture has none
+  const TensorView* k_bias = nullptr;
+  const TensorView* v_bias = nullptr;
+  const TensorView* o_bias = nullptr;
+  const TensorView* post_norm = nullptr;
+  const TensorView* gate = nullptr;
+  const TensorView* up = nullptr;
+  const TensorView* down = nullptr;
+};
+
+struct ModelTensors {
+  const TensorView* embed = nullptr;
+  const TensorView* final_norm = nullptr;
+  const TensorView* lm_head = nullptr;  // == embed when embeddings are tied
+  std::vector<LayerTensors> layers;
+};
+
+class Checkpoint {
+ public:
+  static Result<Checkpoint> open(const std::string& dir);
+
+  Checkpoint(Checkpoint&&) = default;
+  Checkpoint& operator=(Checkpoint&&) = default;
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
+
+  const std::string& dir() const { return dir_; }
+  const ModelConfig& config() const { return config_; }
+  const ModelTensors& tensors() const { return tensors_; }
+  // Every tensor of every file, by name.
+  const std::map<std::string, TensorView>& all() const { return all_; }
+  // Bytes of the tensors the model uses (tied lm_head counted once).
+  uint64_t weightBytes() const;
+
+ private:
+  Checkpoint() = default;
+  Status bindTensors();
+
+  std::string dir_;
+  ModelConfig config_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, TensorView> all_;
+  ModelTensors tensors_;
+};
+
+}  // namespace bulkhead

@@ -1,0 +1,114 @@
+// The `bulkhead` executable end to end: logits against the golden fixture, make-model followed by
+// generate, and a one-line reason with a non-zero exit for bad input.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "support/test_support.h"
+
+namespace bulkhead {
+namespace {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+CommandResult runBulkhead(const test::TempDir& dir, const std::vector<std::string>& args) {
+  std::string cmd = quote(std::string(BULKHEAD_BIN_DIR) + "/bulkhead");
+  for (const auto& a : args) cmd += " " + quote(a);
+  cmd += " > " + quote(dir.file("stdout")) + " 2> " + quote(dir.file("stderr"));
+  const int status = std::system(cmd.c_str());
+  CommandResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = test::readFile(dir.file("stdout"));
+  r.err = test::readFile(dir.file("stderr"));
+  return r;
+}
+
+size_t lineCount(const std::string& s) {
+  return size_t(std::count(s.begin(), s.end(), '\n'));
+}
+
+TEST(Cli, LogitsMatchGolden) {
+  test::TempDir dir;
+  const std::string fixture = test::fixtureDir("tiny-qwen2");
+  const test::Golden golden = test::loadGolden(fixture);
+  const test::GoldenCase& c = golden.cases[1];
+  auto tokens = c.tokens();
+  tokens.resize(c.positions);
+  std::string list;
+  for (uint32_t t : tokens) list += (list.empty() ? "" : ",") + std::to_string(t);
+
+  auto r = runBulkhead(dir, {"logits", "--model", fixture, "--tokens", list, "--out",
+                             dir.file("logits.f32"), "--backend", "cpu"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(lineCount(r.out), 1u) << r.out;
+  EXPECT_NE(r.out.find("wrote 30 positions x 512 vocab"), std::string::npos) << r.out;
+  const std::string bytes = test::readFile(dir.file("logits.f32"));
+  ASSERT_EQ(bytes.size(), c.positions * golden.vocab * 4);
+  std::vector<float> got(bytes.size() / 4);
+  std::memcpy(got.data(), bytes.data(), bytes.size());
+  for (size_t p = 0; p < c.positions; ++p) {
+    for (uint32_t v = 0; v < golden.vocab; ++v) {
+      ASSERT_NEAR(got[p * golden.vocab + v], golden.row(c, p)[v], 1e-4)
+          << "position " << p << " token " << v;
+    }
+  }
+}
+
+TEST(Cli, BadInputGivesOneLineReason) {
+  test::TempDir dir;
+  const std::string fixture = test::fixtureDir("tiny-qwen2");
+  const std::string out = dir.file("x.f32");
+  struct Case {
+    std::vector<std::string> args;
+    std::string reason;
+  };
+  const std::vector<Case> cases = {
+      {{"logits", "--model", fixture, "--tokens", "1,x,3", "--out", out}, "\"x\" is not a token"},
+      {{"logits", "--model", fixture, "--tokens", "1,512", "--out", out},
+       "token id 512 >= vocab size 512"},
+      {{"logits", "--model", dir.file("nope"), "--tokens", "1", "--out", out}, "config.json"},
+      {{"logits", "--model", fixture, "--tokens", "1", "--out", out, "--backend", "tpu"},
+       "unknown backend \"tpu\""},
+      {{"logits", "--model", fixture, "--tokens", "1", "--out", dir.file("no/such/dir/x")},
+       "cannot open for writing"},
+      {{"make-model", "--shape", "huge", "--out", dir.file("m")}, "unknown shape \"huge\""},
+  };
+  for (const Case& c : cases) {
+    auto r = runBulkhead(dir, c.args);
+    EXPECT_NE(r.exit_code, 0) << c.reason;
+    EXPECT_EQ(lineCount(r.err), 1u) << r.err;
+    EXPECT_NE(r.err.find(c.reason), std::string::npos) << r.err;
+  }
+}
+
+TEST(Cli, MakeModelThenGenerate) {
+  test::TempDir dir;
+  auto made =
+      runBulkhead(dir, {"make-model", "--shape", "tiny", "--out", dir.file("tiny"), "--seed", "5"});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  EXPECT_TRUE(std::filesystem::exists(dir.file("tiny/model.safetensors")));
+  auto first = runBulkhead(
+      dir, {"generate", "--model", dir.file("tiny"), "--tokens", "1,2,3", "--max-tokens", "8"});
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  auto second = runBulkhead(
+      dir, {"generate", "--model", dir.file("tiny"), "--tokens", "1,2,3", "--max-tokens", "8"});
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_EQ(first.out, second.out);  // greedy is deterministic
+  EXPECT_GE(std::count(first.out.begin(), first.out.end(), ','), 0);
+  EXPECT_FALSE(first.out.empty());
+}
+
+}  // namespace
+}  // namespace bulkhead

@@ -1,0 +1,84 @@
+// Drives a Backend in tests: hands out KV blocks, runs steps of several sequences, and returns
+// every logits row so tests can compare them bit for bit.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "worker/backend.h"
+
+namespace bulkhead::test {
+
+using Rows = std::vector<std::vector<float>>;
+
+struct TestSequence {
+  uint64_t id = 0;
+  std::vector<uint32_t> blocks;
+  uint32_t position = 0;
+};
+
+class BackendDriver {
+ public:
+  explicit BackendDriver(Backend& backend) : backend_(backend) {}
+
+  TestSequence newSequence(uint64_t id, uint32_t max_positions) {
+    TestSequence s{id, {}, 0};
+    const uint32_t bs = backend_.limits().kv_block_size;
+    for (uint32_t i = 0; i < (max_positions + bs - 1) / bs; ++i) s.blocks.push_back(next_block_++);
+    return s;
+  }
+
+  struct Chunk {
+    TestSequence* seq;
+    std::vector<uint32_t> tokens;
+  };
+
+  // One step; every token's logits are requested. Returns rows per chunk.
+  std::vector<Rows> step(const std::vector<Chunk>& chunks) {
+    const uint32_t vocab = backend_.limits().vocab_size;
+    std::vector<SequenceStep> batch;
+    std::vector<std::vector<uint32_t>> row_ids(chunks.size());
+    std::vector<Rows> out(chunks.size());
+    std::vector<float*> dst;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const Chunk& c = chunks[i];
+      for (uint32_t r = 0; r < c.tokens.size(); ++r) row_ids[i].push_back(r);
+      out[i].assign(c.tokens.size(), std::vector<float>(vocab));
+      for (auto& row : out[i]) dst.push_back(row.data());
+      batch.push_back({.sequence_id = c.seq->id,
+                       .start_position = c.seq->position,
+                       .tokens = c.tokens,
+                       .kv_blocks = c.seq->blocks,
+                       .logits_rows = row_ids[i]});
+    }
+    Status s = backend_.step(batch, dst);
+    EXPECT_TRUE(s.ok()) << s.toString();
+    for (const Chunk& c : chunks) c.seq->position += uint32_t(c.tokens.size());
+    return out;
+  }
+
+  // Runs `tokens` alone through a fresh sequence in chunks of `chunk` tokens.
+  Rows runAlone(uint64_t id, const std::vector<uint32_t>& tokens, size_t chunk) {
+    TestSequence seq = newSequence(id, uint32_t(tokens.size()));
+    Rows rows;
+    for (size_t begin = 0; begin < tokens.size(); begin += chunk) {
+      const size_t end = std::min(tokens.size(), begin + chunk);
+      auto part = step({{&seq, {tokens.begin() + long(begin), tokens.begin() + long(end)}}});
+      rows.insert(rows.end(), part[0].begin(), part[0].end());
+    }
+    return rows;
+  }
+
+ private:
+  Backend& backend_;
+  uint32_t next_block_ = 0;
+};
+
+inline bool bitIdentical(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace bulkhead::test

@@ -1,0 +1,90 @@
+// `bulkhead`: the command-line tool. Subcommands: logits, make-model, generate.
+#include <cstdio>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "shared/dtype.h"
+#include "tools/commands.h"
+#include "tools/make_model.h"
+
+namespace {
+
+int fail(const std::string& command, const bulkhead::Status& status) {
+  std::fprintf(stderr, "bulkhead %s: %s\n", command.c_str(), status.toString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace bulkhead;
+  CLI::App app{"bulkhead: LLM generation from GPUs that cannot always be trusted"};
+  app.require_subcommand(1);
+
+  std::string model, tokens, out, backend = "cpu";
+  auto* logits = app.add_subcommand("logits", "Teacher-forced forward pass; writes all logits");
+  logits->add_option("--model", model, "Hugging Face checkpoint directory")->required();
+  logits->add_option("--tokens", tokens, "Comma-separated token ids, e.g. 1,5,9")->required();
+  logits->add_option("--out", out, "Output file: float32 little-endian [positions][vocab]")
+      ->required();
+  logits->add_option("--backend", backend, "cpu | cuda | auto");
+
+  MakeModelOptions make;
+  std::string dtype = "bf16";
+  auto* make_model = app.add_subcommand("make-model", "Write a random-weight checkpoint");
+  make_model
+      ->add_option("--shape", make.shape,
+                   "tiny | tiny-llama | qwen2.5-0.5b | qwen2.5-7b | qwen2.5-14b")
+      ->required();
+  make_model->add_option("--out", make.out_dir, "Output directory")->required();
+  make_model->add_option("--seed", make.seed, "Seed (same seed, same bytes)");
+  make_model->add_option("--dtype", dtype, "bf16 | f16 | f32");
+  make_model->add_option("--max-shard-bytes", make.max_shard_bytes,
+                         "Split into shards above this size");
+
+  LocalGenerateCommand gen;
+  auto* generate = app.add_subcommand("generate", "Greedy generation with the model in-process");
+  generate->add_option("--model", gen.model_dir, "Hugging Face checkpoint directory")->required();
+  generate->add_option("--tokens", tokens, "Prompt token ids, e.g. 1,2,3")->required();
+  generate->add_option("--max-tokens", gen.max_tokens, "Tokens to generate");
+  generate->add_option("--backend", gen.backend, "cpu | cuda | auto");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  if (*logits) {
+    auto parsed = parseTokenList(tokens);
+    if (!parsed.ok()) return fail("logits", parsed.status());
+    auto summary = runLogits({model, *parsed, out, backend});
+    if (!summary.ok()) return fail("logits", summary.status());
+    std::printf("%s\n", summary->c_str());
+  } else if (*make_model) {
+    std::optional<DType> t = dtype == "bf16"  ? std::optional(DType::kBF16)
+                             : dtype == "f16" ? std::optional(DType::kF16)
+                             : dtype == "f32" ? std::optional(DType::kF32)
+                                              : std::nullopt;
+    if (!t) return fail("make-model", invalidArgument("--dtype must be bf16, f16 or f32"));
+    make.dtype = *t;
+    auto report = makeModel(make);
+    if (!report.ok()) return fail("make-model", report.status());
+    std::printf("wrote %s: shape %s, %.3f B parameters, %.2f GB %s in %d file(s)\n",
+                make.out_dir.c_str(), make.shape.c_str(), double(report->parameters) / 1e9,
+                double(report->bytes) / 1e9, dtype.c_str(), report->shards);
+  } else if (*generate) {
+    auto parsed = parseTokenList(tokens);
+    if (!parsed.ok()) return fail("generate", parsed.status());
+    gen.tokens = *parsed;
+    auto result = runLocalGenerate(gen);
+    if (!result.ok()) return fail("generate", result.status());
+    std::string ids;
+    for (uint32_t t : result->tokens) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+    std::printf("%s\n", ids.c_str());
+    std::fprintf(stderr, "finish %s; prefill %.1f ms, decode %.2f ms/token\n",
+                 result->finish_reason.c_str(), result->prefill_ms, result->decode_ms_per_token);
+  }
+  return 0;
+}

@@ -1,0 +1,55 @@
+// The Backend interface: what a worker runs a step on. The CPU reference engine and the CUDA
+// engine both implement it, and both must give a sequence the same logits however it is batched
+// or chunked (see DESIGN.md, "Determinism").
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "shared/model_config.h"
+#include "shared/status.h"
+
+namespace bulkhead {
+
+// One sequence's part of a step.
+struct SequenceStep {
+  uint64_t sequence_id = 0;
+  // Tokens already in this sequence's KV cache; `tokens` occupy the positions after it.
+  uint32_t start_position = 0;
+  // A prefill chunk of any length, or a single decode token.
+  std::span<const uint32_t> tokens;
+  // Block table: block i holds positions [i * kvBlockSize(), (i + 1) * kvBlockSize()).
+  std::span<const uint32_t> kv_blocks;
+  // Indices into `tokens` whose logits are wanted, strictly ascending.
+  std::span<const uint32_t> logits_rows;
+};
+
+struct BackendLimits {
+  uint32_t vocab_size = 0;
+  uint32_t max_context = 0;
+  uint32_t kv_block_size = 0;
+  uint32_t kv_block_count = 0;
+  uint32_t max_step_tokens = 0;  // tokens across all sequences of one step
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string_view name() const = 0;
+  virtual const ModelConfig& config() const = 0;
+  virtual BackendLimits limits() const = 0;
+
+  // Appends each sequence's tokens to its KV cache and writes the requested logits rows:
+  // `logits[r]` receives vocab_size floats for the r-th requested row, counting sequence by
+  // sequence in batch order. Invalid input is rejected with INVALID_ARGUMENT before any state
+  // changes.
+  virtual Status step(std::span<const SequenceStep> batch, std::span<float* const> logits) = 0;
+};
+
+// Checks a step against the backend's limits: token ids, positions, block tables, logits rows.
+Status validateStep(std::span<const SequenceStep> batch, std::span<float* const> logits,
+                    const BackendLimits& limits);
+
+}  // namespace bulkhead

@@ -1,0 +1,21 @@
+// createBackend: the one place that knows which backends this build has.
+#include "worker/backend_factory.h"
+
+#include "worker/cpu_backend.h"
+
+namespace bulkhead {
+
+Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
+                                               std::shared_ptr<const Checkpoint> checkpoint,
+                                               const BackendOptions& options) {
+  if (name == "cpu" || name == "auto") {
+    CpuBackend::Options cpu;
+    cpu.kv_blocks = options.kv_blocks;
+    BULKHEAD_ASSIGN_OR_RETURN(auto backend, CpuBackend::create(std::move(checkpoint), cpu));
+    return std::unique_ptr<Backend>(std::move(backend));
+  }
+  if (name == "cuda") return unimplemented("the CUDA backend is not available in this build");
+  return invalidArgument("unknown backend \"" + name + "\" (known: cpu, cuda, auto)");
+}
+
+}  // namespace bulkhead

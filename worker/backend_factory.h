@@ -1,0 +1,20 @@
+// Picks and builds a Backend by name: "cpu", "cuda" (when built with CUDA) or "auto".
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "shared/checkpoint.h"
+#include "worker/backend.h"
+
+namespace bulkhead {
+
+struct BackendOptions {
+  uint32_t kv_blocks = 0;  // 0: the backend's default for its memory budget
+};
+
+Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
+                                               std::shared_ptr<const Checkpoint> checkpoint,
+                                               const BackendOptions& options);
+
+}  // namespace bulkhead

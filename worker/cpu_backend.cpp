@@ -1,0 +1,246 @@
+// CpuBackend: weight copy, paged KV cache and the forward pass.
+#include "worker/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace bulkhead {
+namespace {
+
+std::vector<float> floatsOf(const TensorView* t) {
+  std::vector<float> out;
+  if (t == nullptr) return out;
+  out.resize(size_t(t->numel()));
+  cpu::toFloat(t->dtype, t->data.data(), out.size(), out.data());
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Checkpoint> checkpoint,
+                                                       const Options& options) {
+  std::unique_ptr<CpuBackend> b(new CpuBackend());
+  b->checkpoint_ = checkpoint;
+  const ModelConfig& c = checkpoint->config();
+  const ModelTensors& t = checkpoint->tensors();
+
+  if (options.kv_block_size == 0) return invalidArgument("kv block size must be positive");
+  const uint64_t block_bytes = uint64_t(options.kv_block_size) * c.num_layers * c.kvDim() * 2 * 4;
+  uint64_t blocks = options.kv_blocks;
+  if (blocks == 0) {
+    // The budget, but never more than 64 full-context sequences' worth.
+    const uint64_t per_context =
+        (uint64_t(c.max_context) + options.kv_block_size - 1) / options.kv_block_size;
+    blocks = std::min(options.kv_budget_bytes / block_bytes, per_context * 64);
+  }
+  if (blocks == 0 || blocks > UINT32_MAX)
+    return resourceExhausted("KV cache of " + std::to_string(blocks) + " blocks is unusable");
+  b->limits_ = {.vocab_size = uint32_t(c.vocab_size),
+                .max_context = uint32_t(c.max_context),
+                .kv_block_size = options.kv_block_size,
+                .kv_block_count = uint32_t(blocks),
+                .max_step_tokens = options.max_step_tokens};
+  const size_t kv_floats = size_t(blocks) * options.kv_block_size * c.num_layers * c.kvDim();
+  b->k_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
+  b->v_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
+
+  // One owned copy of every matrix, each 64-byte aligned.
+  std::vector<const TensorView*> matrices{t.embed};
+  if (t.lm_head != t.embed) matrices.push_back(t.lm_head);
+  for (const LayerTensors& l : t.layers) {
+    for (const TensorView* m : {l.q, l.k, l.v, l.o, l.gate, l.up, l.down}) matrices.push_back(m);
+  }
+  auto aligned = [](size_t n) { return (n + 63) & ~size_t(63); };
+  size_t total = 0;
+  for (const TensorView* m : matrices) total += aligned(m->data.size());
+  b->weight_bytes_ = std::make_unique_for_overwrite<std::byte[]>(total + 64);
+  std::byte* base = reinterpret_cast<std::byte*>(
+      (reinterpret_cast<uintptr_t>(b->weight_bytes_.get()) + 63) & ~uintptr_t(63));
+  size_t offset = 0;
+  auto place = [&](const TensorView* m) {
+    std::memcpy(base + offset, m->data.data(), m->data.size());
+    cpu::WeightMatrix w{m->dtype, base + offset, int(m->shape[0]), int(m->shape[1])};
+    offset += aligned(m->data.size());
+    return w;
+  };
+  b->embed_ = place(t.embed);
+  b->lm_head_ = t.lm_head == t.embed ? b->embed_ : place(t.lm_head);
+  b->final_norm_ = floatsOf(t.final_norm);
+  for (const LayerTensors& l : t.layers) {
+    Layer layer;
+    layer.q = place(l.q);
+    layer.k = place(l.k);
+    layer.v = place(l.v);
+    layer.o = place(l.o);
+    layer.gate = place(l.gate);
+    layer.up = place(l.up);
+    layer.down = place(l.down);
+    layer.input_norm = floatsOf(l.input_norm);
+    layer.post_norm = floatsOf(l.post_norm);
+    layer.q_bias = floatsOf(l.q_bias);
+    layer.k_bias = floatsOf(l.k_bias);
+    layer.v_bias = floatsOf(l.v_bias);
+    layer.o_bias = floatsOf(l.o_bias);
+    b->layers_.push_back(std::move(layer));
+  }
+  b->inv_freq_ = c.ropeInverseFrequencies();
+  return b;
+}
+
+float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, uint32_t slot) const {
+  const ModelConfig& c = config();
+  const size_t bs = limits_.kv_block_size;
+  size_t index = ((size_t(layer) * limits_.kv_block_count + block) * c.num_kv_heads + kv_head);
+  index = (index * bs + slot) * c.head_dim;
+  return cache + index;
+}
+
+Status CpuBackend::step(std::span<const SequenceStep> batch, std::span<float* const> logits) {
+  BULKHEAD_RETURN_IF_ERROR(validateStep(batch, logits, limits_));
+  const ModelConfig& c = config();
+  const int hidden = c.hidden_size, head_dim = c.head_dim, heads = c.num_heads;
+  const int kv_heads = c.num_kv_heads, q_dim = c.qDim(), kv_dim = c.kvDim();
+  const int group = heads / kv_heads;
+  const uint32_t bs = limits_.kv_block_size;
+
+  // Flatten the batch: one row per token, remembering its sequence and position.
+  struct Row {
+    const SequenceStep* seq;
+    uint32_t position;
+  };
+  std::vector<Row> rows;
+  std::vector<uint32_t> token_ids;
+  for (const SequenceStep& s : batch) {
+    for (size_t i = 0; i < s.tokens.size(); ++i) {
+      rows.push_back({&s, uint32_t(s.start_position + i)});
+      token_ids.push_back(s.tokens[i]);
+    }
+  }
+  const int n = int(rows.size());
+
+  std::vector<float> x(size_t(n) * hidden), xn(size_t(n) * hidden);
+  std::vector<float> q(size_t(n) * q_dim), k(size_t(n) * kv_dim), v(size_t(n) * kv_dim);
+  std::vector<float> attn(size_t(n) * q_dim);
+  std::vector<float> gate(size_t(n) * c.intermediate_size), up(size_t(n) * c.intermediate_size);
+
+  const size_t embed_row_bytes = size_t(hidden) * dtypeSize(embed_.dtype);
+  for (int r = 0; r < n; ++r) {
+    cpu::toFloat(embed_.dtype, embed_.data + token_ids[size_t(r)] * embed_row_bytes, size_t(hidden),
+                 x.data() + size_t(r) * hidden);
+  }
+
+  // RoPE angles per row, shared by all heads (rotate-half layout).
+  const int pairs = head_dim / 2;
+  std::vector<float> cos_table(size_t(n) * pairs), sin_table(size_t(n) * pairs);
+  for (int r = 0; r < n; ++r) {
+    for (int i = 0; i < pairs; ++i) {
+      const float angle = float(rows[size_t(r)].position) * inv_freq_[size_t(i)];
+      cos_table[size_t(r) * pairs + i] = std::cos(angle);
+      sin_table[size_t(r) * pairs + i] = std::sin(angle);
+    }
+  }
+  auto rope = [&](float* vec, int r) {
+    const float* cs = cos_table.data() + size_t(r) * pairs;
+    const float* sn = sin_table.data() + size_t(r) * pairs;
+    for (int i = 0; i < pairs; ++i) {
+      const float a = vec[i], b = vec[i + pairs];
+      vec[i] = a * cs[i] - b * sn[i];
+      vec[i + pairs] = b * cs[i] + a * sn[i];
+    }
+  };
+  const float scale = float(1.0 / std::sqrt(double(head_dim)));
+  auto optional = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
+
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    for (int r = 0; r < n; ++r) {
+      cpu::rmsNorm(x.data() + size_t(r) * hidden, L.input_norm.data(), c.rms_norm_eps, hidden,
+                   xn.data() + size_t(r) * hidden);
+    }
+    cpu::matmul(xn.data(), n, L.q, optional(L.q_bias), q.data(), false);
+    cpu::matmul(xn.data(), n, L.k, optional(L.k_bias), k.data(), false);
+    cpu::matmul(xn.data(), n, L.v, optional(L.v_bias), v.data(), false);
+    for (int r = 0; r < n; ++r) {
+      for (int h = 0; h < heads; ++h) rope(q.data() + size_t(r) * q_dim + h * head_dim, r);
+      for (int h = 0; h < kv_heads; ++h) {
+        float* kr = k.data() + size_t(r) * kv_dim + h * head_dim;
+        rope(kr, r);
+        const Row& row = rows[size_t(r)];
+        const uint32_t block = row.seq->kv_blocks[row.position / bs];
+        std::memcpy(kvAt(k_cache_.get(), int(l), block, h, row.position % bs), kr,
+                    sizeof(float) * head_dim);
+        std::memcpy(kvAt(v_cache_.get(), int(l), block, h, row.position % bs),
+                    v.data() + size_t(r) * kv_dim + h * head_dim, sizeof(float) * head_dim);
+      }
+    }
+    // Causal attention of every (row, head) over positions 0..position of its own sequence, read
+    // back from the cache in position order: the same arithmetic for prefill and decode.
+#pragma omp parallel
+    {
+      std::vector<float> scores(limits_.max_context);
+#pragma omp for schedule(static)
+      for (int task = 0; task < n * heads; ++task) {
+        const int r = task / heads, h = task % heads, kvh = h / group;
+        const Row& row = rows[size_t(r)];
+        const float* qv = q.data() + size_t(r) * q_dim + h * head_dim;
+        const uint32_t len = row.position + 1;
+        float max_score = -INFINITY;
+        for (uint32_t p = 0; p < len; ++p) {
+          const float* kv = kvAt(k_cache_.get(), int(l), row.seq->kv_blocks[p / bs], kvh, p % bs);
+          scores[p] = cpu::dot(qv, kv, head_dim) * scale;
+          max_score = std::max(max_score, scores[p]);
+        }
+        float sum = 0.0f;
+        for (uint32_t p = 0; p < len; ++p) {
+          scores[p] = std::exp(scores[p] - max_score);
+          sum += scores[p];
+        }
+        float* out = attn.data() + size_t(r) * q_dim + h * head_dim;
+        std::fill(out, out + head_dim, 0.0f);
+        for (uint32_t p = 0; p < len; ++p) {
+          const float weight = scores[p] / sum;
+          const float* vv = kvAt(v_cache_.get(), int(l), row.seq->kv_blocks[p / bs], kvh, p % bs);
+          for (int d = 0; d < head_dim; ++d) out[d] += weight * vv[d];
+        }
+      }
+    }
+    cpu::matmul(attn.data(), n, L.o, optional(L.o_bias), x.data(), true);
+
+    for (int r = 0; r < n; ++r) {
+      cpu::rmsNorm(x.data() + size_t(r) * hidden, L.post_norm.data(), c.rms_norm_eps, hidden,
+                   xn.data() + size_t(r) * hidden);
+    }
+    cpu::matmul(xn.data(), n, L.gate, nullptr, gate.data(), false);
+    cpu::matmul(xn.data(), n, L.up, nullptr, up.data(), false);
+    for (size_t i = 0; i < gate.size(); ++i) {
+      const float g = gate[i];
+      gate[i] = (g / (1.0f + std::exp(-g))) * up[i];
+    }
+    cpu::matmul(gate.data(), n, L.down, nullptr, x.data(), true);
+  }
+
+  // Final norm and lm_head only for the rows whose logits were asked for.
+  std::vector<float> selected;
+  int row_base = 0;
+  for (const SequenceStep& s : batch) {
+    for (uint32_t i : s.logits_rows) {
+      const size_t r = size_t(row_base) + i;
+      selected.resize(selected.size() + hidden);
+      cpu::rmsNorm(x.data() + r * hidden, final_norm_.data(), c.rms_norm_eps, hidden,
+                   selected.data() + selected.size() - hidden);
+    }
+    row_base += int(s.tokens.size());
+  }
+  const int vocab = c.vocab_size;
+  std::vector<float> out(logits.size() * size_t(vocab));
+  if (!logits.empty()) {
+    cpu::matmul(selected.data(), int(logits.size()), lm_head_, nullptr, out.data(), false);
+    for (size_t i = 0; i < logits.size(); ++i) {
+      std::memcpy(logits[i], out.data() + i * vocab, sizeof(float) * vocab);
+    }
+  }
+  return okStatus();
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,180 @@
+// CPU kernels: AVX2/FMA dot products over bf16/f16/f32 weights, with a portable fallback.
+#include "worker/cpu_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define BULKHEAD_CPU_AVX2 1
+#endif
+
+namespace bulkhead::cpu {
+namespace {
+
+#ifdef BULKHEAD_CPU_AVX2
+
+template <DType D>
+inline __m256 load8(const std::byte* w, int i) {
+  if constexpr (D == DType::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + i);
+  } else if constexpr (D == DType::kBF16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + size_t(i) * 2));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + size_t(i) * 2));
+    return _mm256_cvtph_ps(h);
+  }
+}
+
+inline float hsum(__m256 a, __m256 b) {
+  __m256 s = _mm256_add_ps(a, b);
+  __m128 lo = _mm256_castps256_ps128(s);
+  __m128 hi = _mm256_extractf128_ps(s, 1);
+  __m128 q = _mm_add_ps(lo, hi);                  // 4 lanes
+  __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));  // 2 lanes
+  __m128 r = _mm_add_ss(d, _mm_movehdup_ps(d));   // 1 lane
+  return _mm_cvtss_f32(r);
+}
+
+#endif
+
+template <DType D>
+inline float weightAt(const std::byte* w, size_t i) {
+  if constexpr (D == DType::kF32) {
+    float f;
+    std::memcpy(&f, w + size_t(i) * 4, 4);
+    return f;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, w + size_t(i) * 2, 2);
+    return D == DType::kBF16 ? bf16ToFloat(h) : f16ToFloat(h);
+  }
+}
+
+// N dot products of x[0..N) with one weight row. The per-row arithmetic is identical for every
+// N, so grouping rows changes speed, never results.
+template <DType D, int N>
+inline void dotRows(const float* const* x, const std::byte* w, int n, float* out) {
+  int i = 0;
+#ifdef BULKHEAD_CPU_AVX2
+  __m256 acc0[N], acc1[N];
+  for (int r = 0; r < N; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m256 w0 = load8<D>(w, i);
+    __m256 w1 = load8<D>(w, i + 8);
+    for (int r = 0; r < N; ++r) {
+      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), w0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i + 8), w1, acc1[r]);
+    }
+  }
+  if (i + 8 <= n) {
+    __m256 w0 = load8<D>(w, i);
+    for (int r = 0; r < N; ++r) acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), w0, acc0[r]);
+    i += 8;
+  }
+  for (int r = 0; r < N; ++r) out[r] = hsum(acc0[r], acc1[r]);
+#else
+  float acc[N][16] = {};
+  for (; i + 16 <= n; i += 16) {
+    for (int r = 0; r < N; ++r) {
+      for (int l = 0; l < 16; ++l) acc[r][l] += x[r][i + l] * weightAt<D>(w, i + l);
+    }
+  }
+  for (int r = 0; r < N; ++r) {
+    float s = 0.0f;
+    for (int l = 0; l < 16; ++l) s += acc[r][l];
+    out[r] = s;
+  }
+#endif
+  for (; i < n; ++i) {
+    const float wi = weightAt<D>(w, i);
+    for (int r = 0; r < N; ++r) out[r] += x[r][i] * wi;
+  }
+}
+
+// Rows of W processed per parallel task: a block small enough to stay in L1/L2 while every token
+// row streams past it.
+constexpr int kRowBlock = 16;
+
+template <DType D>
+void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
+                 bool accumulate) {
+  const int rows = w.rows, cols = w.cols;
+  const size_t row_bytes = size_t(cols) * dtypeSize(D);
+  const int blocks = (rows + kRowBlock - 1) / kRowBlock;
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < blocks; ++b) {
+    const int j0 = b * kRowBlock;
+    const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
+    int t = 0;
+    auto emit = [&](int tok, int j, float v) {
+      if (bias != nullptr) v += bias[j];
+      float& dst = y[size_t(tok) * rows + j];
+      dst = accumulate ? dst + v : v;
+    };
+    for (; t + 4 <= tokens; t += 4) {
+      const float* xs[4] = {x + size_t(t) * cols, x + size_t(t + 1) * cols,
+                            x + size_t(t + 2) * cols, x + size_t(t + 3) * cols};
+      for (int j = j0; j < j1; ++j) {
+        float out[4];
+        dotRows<D, 4>(xs, w.data + size_t(j) * row_bytes, cols, out);
+        for (int r = 0; r < 4; ++r) emit(t + r, j, out[r]);
+      }
+    }
+    for (; t < tokens; ++t) {
+      const float* xs[1] = {x + size_t(t) * cols};
+      for (int j = j0; j < j1; ++j) {
+        float out[1];
+        dotRows<D, 1>(xs, w.data + size_t(j) * row_bytes, cols, out);
+        emit(t, j, out[0]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
+            bool accumulate) {
+  switch (w.dtype) {
+    case DType::kF32:
+      return matmulTyped<DType::kF32>(x, tokens, w, bias, y, accumulate);
+    case DType::kF16:
+      return matmulTyped<DType::kF16>(x, tokens, w, bias, y, accumulate);
+    case DType::kBF16:
+      return matmulTyped<DType::kBF16>(x, tokens, w, bias, y, accumulate);
+  }
+}
+
+float dot(const float* a, const float* b, int n) {
+  const float* xs[1] = {a};
+  float out[1];
+  dotRows<DType::kF32, 1>(xs, reinterpret_cast<const std::byte*>(b), n, out);
+  return out[0];
+}
+
+void rmsNorm(const float* x, const float* weight, float eps, int n, float* out) {
+  const float mean_square = dot(x, x, n) / float(n);
+  const float inv = 1.0f / std::sqrt(mean_square + eps);
+  for (int i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+void toFloat(DType dtype, const std::byte* src, size_t n, float* dst) {
+  for (size_t i = 0; i < n; ++i) {
+    switch (dtype) {
+      case DType::kF32:
+        dst[i] = weightAt<DType::kF32>(src, i);
+        break;
+      case DType::kF16:
+        dst[i] = weightAt<DType::kF16>(src, i);
+        break;
+      case DType::kBF16:
+        dst[i] = weightAt<DType::kBF16>(src, i);
+        break;
+    }
+  }
+}
+
+}  // namespace bulkhead::cpu

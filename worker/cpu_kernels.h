@@ -1,0 +1,34 @@
+// Float32 kernels of the CPU reference engine. Each output element is produced by one fixed
+// sequence of operations that depends only on the vector length, never on how many rows are
+// computed together or on which thread runs them: batch- and chunk-invariance rests on this.
+#pragma once
+
+#include <cstddef>
+
+#include "shared/dtype.h"
+
+namespace bulkhead::cpu {
+
+// A row-major [rows][cols] weight matrix in its checkpoint dtype.
+struct WeightMatrix {
+  DType dtype = DType::kF32;
+  const std::byte* data = nullptr;
+  int rows = 0;
+  int cols = 0;
+};
+
+// y[t * w.rows + j] = dot(x[t * w.cols ...], row j of w) (+ bias[j]) (+ y when accumulate), for
+// t < tokens. Parallel over j; each dot product has a fixed reduction order.
+void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
+            bool accumulate);
+
+// Same reduction order as the rows of matmul, for two float32 vectors.
+float dot(const float* a, const float* b, int n);
+
+// out = weight * (x / sqrt(mean(x^2) + eps)), element order as the reference implementation.
+void rmsNorm(const float* x, const float* weight, float eps, int n, float* out);
+
+// Converts n elements of a checkpoint tensor to float32.
+void toFloat(DType dtype, const std::byte* src, size_t n, float* dst);
+
+}  // namespace bulkhead::cpu
