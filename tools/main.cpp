@@ -71,9 +71,9 @@ int main(int argc, char** argv) {
     make.dtype = *t;
     auto report = makeModel(make);
     if (!report.ok()) return fail("make-model", report.status());
-    std::printf("wrote %s: shape %s, %.3f B parameters, %.2f GB %s in %d file(s)\n",
-                make.out_dir.c_str(), make.shape.c_str(), double(report->parameters) / 1e9,
-                double(report->bytes) / 1e9, dtype.c_str(), report->shards);
+    std::printf("wrote %s: shape %s, %.2f M parameters, %.1f MB %s in %d file(s)\n",
+                make.out_dir.c_str(), make.shape.c_str(), double(report->parameters) / 1e6,
+                double(report->bytes) / 1e6, dtype.c_str(), report->shards);
   } else if (*generate) {
     auto parsed = parseTokenList(tokens);
     if (!parsed.ok()) return fail("generate", parsed.status());
