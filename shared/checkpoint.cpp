@@ -2,9 +2,11 @@
 // checks.
 #include "shared/checkpoint.h"
 
+#include "shared/checksum.h"
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -116,17 +118,36 @@ Status Checkpoint::bindTensors() {
   return okStatus();
 }
 
-uint64_t Checkpoint::weightBytes() const {
-  std::set<const TensorView*> used{tensors_.embed, tensors_.final_norm, tensors_.lm_head};
+std::vector<const TensorView*> Checkpoint::usedTensors() const {
+  std::vector<const TensorView*> used;
+  auto add = [&](const TensorView* v) {
+    if (v != nullptr && std::find(used.begin(), used.end(), v) == used.end()) used.push_back(v);
+  };
+  add(tensors_.embed);
   for (const LayerTensors& t : tensors_.layers) {
     for (const TensorView* v : {t.input_norm, t.q, t.k, t.v, t.o, t.q_bias, t.k_bias, t.v_bias,
                                 t.o_bias, t.post_norm, t.gate, t.up, t.down}) {
-      if (v != nullptr) used.insert(v);
+      add(v);
     }
   }
+  add(tensors_.final_norm);
+  add(tensors_.lm_head);
+  return used;
+}
+
+uint64_t Checkpoint::weightBytes() const {
   uint64_t bytes = 0;
-  for (const TensorView* v : used) bytes += v->data.size();
+  for (const TensorView* v : usedTensors()) bytes += v->data.size();
   return bytes;
+}
+
+uint64_t Checkpoint::weightDigest() const {
+  std::vector<uint64_t> sums;
+  for (const TensorView* v : usedTensors()) {
+    const auto granules = granuleChecksums(v->data);
+    sums.insert(sums.end(), granules.begin(), granules.end());
+  }
+  return checksumBytes(std::as_bytes(std::span(sums)));
 }
 
 }  // namespace bulkhead

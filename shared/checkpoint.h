@@ -53,6 +53,11 @@ class Checkpoint {
   const std::map<std::string, TensorView>& all() const { return all_; }
   // Bytes of the tensors the model uses (tied lm_head counted once).
   uint64_t weightBytes() const;
+  // The tensors the model uses, each once, in a fixed order.
+  std::vector<const TensorView*> usedTensors() const;
+  // Digest of the per-granule checksums (shared/checksum.h) of every used tensor, in order:
+  // identifies the exact weights a worker loaded.
+  uint64_t weightDigest() const;
 
  private:
   Checkpoint() = default;

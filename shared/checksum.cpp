@@ -1,22 +1,31 @@
-// Host implementation of the granule checksum (cuda/checksum.cu computes the same function).
+// Host implementation of the checksums (cuda/checksum.cu computes the same function).
 #include "shared/checksum.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace bulkhead {
+namespace {
 
-uint64_t granuleChecksum(std::span<const std::byte> bytes) {
+uint64_t wordsChecksum(const std::byte* data, size_t words) {
   uint64_t sum = 0;
-  const size_t words = bytes.size() / 4;
   for (size_t i = 0; i < words; ++i) {
     uint32_t w;
-    std::memcpy(&w, bytes.data() + i * 4, 4);
-    sum += checksumMix((uint64_t(w) << 32) | uint64_t(uint32_t(i)));
+    std::memcpy(&w, data + i * 4, 4);
+    sum += checksumTerm(w, uint32_t(i));
   }
+  return sum;
+}
+
+}  // namespace
+
+uint64_t checksumBytes(std::span<const std::byte> bytes) {
+  const size_t words = bytes.size() / 4;
+  uint64_t sum = wordsChecksum(bytes.data(), words);
   if (const size_t rest = bytes.size() % 4; rest != 0) {
     uint32_t w = 0;
     std::memcpy(&w, bytes.data() + words * 4, rest);
-    sum += checksumMix((uint64_t(w) << 32) | uint64_t(uint32_t(words)));
+    sum += checksumTerm(w, uint32_t(words));
   }
   return sum;
 }
@@ -25,9 +34,22 @@ std::vector<uint64_t> granuleChecksums(std::span<const std::byte> bytes, size_t 
   std::vector<uint64_t> sums;
   for (size_t offset = 0; offset < bytes.size(); offset += granule_bytes) {
     sums.push_back(
-        granuleChecksum(bytes.subspan(offset, std::min(granule_bytes, bytes.size() - offset))));
+        checksumBytes(bytes.subspan(offset, std::min(granule_bytes, bytes.size() - offset))));
   }
   return sums;
+}
+
+RowCheck checkRow(const float* row, size_t n) {
+  uint64_t sum = 0;
+  uint32_t non_finite = 0;
+  const auto* data = reinterpret_cast<const std::byte*>(row);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t w;
+    std::memcpy(&w, data + i * 4, 4);
+    sum += checksumTerm(w, uint32_t(i));
+    non_finite |= uint32_t((w & 0x7f800000u) == 0x7f800000u);
+  }
+  return {sum, non_finite == 0};
 }
 
 }  // namespace bulkhead

@@ -1,6 +1,8 @@
-// Weight-granule checksums. The function is a wrapping sum of a bijective 64-bit mix of each
-// 32-bit word with its index, so it is order-independent (a GPU reduction computes exactly the
-// same value as the host loop) and any change to a single word changes the sum.
+// Checksums for weight granules and logits rows. Each 32-bit word is mixed with its index by a
+// bijection (murmur3's finaliser) and the results are summed in 64 bits. The sum is
+// order-independent, so a GPU reduction computes exactly the value the host loop does; a change
+// to any single word changes the sum; and the loop vectorises, so verifying a row costs about a
+// memory pass.
 #pragma once
 
 #include <cstddef>
@@ -12,21 +14,28 @@ namespace bulkhead {
 
 constexpr size_t kChecksumGranuleBytes = size_t(2) << 20;
 
-// splitmix64's finaliser: a bijection on 64-bit values.
-constexpr uint64_t checksumMix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
+// One word's term. Also compiled for the device (see cuda/checksum.cu).
+constexpr uint32_t checksumTerm(uint32_t word, uint32_t index) {
+  uint32_t t = (word ^ (index * 0x9e3779b1u)) * 0x85ebca77u;
+  t ^= t >> 13;
+  t *= 0xc2b2ae3du;
+  t ^= t >> 16;
+  return t;
 }
 
-// Checksum of one granule; a trailing partial word is zero-padded.
-uint64_t granuleChecksum(std::span<const std::byte> bytes);
+// Checksum of a byte range; a trailing partial word is zero-padded.
+uint64_t checksumBytes(std::span<const std::byte> bytes);
 
 // One checksum per `granule_bytes` (the last granule may be shorter).
 std::vector<uint64_t> granuleChecksums(std::span<const std::byte> bytes,
                                        size_t granule_bytes = kChecksumGranuleBytes);
+
+struct RowCheck {
+  uint64_t checksum = 0;
+  bool finite = true;  // no NaN or infinity
+};
+
+// checksumBytes over a float row and whether every value is finite, in one pass.
+RowCheck checkRow(const float* row, size_t n);
 
 }  // namespace bulkhead

@@ -82,18 +82,18 @@ inline Status failedPrecondition(std::string m) {
   return {Code::kFailedPrecondition, std::move(m)};
 }
 
-// A value or the Status saying why there is none.
-template <typename T>
+// A value, or the error (a Status unless said otherwise) saying why there is none.
+template <typename T, typename E = Status>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
-  Result(Status status) : status_(std::move(status)) {  // NOLINT(google-explicit-constructor)
-    assert(!status_.ok() && "Result built from an OK status carries no value");
-    if (status_.ok()) status_ = internalError("Result built from an OK status");
+  Result(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(E error) : error_(std::move(error)) {   // NOLINT(google-explicit-constructor)
+    assert(!error_.ok() && "Result built from a non-error carries no value");
   }
 
   bool ok() const { return value_.has_value(); }
-  const Status& status() const { return status_; }
+  const E& status() const { return error_; }
+  const E& error() const { return error_; }
   T& value() & { return *value_; }
   const T& value() const& { return *value_; }
   T&& value() && { return std::move(*value_); }
@@ -104,7 +104,7 @@ class [[nodiscard]] Result {
 
  private:
   std::optional<T> value_;
-  Status status_;
+  E error_;
 };
 
 }  // namespace bulkhead

@@ -9,21 +9,9 @@
 
 #include "shared/model_config.h"
 #include "shared/status.h"
+#include "shared/step_types.h"
 
 namespace bulkhead {
-
-// One sequence's part of a step.
-struct SequenceStep {
-  uint64_t sequence_id = 0;
-  // Tokens already in this sequence's KV cache; `tokens` occupy the positions after it.
-  uint32_t start_position = 0;
-  // A prefill chunk of any length, or a single decode token.
-  std::span<const uint32_t> tokens;
-  // Block table: block i holds positions [i * kvBlockSize(), (i + 1) * kvBlockSize()).
-  std::span<const uint32_t> kv_blocks;
-  // Indices into `tokens` whose logits are wanted, strictly ascending.
-  std::span<const uint32_t> logits_rows;
-};
 
 struct BackendLimits {
   uint32_t vocab_size = 0;
@@ -46,6 +34,11 @@ class Backend {
   // sequence in batch order. Invalid input is rejected with INVALID_ARGUMENT before any state
   // changes.
   virtual Status step(std::span<const SequenceStep> batch, std::span<float* const> logits) = 0;
+
+  // Fault injection: flips one bit of the weights the backend computes from (its own copy, not
+  // the checkpoint), so integrity checks can be proven against a real corruption.
+  virtual Status flipWeightBit(uint64_t byte_offset, uint8_t bit) = 0;
+  virtual uint64_t residentWeightBytes() const = 0;
 };
 
 // Checks a step against the backend's limits: token ids, positions, block tables, logits rows.

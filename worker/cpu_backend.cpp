@@ -57,6 +57,8 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   b->weight_bytes_ = std::make_unique_for_overwrite<std::byte[]>(total + 64);
   std::byte* base = reinterpret_cast<std::byte*>(
       (reinterpret_cast<uintptr_t>(b->weight_bytes_.get()) + 63) & ~uintptr_t(63));
+  b->weights_ = base;
+  b->weight_size_ = total;
   size_t offset = 0;
   auto place = [&](const TensorView* m) {
     std::memcpy(base + offset, m->data.data(), m->data.size());
@@ -86,6 +88,14 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   }
   b->inv_freq_ = c.ropeInverseFrequencies();
   return b;
+}
+
+Status CpuBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
+  if (byte_offset >= weight_size_ || bit > 7)
+    return invalidArgument("weight bit " + std::to_string(byte_offset) + ":" + std::to_string(bit) +
+                           " outside " + std::to_string(weight_size_) + " bytes");
+  weights_[byte_offset] ^= std::byte(1u << bit);
+  return okStatus();
 }
 
 float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, uint32_t slot) const {

@@ -30,6 +30,8 @@ class CpuBackend final : public Backend {
   const ModelConfig& config() const override { return checkpoint_->config(); }
   BackendLimits limits() const override { return limits_; }
   Status step(std::span<const SequenceStep> batch, std::span<float* const> logits) override;
+  Status flipWeightBit(uint64_t byte_offset, uint8_t bit) override;
+  uint64_t residentWeightBytes() const override { return weight_size_; }
 
  private:
   struct Layer {
@@ -43,6 +45,8 @@ class CpuBackend final : public Backend {
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
   std::unique_ptr<std::byte[]> weight_bytes_;
+  std::byte* weights_ = nullptr;  // 64-byte aligned start inside weight_bytes_
+  uint64_t weight_size_ = 0;
   cpu::WeightMatrix embed_, lm_head_;
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <random>
 
 namespace bulkhead {
@@ -12,31 +13,51 @@ TEST(Checksum, EveryBitFlipChangesTheSum) {
   std::vector<std::byte> data(4099);
   std::mt19937 rng(1);
   for (auto& b : data) b = std::byte(rng());
-  const uint64_t clean = granuleChecksum(data);
+  const uint64_t clean = checksumBytes(data);
   for (size_t byte = 0; byte < data.size(); byte += 37) {
     for (int bit = 0; bit < 8; ++bit) {
       data[byte] ^= std::byte(1 << bit);
-      EXPECT_NE(granuleChecksum(data), clean) << "byte " << byte << " bit " << bit;
+      EXPECT_NE(checksumBytes(data), clean) << "byte " << byte << " bit " << bit;
       data[byte] ^= std::byte(1 << bit);
     }
   }
-  EXPECT_EQ(granuleChecksum(data), clean);
+  EXPECT_EQ(checksumBytes(data), clean);
 }
 
 TEST(Checksum, SwappedWordsAreDetected) {
   std::vector<std::byte> data(64);
   for (size_t i = 0; i < data.size(); ++i) data[i] = std::byte(i);
-  const uint64_t clean = granuleChecksum(data);
+  const uint64_t clean = checksumBytes(data);
   std::swap_ranges(data.begin(), data.begin() + 4, data.begin() + 8);
-  EXPECT_NE(granuleChecksum(data), clean);
+  EXPECT_NE(checksumBytes(data), clean);
 }
 
 TEST(Checksum, GranulesSplitTheBuffer) {
   std::vector<std::byte> data(10 * 1024 + 6, std::byte{7});
   const auto sums = granuleChecksums(data, 4096);
   ASSERT_EQ(sums.size(), 3u);
-  EXPECT_EQ(sums[0], granuleChecksum(std::span(data).subspan(0, 4096)));
-  EXPECT_EQ(sums[2], granuleChecksum(std::span(data).subspan(8192)));
+  EXPECT_EQ(sums[0], checksumBytes(std::span(data).subspan(0, 4096)));
+  EXPECT_EQ(sums[2], checksumBytes(std::span(data).subspan(8192)));
+}
+
+}  // namespace
+}  // namespace bulkhead
+
+namespace bulkhead {
+namespace {
+
+TEST(Checksum, RowCheckMatchesBytesAndSeesNonFinite) {
+  std::vector<float> row(1000);
+  for (size_t i = 0; i < row.size(); ++i) row[i] = float(i) * 0.25f - 3.0f;
+  RowCheck clean = checkRow(row.data(), row.size());
+  EXPECT_TRUE(clean.finite);
+  EXPECT_EQ(clean.checksum, checksumBytes(std::as_bytes(std::span(row))));
+  row[500] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_FALSE(checkRow(row.data(), row.size()).finite);
+  row[500] = -std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(checkRow(row.data(), row.size()).finite);
+  row[500] = std::numeric_limits<float>::max();
+  EXPECT_TRUE(checkRow(row.data(), row.size()).finite);
 }
 
 }  // namespace

@@ -1,0 +1,484 @@
+// WorkerClient: process spawning with a readiness pipe and a pidfd, framed Cap'n Proto calls with
+// deadlines, and verification of every logits row before it is handed out.
+#include "broker/worker_client.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <capnp/serialize.h>
+
+#include "proto/worker.capnp.h"
+
+namespace bulkhead {
+namespace {
+
+using std::chrono::milliseconds;
+using Kind = WorkerFailure::Kind;
+
+SteadyTime after(milliseconds timeout) {
+  return std::chrono::steady_clock::now() + timeout;
+}
+
+WorkerFailure failure(Kind kind, std::string message) {
+  WorkerFailure f;
+  f.kind = kind;
+  f.message = std::move(message);
+  return f;
+}
+
+int connectUnix(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) return -1;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+wire::FaultKind toWire(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kCrash:
+      return wire::FaultKind::CRASH;
+    case FaultKind::kHang:
+      return wire::FaultKind::HANG;
+    case FaultKind::kCorruptPayload:
+      return wire::FaultKind::CORRUPT_PAYLOAD;
+    case FaultKind::kTornWrite:
+      return wire::FaultKind::TORN_WRITE;
+    case FaultKind::kStaleIncarnation:
+      return wire::FaultKind::STALE_INCARNATION;
+    case FaultKind::kStaleStep:
+      return wire::FaultKind::STALE_STEP;
+    case FaultKind::kNanRow:
+      return wire::FaultKind::NAN_ROW;
+    case FaultKind::kGarbageReply:
+      return wire::FaultKind::GARBAGE_REPLY;
+    case FaultKind::kTruncatedReply:
+      return wire::FaultKind::TRUNCATED_REPLY;
+    case FaultKind::kSlowStep:
+      return wire::FaultKind::SLOW_STEP;
+    case FaultKind::kWeightBitflip:
+      return wire::FaultKind::WEIGHT_BITFLIP;
+  }
+  return wire::FaultKind::NONE;
+}
+
+// Parses reply_words as a FromWorker and runs `use` on it; malformed content is a protocol
+// violation (Cap'n Proto validates lazily, so every access happens inside the try).
+template <typename F>
+WorkerFailure withReply(const std::vector<capnp::word>& words, uint64_t request_id, F&& use) {
+  try {
+    capnp::ReaderOptions options;
+    options.traversalLimitInWords = words.size() * 4 + 1024;
+    options.nestingLimit = 16;
+    capnp::FlatArrayMessageReader reader(kj::arrayPtr(words.data(), words.size()), options);
+    auto reply = reader.getRoot<wire::FromWorker>();
+    if (reply.getRequestId() != request_id) {
+      return failure(Kind::kProtocolViolation, "reply to request " +
+                                                   std::to_string(reply.getRequestId()) +
+                                                   ", expected " + std::to_string(request_id));
+    }
+    if (reply.isError()) {
+      auto e = reply.getError();
+      WorkerFailure f = failure(Kind::kRejected, e.getMessage());
+      f.code = e.getCode() <= 16 ? Code(e.getCode()) : Code::kUnknown;
+      return f;
+    }
+    return use(reply);
+  } catch (const kj::Exception& e) {
+    return failure(Kind::kProtocolViolation,
+                   std::string("malformed reply: ") + e.getDescription().cStr());
+  }
+}
+
+}  // namespace
+
+std::string_view workerFailureKindName(WorkerFailure::Kind kind) {
+  switch (kind) {
+    case Kind::kNone:
+      return "none";
+    case Kind::kExited:
+      return "worker exited";
+    case Kind::kTimedOut:
+      return "timed out";
+    case Kind::kProtocolViolation:
+      return "protocol violation";
+    case Kind::kIntegrityFailure:
+      return "integrity failure";
+    case Kind::kRejected:
+      return "rejected";
+    case Kind::kStartFailed:
+      return "start failed";
+  }
+  return "?";
+}
+
+std::string WorkerFailure::toString() const {
+  if (ok()) return "OK";
+  std::string s(workerFailureKindName(kind));
+  if (kind == Kind::kExited) {
+    s += signal != 0 ? " (signal " + std::to_string(signal) + ")"
+                     : " (status " + std::to_string(exit_code) + ")";
+  }
+  if (kind == Kind::kIntegrityFailure) s += " (" + std::string(integrityCheckName(check)) + ")";
+  return s + ": " + message;
+}
+
+Status WorkerFailure::toStatus() const {
+  switch (kind) {
+    case Kind::kNone:
+      return okStatus();
+    case Kind::kRejected:
+      return Status(code, message);
+    case Kind::kIntegrityFailure:
+      return dataLoss(toString());
+    case Kind::kTimedOut:
+      return Status(Code::kDeadlineExceeded, toString());
+    default:
+      return unavailable(toString());
+  }
+}
+
+WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::spawn(const SpawnOptions& o) {
+  std::unique_ptr<WorkerClient> client(new WorkerClient());
+  std::error_code ec;
+  std::string dir = o.socket_dir;
+  if (dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/bulkhead-XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr)
+      return failure(Kind::kStartFailed,
+                     "cannot create a socket directory: " + std::string(std::strerror(errno)));
+    dir = templ;
+    client->owned_socket_dir_ = dir;
+  } else {
+    std::filesystem::create_directories(dir, ec);
+    std::filesystem::permissions(dir, std::filesystem::perms::owner_all, ec);
+  }
+  uint64_t incarnation = o.incarnation;
+  while (incarnation == 0) {
+    if (::getrandom(&incarnation, sizeof(incarnation), 0) != ssize_t(sizeof(incarnation)))
+      return failure(Kind::kStartFailed, "getrandom failed");
+  }
+  char name[64];
+  std::snprintf(name, sizeof(name), "/worker-%016llx.sock",
+                static_cast<unsigned long long>(incarnation));
+  const std::string socket_path = dir + name;
+
+  std::vector<std::string> args = {o.worker_path,
+                                   "--model",
+                                   o.model_dir,
+                                   "--socket",
+                                   socket_path,
+                                   "--backend",
+                                   o.backend,
+                                   "--incarnation",
+                                   std::to_string(incarnation),
+                                   "--arena-slots",
+                                   std::to_string(o.arena_slots),
+                                   "--ready-fd",
+                                   "3"};
+  if (o.kv_blocks != 0) {
+    args.push_back("--kv-blocks");
+    args.push_back(std::to_string(o.kv_blocks));
+  }
+  if (o.enable_fault_injection) args.push_back("--enable-fault-injection");
+  args.insert(args.end(), o.extra_args.begin(), o.extra_args.end());
+  auto child = ChildProcess::spawn(args);
+  if (!child.ok()) return failure(Kind::kStartFailed, child.status().message());
+  client->child_ = std::move(*child);
+
+  const SteadyTime deadline = after(o.start_timeout);
+  if (Status ready = client->child_.waitReady(deadline); !ready.ok()) {
+    if (ready.code() == Code::kDeadlineExceeded) {
+      return failure(Kind::kTimedOut,
+                     "worker not ready within " + std::to_string(o.start_timeout.count()) + " ms");
+    }
+    return client->connectionLost("worker exited during start", deadline);
+  }
+  client->fd_ = connectUnix(socket_path);
+  if (client->fd_ < 0)
+    return failure(Kind::kStartFailed,
+                   "cannot connect to " + socket_path + ": " + std::strerror(errno));
+  if (Status s = makeNonBlocking(client->fd_); !s.ok())
+    return failure(Kind::kStartFailed, s.message());
+  WorkerFailure f = client->handshake(deadline);
+  if (!f.ok()) return f;
+  return client;
+}
+
+WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::connect(const std::string& socket_path,
+                                                                  milliseconds timeout) {
+  std::unique_ptr<WorkerClient> client(new WorkerClient());
+  client->fd_ = connectUnix(socket_path);
+  if (client->fd_ < 0)
+    return failure(Kind::kStartFailed,
+                   "cannot connect to " + socket_path + ": " + std::strerror(errno));
+  if (Status s = makeNonBlocking(client->fd_); !s.ok())
+    return failure(Kind::kStartFailed, s.message());
+  WorkerFailure f = client->handshake(after(timeout));
+  if (!f.ok()) return f;
+  return client;
+}
+
+WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
+  FrameReadResult frame = readFrame(fd_, reply_words_, deadline, child_.exitFd());
+  if (!frame.status.ok()) {
+    if (frame.status.code() == Code::kDeadlineExceeded)
+      return fail(failure(Kind::kTimedOut, "no Hello from the worker"));
+    if (frame.status.code() == Code::kInvalidArgument)
+      return fail(failure(Kind::kProtocolViolation, "Hello: " + frame.status.message()));
+    return fail(connectionLost("connection lost before Hello", deadline));
+  }
+  WorkerFailure f = withReply(reply_words_, 0, [&](wire::FromWorker::Reader reply) {
+    if (!reply.isHello()) return failure(Kind::kProtocolViolation, "first message is not Hello");
+    auto h = reply.getHello();
+    if (h.getProtocolVersion() != wire::PROTOCOL_VERSION)
+      return failure(Kind::kProtocolViolation,
+                     "worker speaks protocol " + std::to_string(h.getProtocolVersion()) +
+                         ", the broker " + std::to_string(wire::PROTOCOL_VERSION));
+    hello_.pid = h.getPid();
+    hello_.incarnation = h.getIncarnation();
+    hello_.backend = h.getBackend();
+    hello_.architecture = h.getArchitecture();
+    hello_.model_dir = h.getModelDir();
+    hello_.vocab_size = h.getVocabSize();
+    hello_.max_context = h.getMaxContext();
+    hello_.kv_block_size = h.getKvBlockSize();
+    hello_.kv_block_count = h.getKvBlockCount();
+    hello_.max_step_tokens = h.getMaxStepTokens();
+    hello_.arena_slots = h.getArenaSlots();
+    hello_.weight_bytes = h.getWeightBytes();
+    hello_.weight_digest = h.getWeightDigest();
+    hello_.fault_injection = h.getFaultInjection();
+    for (uint32_t id : h.getEosTokenIds()) hello_.eos_token_ids.push_back(id);
+    if (hello_.vocab_size == 0 || hello_.kv_block_size == 0 || hello_.max_step_tokens == 0)
+      return failure(Kind::kProtocolViolation, "Hello has zero limits");
+    auto arena = LogitsArena::open(h.getArenaName(), hello_.incarnation, hello_.vocab_size);
+    if (!arena.ok()) return failure(Kind::kProtocolViolation, arena.status().message());
+    arena_ = std::move(*arena);
+    if (arena_->slots() < hello_.arena_slots)
+      return failure(Kind::kProtocolViolation, "arena smaller than Hello claims");
+    return WorkerFailure{};
+  });
+  return f.ok() ? f : fail(f);
+}
+
+WorkerClient::~WorkerClient() {
+  if (fd_ >= 0) ::close(fd_);
+  if (child_.running()) {
+    child_.kill();
+    // A killed worker cannot remove its own arena.
+    if (arena_) arena_->unlink();
+  }
+  if (!owned_socket_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(owned_socket_dir_, ec);
+  }
+}
+
+void WorkerClient::kill(int signal) {
+  child_.signal(signal);
+}
+
+Status WorkerClient::sendRaw(const void* bytes, size_t size) {
+  if (::send(fd_, bytes, size, MSG_NOSIGNAL) != ssize_t(size))
+    return unavailable(std::string("send: ") + std::strerror(errno));
+  return okStatus();
+}
+
+WorkerFailure WorkerClient::fail(WorkerFailure f) {
+  if (f.kind != Kind::kRejected && broken_by_.ok()) broken_by_ = f;
+  return f;
+}
+
+WorkerFailure WorkerClient::connectionLost(const std::string& what, SteadyTime wait_until) {
+  if (!child_.running() && child_.pid() <= 0) return failure(Kind::kExited, what);
+  // The socket closing usually means the process is exiting: give it until the deadline.
+  ExitInfo info;
+  if (child_.waitExit(std::min(wait_until, after(milliseconds(2000))), &info)) {
+    if (arena_) arena_->unlink();
+    WorkerFailure f = failure(Kind::kExited, what + " (" + info.describe() + ")");
+    f.signal = info.signal;
+    f.exit_code = info.exit_code;
+    return f;
+  }
+  return failure(Kind::kProtocolViolation, what + " while the process is still running");
+}
+
+WorkerFailure WorkerClient::roundTrip(capnp::MessageBuilder& request, SteadyTime deadline) {
+  if (!broken_by_.ok()) {
+    WorkerFailure f = broken_by_;
+    f.message = "connection unusable after an earlier failure: " + f.message;
+    return f;
+  }
+  Status sent = writeMessage(fd_, request, deadline);
+  if (!sent.ok()) {
+    if (sent.code() == Code::kDeadlineExceeded)
+      return fail(failure(Kind::kTimedOut, "request not accepted: " + sent.message()));
+    return fail(connectionLost("connection lost while sending: " + sent.message(), deadline));
+  }
+  FrameReadResult frame = readFrame(fd_, reply_words_, deadline, child_.exitFd());
+  if (frame.status.ok()) return {};
+  switch (frame.status.code()) {
+    case Code::kDeadlineExceeded:
+      return fail(failure(Kind::kTimedOut, "no reply by the deadline"));
+    case Code::kInvalidArgument:
+      return fail(failure(Kind::kProtocolViolation, "unframed reply: " + frame.status.message()));
+    case Code::kAborted:
+      return fail(connectionLost("worker process ended", deadline));
+    default:
+      return fail(connectionLost(frame.status.message(), deadline));
+  }
+}
+
+WorkerResult<StepRows> WorkerClient::step(uint64_t step_id, std::span<const SequenceStep> batch,
+                                          milliseconds timeout) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<wire::ToWorker>();
+  const uint64_t request_id = next_request_id_++;
+  request.setRequestId(request_id);
+  auto step = request.initStep();
+  step.setStepId(step_id);
+  auto seqs = step.initSequences(unsigned(batch.size()));
+  size_t total_rows = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SequenceStep& s = batch[i];
+    auto out = seqs[unsigned(i)];
+    out.setSequenceId(s.sequence_id);
+    out.setStartPosition(s.start_position);
+    auto put = [](auto list, std::span<const uint32_t> values) {
+      for (size_t k = 0; k < values.size(); ++k) list.set(unsigned(k), values[k]);
+    };
+    put(out.initTokens(unsigned(s.tokens.size())), s.tokens);
+    put(out.initKvBlocks(unsigned(s.kv_blocks.size())), s.kv_blocks);
+    put(out.initLogitsRows(unsigned(s.logits_rows.size())), s.logits_rows);
+    total_rows += s.logits_rows.size();
+  }
+  const SteadyTime deadline = after(timeout);
+  if (WorkerFailure f = roundTrip(message, deadline); !f.ok()) return f;
+
+  StepRows result;
+  WorkerFailure f = withReply(reply_words_, request_id, [&](wire::FromWorker::Reader reply) {
+    if (!reply.isStepDone()) return failure(Kind::kProtocolViolation, "reply is not StepDone");
+    auto done = reply.getStepDone();
+    if (done.getStepId() != step_id)
+      return failure(Kind::kProtocolViolation, "StepDone for step " +
+                                                   std::to_string(done.getStepId()) +
+                                                   ", expected " + std::to_string(step_id));
+    auto refs = done.getRows();
+    if (refs.size() != total_rows)
+      return failure(Kind::kProtocolViolation, "StepDone carries " + std::to_string(refs.size()) +
+                                                   " rows, expected " + std::to_string(total_rows));
+    result.compute_micros = done.getComputeMicros();
+    result.rows.reserve(total_rows);
+    size_t r = 0;
+    for (const SequenceStep& s : batch) {
+      for (uint32_t token_index : s.logits_rows) {
+        auto ref = refs[unsigned(r++)];
+        RowExpectation expect{.incarnation = hello_.incarnation,
+                              .step_id = step_id,
+                              .sequence_id = s.sequence_id,
+                              .token_index = token_index,
+                              .slot = ref.getSlot(),
+                              .reported_checksum = ref.getChecksum()};
+        if (ref.getSequenceId() != s.sequence_id || ref.getTokenIndex() != token_index)
+          return failure(Kind::kProtocolViolation, "StepDone rows out of order");
+        IntegrityCheck check = IntegrityCheck::kNone;
+        auto row = arena_->verifyRow(expect, &check);
+        if (!row.ok()) {
+          WorkerFailure bad = failure(Kind::kIntegrityFailure, row.status().message());
+          bad.check = check;
+          return bad;
+        }
+        result.rows.push_back(*row);
+      }
+    }
+    return WorkerFailure{};
+  });
+  // A rejected step leaves the connection usable; anything else does not.
+  if (!f.ok()) return f.kind == Kind::kRejected ? f : fail(f);
+  return result;
+}
+
+WorkerFailure WorkerClient::simpleCall(capnp::MessageBuilder& message, int expected_which,
+                                       milliseconds timeout) {
+  const uint64_t request_id = message.getRoot<wire::ToWorker>().getRequestId();
+  if (WorkerFailure f = roundTrip(message, after(timeout)); !f.ok()) return f;
+  WorkerFailure f = withReply(reply_words_, request_id, [&](wire::FromWorker::Reader reply) {
+    if (int(reply.which()) != expected_which)
+      return failure(Kind::kProtocolViolation, "unexpected reply kind");
+    return WorkerFailure{};
+  });
+  return f.ok() || f.kind == Kind::kRejected ? f : fail(f);
+}
+
+WorkerFailure WorkerClient::ping(milliseconds timeout) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<wire::ToWorker>();
+  request.setRequestId(next_request_id_++);
+  request.setPing();
+  return simpleCall(message, int(wire::FromWorker::PONG), timeout);
+}
+
+WorkerFailure WorkerClient::release(std::span<const uint64_t> ids, milliseconds timeout) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<wire::ToWorker>();
+  request.setRequestId(next_request_id_++);
+  auto list = request.initRelease(unsigned(ids.size()));
+  for (size_t i = 0; i < ids.size(); ++i) list.set(unsigned(i), ids[i]);
+  return simpleCall(message, int(wire::FromWorker::RELEASED), timeout);
+}
+
+WorkerFailure WorkerClient::injectFault(const FaultSpec& fault, milliseconds timeout) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<wire::ToWorker>();
+  request.setRequestId(next_request_id_++);
+  auto f = request.initFaultInject();
+  f.setKind(toWire(fault.kind));
+  f.setRow(fault.row);
+  f.setDelayMillis(fault.delay_ms);
+  f.setByteOffset(fault.byte_offset);
+  f.setBit(fault.bit);
+  return simpleCall(message, int(wire::FromWorker::FAULT_ARMED), timeout);
+}
+
+WorkerFailure WorkerClient::shutdown(milliseconds timeout) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<wire::ToWorker>();
+  request.setRequestId(next_request_id_++);
+  request.setShutdown();
+  const SteadyTime deadline = after(timeout);
+  WorkerFailure f = simpleCall(message, int(wire::FromWorker::SHUTTING_DOWN), timeout);
+  if (!f.ok()) return f;
+  if (child_.running()) {
+    ExitInfo info;
+    if (!child_.waitExit(deadline, &info))
+      return fail(failure(Kind::kTimedOut, "worker did not exit after Shutdown"));
+    if (info.signal != 0 || info.exit_code != 0) {
+      WorkerFailure bad =
+          failure(Kind::kExited, "worker exited uncleanly after Shutdown: " + info.describe());
+      bad.signal = info.signal;
+      bad.exit_code = info.exit_code;
+      return fail(bad);
+    }
+  }
+  broken_by_ = failure(Kind::kExited, "worker was shut down");
+  return {};
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,113 @@
+# The step protocol between broker and worker, over a Unix stream socket. Each message travels in
+# one frame (shared/ipc_frame.h). The worker speaks first with Hello; afterwards every ToWorker
+# message gets exactly one FromWorker reply carrying the same requestId.
+@0xecb78efd3d70ed8c;
+
+$import "/capnp/c++.capnp".namespace("bulkhead::wire");
+
+const protocolVersion :UInt32 = 1;
+
+struct Hello {
+  protocolVersion @0 :UInt32;
+  pid @1 :Int32;
+  incarnation @2 :UInt64;
+  backend @3 :Text;
+  architecture @4 :Text;
+  modelDir @5 :Text;
+  vocabSize @6 :UInt32;
+  maxContext @7 :UInt32;
+  kvBlockSize @8 :UInt32;
+  kvBlockCount @9 :UInt32;
+  maxStepTokens @10 :UInt32;
+  weightBytes @11 :UInt64;
+  # Digest of the per-granule checksums of every weight, as loaded.
+  weightDigest @12 :UInt64;
+  # The logits arena of this incarnation.
+  arenaName @13 :Text;
+  arenaSlots @14 :UInt32;
+  faultInjection @15 :Bool;
+  eosTokenIds @16 :List(UInt32);
+}
+
+struct SequenceStep {
+  sequenceId @0 :UInt64;
+  startPosition @1 :UInt32;
+  tokens @2 :List(UInt32);
+  kvBlocks @3 :List(UInt32);
+  # Indices into tokens whose logits are wanted, strictly ascending.
+  logitsRows @4 :List(UInt32);
+}
+
+struct Step {
+  stepId @0 :UInt64;
+  sequences @1 :List(SequenceStep);
+}
+
+struct RowRef {
+  slot @0 :UInt32;
+  sequenceId @1 :UInt64;
+  tokenIndex @2 :UInt32;
+  checksum @3 :UInt64;
+}
+
+struct StepDone {
+  stepId @0 :UInt64;
+  # One per requested row, in request order (sequence by sequence, rows ascending).
+  rows @1 :List(RowRef);
+  computeMicros @2 :UInt64;
+}
+
+enum FaultKind {
+  none @0;
+  crash @1;            # SIGKILL itself in the middle of the next step
+  hang @2;             # SIGSTOP itself in the middle of the next step
+  corruptPayload @3;   # flip a byte of a row after its checksum is taken
+  tornWrite @4;        # publish a row's header without writing its payload
+  staleIncarnation @5; # publish a row under an older incarnation id
+  staleStep @6;        # publish a row under the previous step id
+  nanRow @7;           # write a NaN into a row before its checksum is taken
+  garbageReply @8;     # answer the next step with bytes that are not a message
+  truncatedReply @9;   # answer the next step with a cut-off frame
+  slowStep @10;        # delay the next step by delayMillis
+  weightBitflip @11;   # flip one bit of one resident weight
+}
+
+struct FaultInject {
+  kind @0 :FaultKind;
+  # Which requested row of the next step is damaged (row faults).
+  row @1 :UInt32;
+  delayMillis @2 :UInt32;
+  # weightBitflip: byte offset into the resident weights and the bit.
+  byteOffset @3 :UInt64;
+  bit @4 :UInt8;
+}
+
+struct ToWorker {
+  requestId @0 :UInt64;
+  union {
+    step @1 :Step;
+    release @2 :List(UInt64);   # sequence ids the broker has finished with
+    ping @3 :Void;
+    shutdown @4 :Void;
+    faultInject @5 :FaultInject;
+  }
+}
+
+struct Error {
+  # A canonical status code (shared/status.h) and a message naming the problem.
+  code @0 :UInt32;
+  message @1 :Text;
+}
+
+struct FromWorker {
+  requestId @0 :UInt64;
+  union {
+    hello @1 :Hello;
+    stepDone @2 :StepDone;
+    error @3 :Error;
+    pong @4 :Void;
+    released @5 :Void;
+    shuttingDown @6 :Void;
+    faultArmed @7 :Void;
+  }
+}

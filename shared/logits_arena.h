@@ -1,0 +1,103 @@
+// The logits arena: one shared-memory segment per worker incarnation, holding fixed-size row
+// slots. The worker writes a row's payload, then its header, the step id last with release
+// ordering; the broker accepts a row only if every header field matches what it asked for and the
+// payload's checksum and finiteness hold. Segments are per incarnation, so a replaced worker's
+// writes land where no one reads them. No locks: a writer that dies mid-row leaves a row that
+// fails verification, never a wedged reader.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "shared/status.h"
+
+namespace bulkhead {
+
+// What verification rejected; names the check.
+enum class IntegrityCheck {
+  kNone,
+  kSlotRange,
+  kIncarnation,
+  kStepId,
+  kSequenceId,
+  kTokenIndex,
+  kRowLength,
+  kReportedChecksum,  // header checksum differs from the one in StepDone
+  kPayloadChecksum,   // payload does not hash to the header checksum
+  kNonFinite,
+};
+std::string_view integrityCheckName(IntegrityCheck check);
+
+struct RowExpectation {
+  uint64_t incarnation = 0;
+  uint64_t step_id = 0;
+  uint64_t sequence_id = 0;
+  uint32_t token_index = 0;
+  uint32_t slot = 0;
+  uint64_t reported_checksum = 0;
+};
+
+struct RowHeaderFields {
+  uint64_t incarnation = 0;
+  uint64_t step_id = 0;
+  uint64_t sequence_id = 0;
+  uint32_t token_index = 0;
+  uint32_t row_length = 0;
+  uint64_t checksum = 0;
+};
+
+class LogitsArena {
+ public:
+  // Worker side: creates `name` exclusively (owner-only), sized for `slots` rows of `row_floats`.
+  static Result<std::unique_ptr<LogitsArena>> create(const std::string& name, uint64_t incarnation,
+                                                     uint32_t slots, uint32_t row_floats);
+  // Broker side: maps an existing arena read-only and checks its layout against expectations.
+  static Result<std::unique_ptr<LogitsArena>> open(const std::string& name, uint64_t incarnation,
+                                                   uint32_t row_floats);
+  // Removes arenas named by arenaName() whose creating process no longer exists.
+  // Returns how many were removed.
+  static int collectStale();
+  // "bulkhead-arena-<pid>-<incarnation>"
+  static std::string arenaName(int pid, uint64_t incarnation);
+
+  ~LogitsArena();
+  LogitsArena(const LogitsArena&) = delete;
+  LogitsArena& operator=(const LogitsArena&) = delete;
+
+  const std::string& name() const { return name_; }
+  uint32_t slots() const { return slots_; }
+  uint32_t rowFloats() const { return row_floats_; }
+  uint64_t incarnation() const { return incarnation_; }
+  size_t bytes() const;
+
+  // Worker: where slot's payload goes. Marks the slot unpublished first.
+  float* beginRow(uint32_t slot);
+  // Worker: checksums the payload and publishes the header; returns the checksum.
+  uint64_t publishRow(uint32_t slot, uint64_t step_id, uint64_t sequence_id, uint32_t token_index);
+  // Worker (fault injection): publishes arbitrary header fields.
+  void publishHeader(uint32_t slot, const RowHeaderFields& fields);
+
+  // Broker: the row, if it passes every check. On failure `failed` names the check.
+  Result<std::span<const float>> verifyRow(const RowExpectation& expect,
+                                           IntegrityCheck* failed) const;
+
+  // Removes the segment name now (the mapping stays valid until destruction).
+  void unlink();
+
+ private:
+  LogitsArena() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::string name_;
+  bool owner_ = false;
+  uint64_t incarnation_ = 0;
+  uint32_t slots_ = 0;
+  uint32_t row_floats_ = 0;
+  size_t slot_stride_ = 0;
+  std::byte* base_ = nullptr;
+};
+
+}  // namespace bulkhead

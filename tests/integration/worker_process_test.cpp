@@ -1,0 +1,347 @@
+// A real bulkhead-worker process behind WorkerClient: logits bit-identical to the in-process
+// engine, batched steps, the golden fixture, and every fault injected for real and reported
+// promptly as the right typed error.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+#include "broker/worker_client.h"
+#include "shared/checkpoint.h"
+#include "support/backend_driver.h"
+#include "support/test_support.h"
+#include "worker/cpu_backend.h"
+
+namespace bulkhead {
+namespace {
+
+using namespace std::chrono_literals;
+using Kind = WorkerFailure::Kind;
+
+constexpr auto kStepTimeout = 10s;
+
+class WorkerProcessTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<WorkerClient> spawn(bool fault_injection = true, uint32_t arena_slots = 64) {
+    WorkerClient::SpawnOptions o;
+    o.worker_path = std::string(BULKHEAD_BIN_DIR) + "/bulkhead-worker";
+    o.model_dir = test::fixtureDir("tiny-qwen2");
+    o.backend = "cpu";
+    o.socket_dir = dir_.file("sock");
+    o.incarnation = next_incarnation_++;
+    o.kv_blocks = 256;
+    o.arena_slots = arena_slots;
+    o.enable_fault_injection = fault_injection;
+    o.start_timeout = 30s;
+    o.extra_args = {"--log-level", "warn"};
+    auto client = WorkerClient::spawn(o);
+    EXPECT_TRUE(client.ok()) << client.error().toString();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  std::unique_ptr<CpuBackend> inProcess() {
+    auto ckpt = Checkpoint::open(test::fixtureDir("tiny-qwen2"));
+    EXPECT_TRUE(ckpt.ok());
+    CpuBackend::Options o;
+    o.kv_blocks = 256;
+    auto b = CpuBackend::create(std::make_shared<const Checkpoint>(std::move(*ckpt)), o);
+    EXPECT_TRUE(b.ok());
+    return std::move(*b);
+  }
+
+  // A one-sequence decode-style step asking for the logits of its last token.
+  struct OneStep {
+    std::vector<uint32_t> tokens = {1, 2, 3, 4};
+    std::vector<uint32_t> blocks = {0};
+    std::vector<uint32_t> rows = {3};
+    SequenceStep step(uint64_t id = 1) {
+      return {.sequence_id = id,
+              .start_position = 0,
+              .tokens = tokens,
+              .kv_blocks = blocks,
+              .logits_rows = rows};
+    }
+  };
+
+  // Arms `fault`, runs a step, and checks the failure kind and how fast it came.
+  WorkerFailure faultedStep(WorkerClient& client, const FaultSpec& fault,
+                            std::chrono::milliseconds timeout = kStepTimeout) {
+    WorkerFailure armed = client.injectFault(fault, 5s);
+    EXPECT_TRUE(armed.ok()) << armed.toString();
+    OneStep s;
+    SequenceStep seq = s.step();
+    const auto start = std::chrono::steady_clock::now();
+    auto result = client.step(next_step_++, {&seq, 1}, timeout);
+    last_detection_ = std::chrono::steady_clock::now() - start;
+    EXPECT_FALSE(result.ok()) << "the fault went unnoticed";
+    return result.ok() ? WorkerFailure{} : result.error();
+  }
+
+  test::TempDir dir_;
+  uint64_t next_incarnation_ = 0x1000 + uint64_t(::getpid()) * 1000;
+  uint64_t next_step_ = 1;
+  std::chrono::steady_clock::duration last_detection_{};
+};
+
+TEST_F(WorkerProcessTest, HelloDescribesTheModel) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  const WorkerHello& h = client->hello();
+  EXPECT_EQ(h.vocab_size, 512u);
+  EXPECT_EQ(h.max_context, 256u);
+  EXPECT_EQ(h.kv_block_count, 256u);
+  EXPECT_EQ(h.backend, "cpu");
+  EXPECT_EQ(h.architecture, "Qwen2ForCausalLM");
+  EXPECT_EQ(h.eos_token_ids, std::vector<uint32_t>{2});
+  auto ckpt = Checkpoint::open(test::fixtureDir("tiny-qwen2"));
+  EXPECT_EQ(h.weight_digest, ckpt->weightDigest());
+  EXPECT_TRUE(client->ping(5s).ok());
+}
+
+TEST_F(WorkerProcessTest, LogitsBitIdenticalToInProcessEngineAcrossBatchedSteps) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  auto local = inProcess();
+  test::BackendDriver driver(*local);
+  // Three sequences: prefill chunks of different sizes, then decode, all in shared steps.
+  std::vector<std::vector<uint32_t>> tokens = {{5, 9, 17, 33, 65, 129, 257, 3, 4},
+                                               {100, 200, 300, 400, 500},
+                                               {7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+  std::vector<test::TestSequence> remote_seqs, local_seqs;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    local_seqs.push_back(driver.newSequence(i + 1, 32));
+    remote_seqs.push_back(local_seqs.back());
+  }
+  size_t steps = 0;
+  for (bool work = true; work;) {
+    work = false;
+    std::vector<test::BackendDriver::Chunk> chunks;
+    std::vector<SequenceStep> batch;
+    std::vector<std::vector<uint32_t>> chunk_tokens, chunk_rows;
+    chunk_tokens.reserve(3);
+    chunk_rows.reserve(3);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const uint32_t pos = local_seqs[i].position;
+      if (pos >= tokens[i].size()) continue;
+      const size_t len = pos == 0 ? i + 2 : 1;
+      const size_t end = std::min(tokens[i].size(), pos + len);
+      chunk_tokens.emplace_back(tokens[i].begin() + pos, tokens[i].begin() + long(end));
+      chunk_rows.emplace_back();
+      for (uint32_t r = 0; r < chunk_tokens.back().size(); ++r) chunk_rows.back().push_back(r);
+      chunks.push_back({&local_seqs[i], chunk_tokens.back()});
+      batch.push_back({.sequence_id = i + 1,
+                       .start_position = pos,
+                       .tokens = chunk_tokens.back(),
+                       .kv_blocks = remote_seqs[i].blocks,
+                       .logits_rows = chunk_rows.back()});
+      work = true;
+    }
+    if (!work) break;
+    auto want = driver.step(chunks);
+    auto got = client->step(next_step_++, batch, kStepTimeout);
+    ASSERT_TRUE(got.ok()) << got.error().toString();
+    size_t r = 0;
+    for (const auto& rows : want) {
+      for (const auto& row : rows) {
+        ASSERT_EQ(got->rows[r].size(), row.size());
+        ASSERT_EQ(std::memcmp(got->rows[r].data(), row.data(), row.size() * 4), 0)
+            << "step " << steps << " row " << r << " differs from the in-process engine";
+        ++r;
+      }
+    }
+    ++steps;
+  }
+  EXPECT_GT(steps, 5u);
+}
+
+TEST_F(WorkerProcessTest, GoldenFixtureThroughTheWorker) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  const test::Golden golden = test::loadGolden(test::fixtureDir("tiny-qwen2"));
+  uint64_t seq_id = 1;
+  uint32_t next_block = 0;
+  for (const auto& c : golden.cases) {
+    auto tokens = c.tokens();
+    tokens.resize(c.positions);
+    std::vector<uint32_t> blocks, rows;
+    for (uint32_t b = 0; b < (tokens.size() + 15) / 16; ++b) blocks.push_back(next_block++);
+    for (uint32_t r = 0; r < tokens.size(); ++r) rows.push_back(r);
+    SequenceStep s{.sequence_id = seq_id++,
+                   .start_position = 0,
+                   .tokens = tokens,
+                   .kv_blocks = blocks,
+                   .logits_rows = rows};
+    auto got = client->step(next_step_++, {&s, 1}, kStepTimeout);
+    ASSERT_TRUE(got.ok()) << got.error().toString();
+    for (size_t p = 0; p < c.positions; ++p) {
+      for (uint32_t v = 0; v < golden.vocab; ++v) {
+        ASSERT_NEAR(got->rows[p][v], golden.row(c, p)[v], 1e-4) << "position " << p;
+      }
+    }
+  }
+}
+
+TEST_F(WorkerProcessTest, InvalidStepsAreRejectedAndTheWorkerKeepsServing) {
+  auto client = spawn(true, 4);
+  ASSERT_TRUE(client);
+  const std::vector<uint32_t> bad_token = {1, 9999}, ok_tokens = {1, 2}, blocks = {0},
+                              far_blocks = {100000}, rows = {1}, many_rows = {0, 1, 2, 3, 4},
+                              five = {1, 2, 3, 4, 5};
+  struct Case {
+    SequenceStep step;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {{1, 0, bad_token, blocks, rows}, "token id 9999 >= vocab size 512"},
+      {{1, 255, ok_tokens, blocks, rows}, "exceed the context limit 256"},
+      {{1, 0, ok_tokens, far_blocks, rows}, "KV block 100000 out of range"},
+      {{1, 0, five, blocks, many_rows}, "the arena holds 4"},
+  };
+  for (const Case& c : cases) {
+    auto r = client->step(next_step_++, {&c.step, 1}, kStepTimeout);
+    ASSERT_FALSE(r.ok()) << c.needle;
+    EXPECT_EQ(r.error().kind, Kind::kRejected) << r.error().toString();
+    EXPECT_NE(r.error().message.find(c.needle), std::string::npos) << r.error().message;
+    EXPECT_FALSE(client->broken());
+  }
+  SequenceStep good{1, 0, ok_tokens, blocks, rows};
+  auto r = client->step(next_step_++, {&good, 1}, kStepTimeout);
+  EXPECT_TRUE(r.ok()) << r.error().toString();
+}
+
+TEST_F(WorkerProcessTest, FaultInjectionIsRefusedWithoutTheFlag) {
+  auto client = spawn(/*fault_injection=*/false);
+  ASSERT_TRUE(client);
+  WorkerFailure f = client->injectFault({.kind = FaultKind::kCrash}, 5s);
+  EXPECT_EQ(f.kind, Kind::kRejected);
+  EXPECT_EQ(f.code, Code::kPermissionDenied);
+  EXPECT_NE(f.message.find("--enable-fault-injection"), std::string::npos);
+  OneStep s;
+  SequenceStep seq = s.step();
+  EXPECT_TRUE(client->step(next_step_++, {&seq, 1}, kStepTimeout).ok());
+}
+
+TEST_F(WorkerProcessTest, CrashMidStepIsReportedAsExitBySignal) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  WorkerFailure f = faultedStep(*client, {.kind = FaultKind::kCrash});
+  EXPECT_EQ(f.kind, Kind::kExited) << f.toString();
+  EXPECT_EQ(f.signal, SIGKILL);
+  EXPECT_LT(last_detection_, 3s);
+  EXPECT_TRUE(client->broken());
+  EXPECT_EQ(client->ping(1s).kind, Kind::kExited);  // fails fast afterwards
+}
+
+TEST_F(WorkerProcessTest, ExternalSigkillIsReportedPromptly) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  // Slow step so the kill lands while the worker is mid-step.
+  ASSERT_TRUE(client->injectFault({.kind = FaultKind::kSlowStep, .delay_ms = 5000}, 5s).ok());
+  OneStep s;
+  SequenceStep seq = s.step();
+  std::thread killer([&] {
+    std::this_thread::sleep_for(200ms);  // the fault under test, not synchronisation
+    client->kill(SIGKILL);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto r = client->step(next_step_++, {&seq, 1}, kStepTimeout);
+  const auto took = std::chrono::steady_clock::now() - start;
+  killer.join();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, Kind::kExited) << r.error().toString();
+  EXPECT_EQ(r.error().signal, SIGKILL);
+  EXPECT_LT(took, 3s);
+}
+
+TEST_F(WorkerProcessTest, HangIsReportedAsTimeoutAtTheDeadline) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  WorkerFailure f = faultedStep(*client, {.kind = FaultKind::kHang}, 500ms);
+  EXPECT_EQ(f.kind, Kind::kTimedOut) << f.toString();
+  EXPECT_GE(last_detection_, 500ms);
+  EXPECT_LT(last_detection_, 2s);
+}
+
+struct RowFaultCase {
+  const char* name;
+  FaultKind kind;
+  Kind expected_kind;
+  IntegrityCheck expected_check;
+};
+void PrintTo(const RowFaultCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class RowFaultTest : public WorkerProcessTest,
+                     public ::testing::WithParamInterface<RowFaultCase> {};
+
+TEST_P(RowFaultTest, IsDetected) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  // A clean step first, so stale payloads exist in the slot.
+  OneStep s;
+  SequenceStep seq = s.step();
+  ASSERT_TRUE(client->step(next_step_++, {&seq, 1}, kStepTimeout).ok());
+  const RowFaultCase& c = GetParam();
+  // Different tokens, so the faulted row's true payload differs from what the slot held.
+  OneStep other;
+  other.tokens = {5, 6, 7, 8};
+  other.blocks = {1};
+  SequenceStep seq2 = other.step(2);
+  ASSERT_TRUE(client->injectFault({.kind = c.kind}, 5s).ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto r = client->step(next_step_++, {&seq2, 1}, kStepTimeout);
+  ASSERT_FALSE(r.ok()) << c.name << " went unnoticed";
+  EXPECT_EQ(r.error().kind, c.expected_kind) << r.error().toString();
+  EXPECT_EQ(r.error().check, c.expected_check) << r.error().toString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  if (c.expected_kind == Kind::kIntegrityFailure) {
+    EXPECT_EQ(r.error().toStatus().code(), Code::kDataLoss);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, RowFaultTest,
+    ::testing::Values(RowFaultCase{"flipped_payload_byte", FaultKind::kCorruptPayload,
+                                   Kind::kIntegrityFailure, IntegrityCheck::kPayloadChecksum},
+                      RowFaultCase{"half_written_slot", FaultKind::kTornWrite,
+                                   Kind::kIntegrityFailure, IntegrityCheck::kPayloadChecksum},
+                      RowFaultCase{"old_incarnation", FaultKind::kStaleIncarnation,
+                                   Kind::kIntegrityFailure, IntegrityCheck::kIncarnation},
+                      RowFaultCase{"old_step", FaultKind::kStaleStep, Kind::kIntegrityFailure,
+                                   IntegrityCheck::kStepId},
+                      RowFaultCase{"nan_in_row", FaultKind::kNanRow, Kind::kIntegrityFailure,
+                                   IntegrityCheck::kNonFinite},
+                      RowFaultCase{"garbage_reply", FaultKind::kGarbageReply,
+                                   Kind::kProtocolViolation, IntegrityCheck::kNone},
+                      RowFaultCase{"truncated_reply", FaultKind::kTruncatedReply,
+                                   Kind::kProtocolViolation, IntegrityCheck::kNone}),
+    [](const ::testing::TestParamInfo<RowFaultCase>& info) { return info.param.name; });
+
+TEST_F(WorkerProcessTest, CleanShutdownRemovesSocketAndArena) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  const std::string arena =
+      "/dev/shm/" + LogitsArena::arenaName(client->hello().pid, client->hello().incarnation);
+  ASSERT_TRUE(std::filesystem::exists(arena));
+  WorkerFailure f = client->shutdown(10s);
+  EXPECT_TRUE(f.ok()) << f.toString();
+  EXPECT_FALSE(std::filesystem::exists(arena));
+  EXPECT_TRUE(std::filesystem::is_empty(dir_.file("sock")));
+}
+
+TEST_F(WorkerProcessTest, KilledWorkersArenaIsRemovedByItsClient) {
+  std::string arena;
+  {
+    auto client = spawn();
+    ASSERT_TRUE(client);
+    arena = "/dev/shm/" + LogitsArena::arenaName(client->hello().pid, client->hello().incarnation);
+    ASSERT_TRUE(std::filesystem::exists(arena));
+  }  // destruction SIGKILLs the worker
+  EXPECT_FALSE(std::filesystem::exists(arena));
+}
+
+}  // namespace
+}  // namespace bulkhead

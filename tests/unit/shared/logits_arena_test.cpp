@@ -1,0 +1,114 @@
+// Logits arena: rows published by the writer verify on the reader side; every mismatch is named;
+// segments are exclusive and owner-only; another incarnation's segment is refused.
+#include "shared/logits_arena.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+
+namespace bulkhead {
+namespace {
+
+class LogitsArenaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    name_ = LogitsArena::arenaName(::getpid(), 0xabc000 + counter_++);
+    auto w = LogitsArena::create(name_, 7, 4, 100);
+    ASSERT_TRUE(w.ok()) << w.status().toString();
+    writer_ = std::move(*w);
+    auto r = LogitsArena::open(name_, 7, 100);
+    ASSERT_TRUE(r.ok()) << r.status().toString();
+    reader_ = std::move(*r);
+  }
+
+  uint64_t writeRow(uint32_t slot, uint64_t step, uint64_t seq, uint32_t index) {
+    float* row = writer_->beginRow(slot);
+    for (int i = 0; i < 100; ++i) row[i] = float(i) * 0.5f + float(step);
+    return writer_->publishRow(slot, step, seq, index);
+  }
+
+  IntegrityCheck verify(const RowExpectation& e) {
+    IntegrityCheck check = IntegrityCheck::kNone;
+    auto r = reader_->verifyRow(e, &check);
+    if (r.ok()) {
+      EXPECT_EQ(r->size(), 100u);
+      return IntegrityCheck::kNone;
+    }
+    EXPECT_EQ(r.status().code(), Code::kDataLoss);
+    return check;
+  }
+
+  static inline int counter_ = 0;
+  std::string name_;
+  std::unique_ptr<LogitsArena> writer_, reader_;
+};
+
+TEST_F(LogitsArenaTest, PublishedRowVerifies) {
+  const uint64_t sum = writeRow(2, 5, 11, 3);
+  RowExpectation e{7, 5, 11, 3, 2, sum};
+  EXPECT_EQ(verify(e), IntegrityCheck::kNone);
+  auto row = reader_->verifyRow(e, nullptr);
+  ASSERT_TRUE(row.ok());
+  EXPECT_EQ((*row)[4], 2.0f + 5.0f);
+}
+
+TEST_F(LogitsArenaTest, EveryMismatchIsNamed) {
+  const uint64_t sum = writeRow(1, 5, 11, 3);
+  const RowExpectation good{7, 5, 11, 3, 1, sum};
+  auto with = [&](auto edit) {
+    RowExpectation e = good;
+    edit(e);
+    return verify(e);
+  };
+  EXPECT_EQ(with([](auto& e) { e.slot = 4; }), IntegrityCheck::kSlotRange);
+  EXPECT_EQ(with([](auto& e) { e.incarnation = 8; }), IntegrityCheck::kIncarnation);
+  EXPECT_EQ(with([](auto& e) { e.step_id = 6; }), IntegrityCheck::kStepId);
+  EXPECT_EQ(with([](auto& e) { e.sequence_id = 12; }), IntegrityCheck::kSequenceId);
+  EXPECT_EQ(with([](auto& e) { e.token_index = 0; }), IntegrityCheck::kTokenIndex);
+  EXPECT_EQ(with([](auto& e) { e.reported_checksum ^= 1; }), IntegrityCheck::kReportedChecksum);
+  writer_->publishHeader(1, {7, 5, 11, 3, 99, sum});
+  EXPECT_EQ(verify(good), IntegrityCheck::kRowLength);
+  writer_->publishHeader(1, {7, 5, 11, 3, 100, sum});
+  EXPECT_EQ(verify(good), IntegrityCheck::kNone);
+  writer_->beginRow(1)[50] += 1.0f;  // payload changes after publication (and unpublishes)
+  writer_->publishHeader(1, {7, 5, 11, 3, 100, sum});
+  EXPECT_EQ(verify(good), IntegrityCheck::kPayloadChecksum);
+  float* row = writer_->beginRow(1);
+  row[50] = NAN;
+  const uint64_t nan_sum = writer_->publishRow(1, 5, 11, 3);
+  EXPECT_EQ(verify({7, 5, 11, 3, 1, nan_sum}), IntegrityCheck::kNonFinite);
+}
+
+TEST_F(LogitsArenaTest, UnpublishedRowIsRejected) {
+  const uint64_t sum = writeRow(0, 5, 11, 3);
+  writer_->beginRow(0);  // the writer starts the next step's row and dies
+  EXPECT_EQ(verify({7, 5, 11, 3, 0, sum}), IntegrityCheck::kStepId);
+}
+
+TEST_F(LogitsArenaTest, ExclusiveOwnerOnlyAndFenced) {
+  struct stat st {};
+  ASSERT_EQ(::stat(("/dev/shm/" + name_).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  auto again = LogitsArena::create(name_, 7, 4, 100);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), Code::kAlreadyExists);
+  auto other_incarnation = LogitsArena::open(name_, 8, 100);
+  ASSERT_FALSE(other_incarnation.ok());
+  EXPECT_NE(other_incarnation.status().message().find("belongs to incarnation 7"),
+            std::string::npos);
+  auto other_vocab = LogitsArena::open(name_, 7, 101);
+  EXPECT_FALSE(other_vocab.ok());
+  EXPECT_FALSE(LogitsArena::open("not-ours", 7, 100).ok());
+}
+
+TEST_F(LogitsArenaTest, OwnerRemovesTheSegment) {
+  const std::string path = "/dev/shm/" + name_;
+  ASSERT_EQ(::access(path.c_str(), F_OK), 0);
+  writer_.reset();
+  EXPECT_NE(::access(path.c_str(), F_OK), 0);
+}
+
+}  // namespace
+}  // namespace bulkhead

@@ -1,0 +1,72 @@
+// bulkhead-worker: loads a model onto a backend and serves steps to the broker over a Unix socket.
+// Crash-only: a broken invariant ends the process; the broker replaces it.
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+
+#include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
+
+#include "shared/checkpoint.h"
+#include "worker/backend_factory.h"
+#include "worker/worker_server.h"
+
+int main(int argc, char** argv) {
+  using namespace bulkhead;
+  CLI::App app{"bulkhead-worker: runs model steps for the bulkhead broker"};
+  WorkerOptions options;
+  std::string backend_name = "auto", log_level = "info";
+  BackendOptions backend_options;
+  app.add_option("--model", options.model_dir, "Hugging Face checkpoint directory")->required();
+  app.add_option("--socket", options.socket_path, "Unix socket path to listen on")->required();
+  app.add_option("--backend", backend_name, "cpu | cuda | auto");
+  app.add_option("--kv-blocks", backend_options.kv_blocks, "KV cache blocks (0: from budget)");
+  app.add_option("--arena-slots", options.arena_slots, "Most logits rows one step may ask for")
+      ->check(CLI::Range(1u, 1u << 16));
+  app.add_option("--incarnation", options.incarnation, "Incarnation id (0: random)");
+  app.add_option("--ready-fd", options.ready_fd, "Descriptor to signal readiness on");
+  app.add_flag("--enable-fault-injection", options.enable_fault_injection,
+               "Accept FaultInject messages (tests and chaos runs only)");
+  app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_level(spdlog::level::from_str(log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [worker %P] %l: %v");
+  while (options.incarnation == 0) {
+    if (::getrandom(&options.incarnation, sizeof(options.incarnation), 0) !=
+        ssize_t(sizeof(options.incarnation))) {
+      spdlog::critical("getrandom failed");
+      return 1;
+    }
+  }
+
+  auto checkpoint = Checkpoint::open(options.model_dir);
+  if (!checkpoint.ok()) {
+    spdlog::critical("{}", checkpoint.status().toString());
+    return 1;
+  }
+  const uint64_t digest = checkpoint->weightDigest();
+  auto shared = std::make_shared<const Checkpoint>(std::move(*checkpoint));
+  auto backend = createBackend(backend_name, shared, backend_options);
+  if (!backend.ok()) {
+    spdlog::critical("{}", backend.status().toString());
+    return 1;
+  }
+  spdlog::info("loaded {} ({}) on {}: {} KV blocks of {}, weight digest {:016x}", options.model_dir,
+               shared->config().architecture_name, (*backend)->name(),
+               (*backend)->limits().kv_block_count, (*backend)->limits().kv_block_size, digest);
+  auto server = WorkerServer::create(std::move(*backend), digest, options);
+  if (!server.ok()) {
+    spdlog::critical("{}", server.status().toString());
+    return 1;
+  }
+  Status served = (*server)->serve();
+  if (!served.ok()) {
+    spdlog::critical("{}", served.toString());
+    return 1;
+  }
+  spdlog::info("clean shutdown");
+  return 0;
+}
