@@ -1,5 +1,6 @@
 // `bulkhead`: the command-line tool. Subcommands: logits, make-model, generate.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -7,6 +8,7 @@
 #include "shared/dtype.h"
 #include "tools/commands.h"
 #include "tools/make_model.h"
+#include "tools/step_bench.h"
 
 namespace {
 
@@ -50,6 +52,18 @@ int main(int argc, char** argv) {
   generate->add_option("--max-tokens", gen.max_tokens, "Tokens to generate");
   generate->add_option("--backend", gen.backend, "cpu | cuda | auto");
 
+  StepBenchOptions bench;
+  std::string batches = "1,32";
+  auto* step_bench =
+      app.add_subcommand("step-bench", "Round-trip cost of a worker step beyond compute");
+  step_bench->add_option("--model", bench.model_dir, "Checkpoint directory")->required();
+  step_bench->add_option("--worker", bench.worker_path,
+                         "bulkhead-worker executable (default: next to this one)");
+  step_bench->add_option("--backend", bench.backend, "cpu | cuda | auto");
+  step_bench->add_option("--batches", batches, "Comma-separated batch sizes");
+  step_bench->add_option("--iterations", bench.iterations, "Measured steps per batch size");
+  step_bench->add_option("--json", bench.json_path, "Also write the results as JSON");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -85,6 +99,17 @@ int main(int argc, char** argv) {
     std::printf("%s\n", ids.c_str());
     std::fprintf(stderr, "finish %s; prefill %.1f ms, decode %.2f ms/token\n",
                  result->finish_reason.c_str(), result->prefill_ms, result->decode_ms_per_token);
+  } else if (*step_bench) {
+    auto parsed = parseTokenList(batches);
+    if (!parsed.ok()) return fail("step-bench", invalidArgument("--batches: expected e.g. 1,32"));
+    bench.batches = *parsed;
+    if (bench.worker_path.empty()) {
+      std::error_code ec;
+      auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+      bench.worker_path = (self.parent_path() / "bulkhead-worker").string();
+    }
+    Status s = runStepBench(bench);
+    if (!s.ok()) return fail("step-bench", s);
   }
   return 0;
 }

@@ -202,6 +202,11 @@ const std::vector<ModelShape>& modelShapes() {
                     .rms_eps = 1e-6,
                     .tied = true};
     v.push_back(tiny);
+    // The tiny model with a real-size vocabulary: IPC and sampling costs at full row width.
+    ModelShape tiny_wide = tiny;
+    tiny_wide.name = "tiny-v152k";
+    tiny_wide.vocab = 152064;
+    v.push_back(tiny_wide);
     ModelShape tiny_llama{.name = "tiny-llama",
                           .architecture = "LlamaForCausalLM",
                           .hidden = 64,

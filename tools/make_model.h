@@ -23,7 +23,7 @@ struct ModelShape {
   uint32_t bos = 1, eos = 2;
 };
 
-// Known shapes: tiny, tiny-llama, qwen2.5-0.5b, qwen2.5-7b, qwen2.5-14b.
+// Known shapes: tiny, tiny-v152k, tiny-llama, qwen2.5-0.5b, qwen2.5-7b, qwen2.5-14b.
 const std::vector<ModelShape>& modelShapes();
 
 struct MakeModelOptions {

@@ -1,0 +1,100 @@
+// step-bench implementation.
+#include "tools/step_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "broker/worker_client.h"
+
+namespace bulkhead {
+namespace {
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, size_t(p / 100.0 * double(v.size())))];
+}
+
+}  // namespace
+
+Status runStepBench(const StepBenchOptions& o) {
+  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  WorkerClient::SpawnOptions spawn;
+  spawn.worker_path = o.worker_path;
+  spawn.model_dir = o.model_dir;
+  spawn.backend = o.backend;
+  spawn.arena_slots = max_batch;
+  spawn.extra_args = {"--log-level", "warn"};
+  auto client = WorkerClient::spawn(spawn);
+  if (!client.ok()) return client.error().toStatus();
+  const WorkerHello& hello = (*client)->hello();
+  const uint32_t positions = o.iterations + 21;
+  const uint32_t blocks_per_seq = (positions + hello.kv_block_size - 1) / hello.kv_block_size;
+  if (uint64_t(blocks_per_seq) * max_batch > hello.kv_block_count)
+    return resourceExhausted("the worker's KV cache is too small for this run");
+  if (positions > hello.max_context)
+    return invalidArgument("iterations exceed the model's context");
+
+  std::printf("step-bench: %s on %s, vocab %u, %u iterations per batch size\n",
+              o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations);
+  std::printf("%6s %12s %12s %12s %14s %14s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",
+              "compute_p50", "overhead_p50", "overhead_p99", "MB/step");
+  nlohmann::json report = {{"model", o.model_dir},
+                           {"backend", hello.backend},
+                           {"vocab", hello.vocab_size},
+                           {"iterations", o.iterations},
+                           {"results", nlohmann::json::array()}};
+  uint64_t step_id = 1, seq_base = 1;
+  for (uint32_t batch : o.batches) {
+    std::vector<std::vector<uint32_t>> blocks(batch), tokens(batch, std::vector<uint32_t>{1});
+    for (uint32_t s = 0; s < batch; ++s)
+      for (uint32_t b = 0; b < blocks_per_seq; ++b) blocks[s].push_back(s * blocks_per_seq + b);
+    const std::vector<uint32_t> rows = {0};
+    std::vector<double> rtt, compute, overhead;
+    for (uint32_t it = 0; it < positions - 1; ++it) {
+      std::vector<SequenceStep> steps;
+      for (uint32_t s = 0; s < batch; ++s) {
+        steps.push_back({.sequence_id = seq_base + s,
+                         .start_position = it,
+                         .tokens = tokens[s],
+                         .kv_blocks = blocks[s],
+                         .logits_rows = rows});
+      }
+      const auto start = std::chrono::steady_clock::now();
+      auto result = (*client)->step(step_id++, steps, std::chrono::seconds(60));
+      const double us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count();
+      if (!result.ok()) return result.error().toStatus();
+      if (it < 20) continue;  // warm-up
+      rtt.push_back(us);
+      compute.push_back(double(result->compute_micros));
+      overhead.push_back(us - double(result->compute_micros));
+    }
+    seq_base += batch;
+    const double mb = double(batch) * hello.vocab_size * 4 / 1e6;
+    std::printf("%6u %12.1f %12.1f %12.1f %14.1f %14.1f %12.2f\n", batch, percentile(rtt, 50),
+                percentile(rtt, 99), percentile(compute, 50), percentile(overhead, 50),
+                percentile(overhead, 99), mb);
+    report["results"].push_back({{"batch", batch},
+                                 {"rtt_p50_us", percentile(rtt, 50)},
+                                 {"rtt_p99_us", percentile(rtt, 99)},
+                                 {"compute_p50_us", percentile(compute, 50)},
+                                 {"overhead_p50_us", percentile(overhead, 50)},
+                                 {"overhead_p99_us", percentile(overhead, 99)},
+                                 {"logits_mb_per_step", mb}});
+  }
+  (void)(*client)->shutdown(std::chrono::seconds(10));
+  if (!o.json_path.empty()) {
+    std::ofstream out(o.json_path);
+    out << report.dump(2) << "\n";
+    if (!out) return internalError(o.json_path + ": write failed");
+  }
+  return okStatus();
+}
+
+}  // namespace bulkhead
