@@ -54,10 +54,14 @@ void copyDir(const std::string& from, const std::string& to) {
 }
 
 std::string fixtureDir(const std::string& name) {
-  const std::string dir = std::string(BULKHEAD_FIXTURES_DIR) + "/" + name;
+  // The environment can point elsewhere (a bundle run on another machine).
+  const char* env = std::getenv("BULKHEAD_FIXTURES_DIR");
+  const std::string base = env != nullptr && *env ? env : BULKHEAD_FIXTURES_DIR;
+  const std::string dir = base + "/" + name;
   if (!std::filesystem::exists(dir + "/config.json")) {
     ADD_FAILURE() << "fixture " << dir << " not found; configure with "
-                  << "-DBULKHEAD_FIXTURES_DIR=<path to shared/fixtures>";
+                  << "-DBULKHEAD_FIXTURES_DIR=<path to shared/fixtures> or set it in the "
+                  << "environment";
   }
   return dir;
 }
