@@ -8,6 +8,7 @@
 #include "shared/dtype.h"
 #include "tools/commands.h"
 #include "tools/make_model.h"
+#include "tools/remote.h"
 #include "tools/step_bench.h"
 
 namespace {
@@ -46,23 +47,52 @@ int main(int argc, char** argv) {
                          "Split into shards above this size");
 
   LocalGenerateCommand gen;
-  auto* generate = app.add_subcommand("generate", "Greedy generation with the model in-process");
-  generate->add_option("--model", gen.model_dir, "Hugging Face checkpoint directory")->required();
+  RemoteGenerateCommand remote;
+  std::string stop_ids;
+  uint64_t seed = 0;
+  auto* generate = app.add_subcommand(
+      "generate",
+      "Stream a generation from a broker (--server), or run greedy in-process (--model)");
+  auto* server_opt = generate->add_option("--server", remote.server, "Broker address host:port");
+  auto* model_opt =
+      generate->add_option("--model", gen.model_dir, "Run in-process on this checkpoint instead");
+  server_opt->excludes(model_opt);
   generate->add_option("--tokens", tokens, "Prompt token ids, e.g. 1,2,3")->required();
-  generate->add_option("--max-tokens", gen.max_tokens, "Tokens to generate");
-  generate->add_option("--backend", gen.backend, "cpu | cuda | auto");
+  generate->add_option("--max-tokens", remote.max_tokens, "Tokens to generate");
+  generate->add_option("--backend", gen.backend, "In-process backend: cpu | cuda | auto");
+  generate->add_option("--temperature", remote.temperature, "0 = greedy");
+  generate->add_option("--top-k", remote.top_k, "0 = off");
+  generate->add_option("--top-p", remote.top_p, "(0, 1]");
+  generate->add_option("--min-p", remote.min_p, "[0, 1]");
+  generate->add_option("--repetition-penalty", remote.repetition_penalty, "> 0");
+  generate->add_option("--presence-penalty", remote.presence_penalty, "[-2, 2]");
+  generate->add_option("--frequency-penalty", remote.frequency_penalty, "[-2, 2]");
+  auto* seed_opt = generate->add_option("--seed", seed, "Sampling seed");
+  generate->add_option("--stop", stop_ids, "Comma-separated stop token ids");
+  generate->add_flag("--ignore-eos", remote.ignore_eos, "Do not stop at the model's EOS");
+  generate->add_option("--top-logprobs", remote.top_logprobs, "Alternatives per token");
+  generate->add_option("--timeout", remote.timeout_s, "Deadline in seconds");
 
-  StepBenchOptions bench;
+  BenchCommand bench_cmd;
+  auto* bench = app.add_subcommand("bench", "Load generator against a broker");
+  bench->add_option("--server", bench_cmd.server, "Broker address host:port")->required();
+  bench->add_option("--concurrency", bench_cmd.concurrency, "Concurrent streams");
+  bench->add_option("--prompt-len", bench_cmd.prompt_len, "Prompt tokens per request");
+  bench->add_option("--gen-len", bench_cmd.gen_len, "Generated tokens per request");
+  bench->add_option("--requests", bench_cmd.requests, "Requests in all (default 4 x concurrency)");
+  bench->add_option("--json", bench_cmd.json_path, "Also write the results as JSON");
+
+  StepBenchOptions step_opts;
   std::string batches = "1,32";
   auto* step_bench =
       app.add_subcommand("step-bench", "Round-trip cost of a worker step beyond compute");
-  step_bench->add_option("--model", bench.model_dir, "Checkpoint directory")->required();
-  step_bench->add_option("--worker", bench.worker_path,
+  step_bench->add_option("--model", step_opts.model_dir, "Checkpoint directory")->required();
+  step_bench->add_option("--worker", step_opts.worker_path,
                          "bulkhead-worker executable (default: next to this one)");
-  step_bench->add_option("--backend", bench.backend, "cpu | cuda | auto");
+  step_bench->add_option("--backend", step_opts.backend, "cpu | cuda | auto");
   step_bench->add_option("--batches", batches, "Comma-separated batch sizes");
-  step_bench->add_option("--iterations", bench.iterations, "Measured steps per batch size");
-  step_bench->add_option("--json", bench.json_path, "Also write the results as JSON");
+  step_bench->add_option("--iterations", step_opts.iterations, "Measured steps per batch size");
+  step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
 
   try {
     app.parse(argc, argv);
@@ -91,7 +121,22 @@ int main(int argc, char** argv) {
   } else if (*generate) {
     auto parsed = parseTokenList(tokens);
     if (!parsed.ok()) return fail("generate", parsed.status());
+    if (remote.server.empty() && gen.model_dir.empty())
+      return fail("generate", invalidArgument("give --server ADDR or --model DIR"));
+    if (!remote.server.empty()) {
+      remote.tokens = *parsed;
+      if (*seed_opt) remote.seed = seed;
+      if (!stop_ids.empty()) {
+        auto stops = parseTokenList(stop_ids);
+        if (!stops.ok()) return fail("generate", invalidArgument("--stop: expected e.g. 2,7"));
+        remote.stop_token_ids = *stops;
+      }
+      Status s = runRemoteGenerate(remote);
+      if (!s.ok()) return fail("generate", s);
+      return 0;
+    }
     gen.tokens = *parsed;
+    gen.max_tokens = remote.max_tokens;
     auto result = runLocalGenerate(gen);
     if (!result.ok()) return fail("generate", result.status());
     std::string ids;
@@ -99,16 +144,19 @@ int main(int argc, char** argv) {
     std::printf("%s\n", ids.c_str());
     std::fprintf(stderr, "finish %s; prefill %.1f ms, decode %.2f ms/token\n",
                  result->finish_reason.c_str(), result->prefill_ms, result->decode_ms_per_token);
+  } else if (*bench) {
+    Status s = runBench(bench_cmd);
+    if (!s.ok()) return fail("bench", s);
   } else if (*step_bench) {
     auto parsed = parseTokenList(batches);
     if (!parsed.ok()) return fail("step-bench", invalidArgument("--batches: expected e.g. 1,32"));
-    bench.batches = *parsed;
-    if (bench.worker_path.empty()) {
+    step_opts.batches = *parsed;
+    if (step_opts.worker_path.empty()) {
       std::error_code ec;
       auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-      bench.worker_path = (self.parent_path() / "bulkhead-worker").string();
+      step_opts.worker_path = (self.parent_path() / "bulkhead-worker").string();
     }
-    Status s = runStepBench(bench);
+    Status s = runStepBench(step_opts);
     if (!s.ok()) return fail("step-bench", s);
   }
   return 0;

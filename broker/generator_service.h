@@ -1,0 +1,48 @@
+// The gRPC face of the broker: bulkhead.v1.Generator (streamed generation over the callback API)
+// and bulkhead.v1.Admin. Validation happens here; scheduling does not.
+#pragma once
+
+#include <memory>
+
+#include "broker/scheduler.h"
+#include "bulkhead/v1/generator.grpc.pb.h"
+
+namespace bulkhead {
+
+grpc::Status toGrpcStatus(const Status& status);
+
+class GeneratorService final : public v1::Generator::CallbackService {
+ public:
+  GeneratorService(Scheduler& scheduler, ModelLimits model)
+      : scheduler_(scheduler), model_(std::move(model)) {}
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+
+ private:
+  Scheduler& scheduler_;
+  const ModelLimits model_;
+};
+
+class AdminService final : public v1::Admin::CallbackService {
+ public:
+  explicit AdminService(Scheduler& scheduler) : scheduler_(scheduler) {}
+
+  grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,
+                                        const v1::ListWorkersRequest* request,
+                                        v1::ListWorkersResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::Stats* response) override;
+  grpc::ServerUnaryReactor* RestartWorker(grpc::CallbackServerContext* context,
+                                          const v1::RestartWorkerRequest* request,
+                                          v1::RestartWorkerResponse* response) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
+                                  const v1::DrainRequest* request,
+                                  v1::DrainResponse* response) override;
+
+ private:
+  Scheduler& scheduler_;
+};
+
+}  // namespace bulkhead

@@ -1,0 +1,156 @@
+// bulkhead-broker: the long-lived process users talk to. Serves bulkhead.v1 over gRPC, spawns
+// and supervises its worker, and writes the bound address to --ready-file once it serves.
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <string>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
+
+#include "broker/generator_service.h"
+#include "broker/scheduler.h"
+#include "shared/model_config.h"
+
+namespace {
+
+// Writes atomically, so a reader never sees a half-written address.
+bool writeReadyFile(const std::string& path, const std::string& address) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << address << "\n";
+    if (!out) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace bulkhead;
+  CLI::App app{"bulkhead-broker: serves LLM generations from supervised workers"};
+  std::string model_dir, listen = "127.0.0.1:50051", backend = "auto", ready_file, worker_path;
+  std::string log_level = "info";
+  uint32_t kv_blocks = 0, arena_slots = 0;
+  bool fault_injection = false;
+  uint32_t step_timeout_ms = 10'000;
+  SchedulerOptions options;
+  app.add_option("--model", model_dir, "Hugging Face checkpoint directory")->required();
+  app.add_option("--listen", listen, "Address to serve on (port 0 picks a free one)");
+  app.add_option("--backend", backend, "Worker backend: cpu | cuda | auto");
+  app.add_option("--ready-file", ready_file, "Written with the bound host:port once serving");
+  int ready_fd = -1;
+  app.add_option("--ready-fd", ready_fd, "Descriptor that gets the bound host:port once serving");
+  app.add_option("--worker", worker_path, "bulkhead-worker executable (default: next to this one)");
+  app.add_option("--kv-blocks", kv_blocks, "Worker KV cache blocks (0: the backend's default)");
+  app.add_option("--max-batch-tokens", options.max_batch_tokens, "Tokens per step");
+  app.add_option("--max-running", options.max_running, "Sequences decoding at once");
+  app.add_option("--max-waiting", options.max_waiting, "Queued requests before RESOURCE_EXHAUSTED");
+  app.add_option("--step-timeout-ms", step_timeout_ms, "Base deadline of a worker step");
+  app.add_option("--arena-slots", arena_slots, "Logits rows per step (default: --max-running)");
+  app.add_flag("--enable-fault-injection", fault_injection,
+               "Start workers that accept fault injection (tests and chaos runs only)");
+  app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::from_str(log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [broker] %l: %v");
+  options.step_timeout_base = std::chrono::milliseconds(step_timeout_ms);
+
+  auto config = ModelConfig::load(model_dir);
+  if (!config.ok()) {
+    spdlog::critical("{}", config.status().toString());
+    return 1;
+  }
+  if (worker_path.empty()) {
+    std::error_code ec;
+    worker_path =
+        (std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / "bulkhead-worker")
+            .string();
+  }
+  ModelLimits model{uint32_t(config->vocab_size), uint32_t(config->max_context),
+                    config->eos_token_ids};
+
+  // SIGTERM/SIGINT end the process gracefully; block them before any thread starts.
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+
+  WorkerClient::SpawnOptions spawn;
+  spawn.worker_path = worker_path;
+  spawn.model_dir = model_dir;
+  spawn.backend = backend;
+  spawn.kv_blocks = kv_blocks;
+  spawn.arena_slots = arena_slots != 0 ? arena_slots : options.max_running;
+  spawn.enable_fault_injection = fault_injection;
+  spawn.extra_args = {"--log-level", log_level};
+  Scheduler scheduler(
+      [spawn](uint64_t incarnation) {
+        WorkerClient::SpawnOptions o = spawn;
+        o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32);
+        return WorkerClient::spawn(o);
+      },
+      model, options);
+
+  GeneratorService generator(scheduler, model);
+  AdminService admin(scheduler);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&generator);
+  builder.RegisterService(&admin);
+  builder.SetMaxReceiveMessageSize(16 << 20);
+  builder.SetMaxSendMessageSize(16 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    spdlog::critical("cannot listen on {}", listen);
+    return 1;
+  }
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus(false);
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  const std::string bound = host + ":" + std::to_string(port);
+  spdlog::info("listening on {} (model {}, worker {})", bound, model_dir, worker_path);
+
+  std::once_flag ready_once;
+  scheduler.setServingCallback([&](bool serving) {
+    health->SetServingStatus(serving);
+    health->SetServingStatus("bulkhead.v1.Generator", serving);
+    if (serving) {
+      std::call_once(ready_once, [&] {
+        if (!ready_file.empty() && !writeReadyFile(ready_file, bound))
+          spdlog::error("cannot write {}", ready_file);
+        if (ready_fd >= 0) {
+          const std::string line = bound + "\n";
+          if (::write(ready_fd, line.data(), line.size()) < 0)
+            spdlog::error("ready fd: write failed");
+          ::close(ready_fd);
+        }
+      });
+    }
+  });
+  scheduler.start();
+
+  int sfd = signalfd(-1, &mask, SFD_CLOEXEC);
+  signalfd_siginfo info{};
+  while (::read(sfd, &info, sizeof(info)) < 0 && errno == EINTR) {
+  }
+  spdlog::info("signal {} received; shutting down", info.ssi_signo);
+  health->SetServingStatus(false);
+  scheduler.stop();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (!ready_file.empty()) std::remove(ready_file.c_str());
+  return 0;
+}

@@ -1,0 +1,184 @@
+// generate and bench over gRPC.
+#include "tools/remote.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "bulkhead/v1/generator.grpc.pb.h"
+
+namespace bulkhead {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status fromGrpc(const grpc::Status& s) {
+  return Status(static_cast<Code>(s.error_code()), s.error_message());
+}
+
+std::shared_ptr<grpc::Channel> channelTo(const std::string& server) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(16 << 20);
+  return grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args);
+}
+
+const char* finishName(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    default:
+      return "unspecified";
+  }
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, size_t(p / 100.0 * double(v.size())))];
+}
+
+}  // namespace
+
+Status runRemoteGenerate(const RemoteGenerateCommand& c) {
+  auto stub = v1::Generator::NewStub(channelTo(c.server));
+  v1::GenerateRequest request;
+  for (uint32_t t : c.tokens) request.add_prompt_token_ids(t);
+  request.set_max_tokens(c.max_tokens);
+  auto* s = request.mutable_sampling();
+  s->set_temperature(c.temperature);
+  s->set_top_k(c.top_k);
+  s->set_top_p(c.top_p);
+  s->set_min_p(c.min_p);
+  s->set_repetition_penalty(c.repetition_penalty);
+  s->set_presence_penalty(c.presence_penalty);
+  s->set_frequency_penalty(c.frequency_penalty);
+  if (c.seed) s->set_seed(*c.seed);
+  for (uint32_t t : c.stop_token_ids) request.add_stop_token_ids(t);
+  request.set_ignore_eos(c.ignore_eos);
+  request.set_top_logprobs(c.top_logprobs);
+
+  grpc::ClientContext context;
+  if (c.timeout_s > 0) {
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(int64_t(c.timeout_s * 1000)));
+  }
+  const auto start = Clock::now();
+  auto reader = stub->Generate(&context, request);
+  v1::GenerateResponse response;
+  bool first = true;
+  v1::GenerateResponse last;
+  double ttft_ms = 0;
+  while (reader->Read(&response)) {
+    for (uint32_t t : response.token_ids()) {
+      if (first) ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+      std::printf(first ? "%u" : ",%u", t);
+      first = false;
+    }
+    std::fflush(stdout);
+    if (response.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) last = response;
+  }
+  std::printf("\n");
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return fromGrpc(status);
+  const double total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  std::fprintf(stderr,
+               "finish %s; %u prompt + %u generated tokens, seed %llu; first token %.1f ms, "
+               "total %.1f ms\n",
+               finishName(last.finish_reason()), last.usage().prompt_tokens(),
+               last.usage().completion_tokens(),
+               static_cast<unsigned long long>(last.usage().seed()), ttft_ms, total_ms);
+  return okStatus();
+}
+
+Status runBench(const BenchCommand& c) {
+  if (c.concurrency == 0 || c.prompt_len == 0 || c.gen_len == 0)
+    return invalidArgument("--concurrency, --prompt-len and --gen-len must be positive");
+  auto channel = channelTo(c.server);
+  const uint32_t total = c.requests != 0 ? c.requests : 4 * c.concurrency;
+  std::atomic<uint32_t> next{0};
+  std::mutex mu;
+  std::vector<double> ttft, itl;
+  uint64_t tokens = 0;
+  uint32_t failures = 0;
+  std::string first_error;
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (uint32_t w = 0; w < c.concurrency; ++w) {
+    threads.emplace_back([&, w] {
+      auto stub = v1::Generator::NewStub(channel);
+      std::mt19937 rng(uint32_t(c.seed * 7919 + w));
+      while (true) {
+        const uint32_t i = next++;
+        if (i >= total) break;
+        v1::GenerateRequest request;
+        // Token ids in 3..258 are valid for every model bulkhead serves, the tiny ones included.
+        for (uint32_t k = 0; k < c.prompt_len; ++k) request.add_prompt_token_ids(3 + rng() % 256);
+        request.set_max_tokens(c.gen_len);
+        request.set_ignore_eos(true);
+        grpc::ClientContext context;
+        const auto sent = Clock::now();
+        auto reader = stub->Generate(&context, request);
+        v1::GenerateResponse response;
+        std::vector<double> arrivals;
+        while (reader->Read(&response)) {
+          const double at = std::chrono::duration<double, std::milli>(Clock::now() - sent).count();
+          for (int k = 0; k < response.token_ids_size(); ++k) arrivals.push_back(at);
+        }
+        grpc::Status status = reader->Finish();
+        std::lock_guard lock(mu);
+        if (!status.ok()) {
+          if (failures++ == 0) first_error = status.error_message();
+          continue;
+        }
+        tokens += arrivals.size();
+        if (!arrivals.empty()) ttft.push_back(arrivals[0]);
+        for (size_t k = 1; k < arrivals.size(); ++k) itl.push_back(arrivals[k] - arrivals[k - 1]);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const double tok_s = double(tokens) / seconds;
+  std::printf("bench: %s, concurrency %u, prompt %u, gen %u, %u requests (%u failed)\n",
+              c.server.c_str(), c.concurrency, c.prompt_len, c.gen_len, total, failures);
+  std::printf("%12s %10s %10s %10s %10s %10s\n", "tokens/s", "ttft_p50", "ttft_p99", "itl_p50",
+              "itl_p99", "wall_s");
+  std::printf("%12.1f %10.2f %10.2f %10.3f %10.3f %10.2f   (latencies in ms)\n", tok_s,
+              percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99),
+              seconds);
+  if (!c.json_path.empty()) {
+    nlohmann::json j = {{"server", c.server},
+                        {"concurrency", c.concurrency},
+                        {"prompt_len", c.prompt_len},
+                        {"gen_len", c.gen_len},
+                        {"requests", total},
+                        {"failed", failures},
+                        {"tokens", tokens},
+                        {"tokens_per_s", tok_s},
+                        {"ttft_ms_p50", percentile(ttft, 50)},
+                        {"ttft_ms_p99", percentile(ttft, 99)},
+                        {"itl_ms_p50", percentile(itl, 50)},
+                        {"itl_ms_p99", percentile(itl, 99)},
+                        {"wall_s", seconds}};
+    std::ofstream out(c.json_path);
+    out << j.dump(2) << "\n";
+  }
+  if (failures > 0)
+    return unavailable(std::to_string(failures) + " requests failed: " + first_error);
+  return okStatus();
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,43 @@
+// The `bulkhead` subcommands that talk to a running broker: generate (streams tokens to stdout)
+// and bench (a load generator).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shared/status.h"
+
+namespace bulkhead {
+
+struct RemoteGenerateCommand {
+  std::string server;
+  std::vector<uint32_t> tokens;
+  uint32_t max_tokens = 16;
+  float temperature = 0, top_p = 0, min_p = 0, repetition_penalty = 0;
+  float presence_penalty = 0, frequency_penalty = 0;
+  uint32_t top_k = 0, top_logprobs = 0;
+  std::optional<uint64_t> seed;
+  std::vector<uint32_t> stop_token_ids;
+  bool ignore_eos = false;
+  double timeout_s = 0;  // 0: none
+};
+
+// Prints tokens to stdout as they arrive (comma-separated) and a summary line to stderr.
+Status runRemoteGenerate(const RemoteGenerateCommand& command);
+
+struct BenchCommand {
+  std::string server;
+  uint32_t concurrency = 1;
+  uint32_t prompt_len = 32;
+  uint32_t gen_len = 64;
+  uint32_t requests = 0;  // 0: 4 x concurrency
+  uint64_t seed = 1;
+  std::string json_path;
+};
+
+// Prints throughput, time to first token and inter-token latency (p50/p99).
+Status runBench(const BenchCommand& command);
+
+}  // namespace bulkhead
