@@ -203,8 +203,8 @@ WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::spawn(const SpawnOptio
   client->child_ = std::move(*child);
 
   const SteadyTime deadline = after(o.start_timeout);
-  if (Status ready = client->child_.waitReady(deadline); !ready.ok()) {
-    if (ready.code() == Code::kDeadlineExceeded) {
+  if (auto ready = client->child_.waitReady(deadline); !ready.ok()) {
+    if (ready.status().code() == Code::kDeadlineExceeded) {
       return failure(Kind::kTimedOut,
                      "worker not ready within " + std::to_string(o.start_timeout.count()) + " ms");
     }

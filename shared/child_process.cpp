@@ -101,14 +101,21 @@ void ChildProcess::reset() {
   pid_ = -1;
 }
 
-Status ChildProcess::waitReady(SteadyTime deadline) {
+Result<std::string> ChildProcess::waitReady(SteadyTime deadline) {
   if (ready_fd_ < 0) return failedPrecondition("readiness already consumed");
-  if (!waitReadable(ready_fd_, deadline)) return Status(Code::kDeadlineExceeded, "not ready");
-  char byte = 0;
-  const bool ready = ::read(ready_fd_, &byte, 1) == 1;
+  std::string message;
+  while (true) {
+    if (!waitReadable(ready_fd_, deadline)) return Status(Code::kDeadlineExceeded, "not ready");
+    char buf[256];
+    const ssize_t n = ::read(ready_fd_, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    message.append(buf, size_t(n));
+  }
   ::close(ready_fd_);
   ready_fd_ = -1;
-  return ready ? okStatus() : unavailable("exited before it was ready");
+  if (message.empty()) return unavailable("exited before it was ready");
+  return message;
 }
 
 bool ChildProcess::waitExit(SteadyTime deadline, ExitInfo* info) {

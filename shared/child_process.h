@@ -36,9 +36,9 @@ class ChildProcess {
   int exitFd() const { return pidfd_; }
   bool running() const { return pid_ > 0 && !reaped_; }
 
-  // OK once the child wrote its readiness byte; UNAVAILABLE if it closed the pipe or died first;
-  // DEADLINE_EXCEEDED if neither happened in time.
-  Status waitReady(SteadyTime deadline);
+  // What the child wrote on fd 3 before closing it (its readiness message). UNAVAILABLE if it
+  // closed the pipe empty or died first; DEADLINE_EXCEEDED if neither happened in time.
+  Result<std::string> waitReady(SteadyTime deadline);
   // Reaps the child if it exits by `deadline`; true then, with `info` filled.
   bool waitExit(SteadyTime deadline, ExitInfo* info);
   void signal(int sig);

@@ -91,6 +91,7 @@ Status runRemoteGenerate(const RemoteGenerateCommand& c) {
     if (response.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) last = response;
   }
   std::printf("\n");
+  std::fflush(stdout);
   grpc::Status status = reader->Finish();
   if (!status.ok()) return fromGrpc(status);
   const double total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();

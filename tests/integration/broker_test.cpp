@@ -1,0 +1,377 @@
+// bulkhead-broker end to end through real gRPC on the golden fixture: greedy output equals the
+// golden tokens; 32 concurrent streams each identical to the same request alone; seeded sampling
+// identical across runs and batch mixes; cancel, deadline, validation, queue full, health, Admin.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <random>
+#include <thread>
+
+#include <grpcpp/generic/generic_stub.h>
+
+#include "support/broker_process.h"
+#include "support/test_support.h"
+
+namespace bulkhead {
+namespace {
+
+using namespace std::chrono_literals;
+using test::generate;
+using test::request;
+
+class BrokerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    broker_ = new test::BrokerProcess(test::fixtureDir("tiny-qwen2"));
+  }
+  static void TearDownTestSuite() {
+    delete broker_;
+    broker_ = nullptr;
+  }
+  void SetUp() override { ASSERT_TRUE(broker_ && broker_->ok()); }
+
+  v1::Stats stats() {
+    auto admin = v1::Admin::NewStub(broker_->channel());
+    grpc::ClientContext ctx;
+    v1::Stats s;
+    EXPECT_TRUE(admin->GetStats(&ctx, {}, &s).ok());
+    return s;
+  }
+  v1::WorkerInfo worker() {
+    auto admin = v1::Admin::NewStub(broker_->channel());
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse r;
+    EXPECT_TRUE(admin->ListWorkers(&ctx, {}, &r).ok());
+    return r.workers_size() > 0 ? r.workers(0) : v1::WorkerInfo{};
+  }
+  // Every KV block is free again once nothing runs (the scheduler updates between steps).
+  void expectAllBlocksFree() {
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    v1::WorkerInfo w;
+    do {
+      w = worker();
+      if (w.kv_blocks_free() == w.kv_blocks_total()) return;
+      std::this_thread::yield();
+    } while (std::chrono::steady_clock::now() < deadline);
+    FAIL() << w.kv_blocks_free() << " of " << w.kv_blocks_total() << " blocks free";
+  }
+
+  static inline test::BrokerProcess* broker_ = nullptr;
+};
+
+TEST_F(BrokerTest, GreedyOutputEqualsGoldenTokens) {
+  const test::Golden golden = test::loadGolden(test::fixtureDir("tiny-qwen2"));
+  for (const auto& c : golden.cases) {
+    auto r = request(c.prompt, uint32_t(c.greedy.size()));
+    r.set_ignore_eos(true);
+    r.set_request_id("golden");
+    test::Generation g = generate(*broker_->channel(), r);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.tokens, c.greedy);
+    EXPECT_EQ(g.finish, v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(g.usage.prompt_tokens(), c.prompt.size());
+    EXPECT_EQ(g.usage.completion_tokens(), c.greedy.size());
+    ASSERT_EQ(g.logprobs.size(), g.tokens.size());
+    for (float lp : g.logprobs) EXPECT_LE(lp, 0.0f);
+  }
+}
+
+v1::GenerateRequest mixedRequest(int i) {
+  std::mt19937 rng(uint32_t(1000 + i));
+  std::vector<uint32_t> prompt(1 + rng() % 40);
+  for (auto& t : prompt) t = 3 + rng() % 500;
+  auto r = request(prompt, 5 + rng() % 60);
+  r.set_ignore_eos(true);
+  if (i % 2 == 1) {  // half greedy, half seeded sampling with assorted filters
+    auto* s = r.mutable_sampling();
+    s->set_temperature(0.7f + 0.1f * float(i % 5));
+    s->set_seed(uint64_t(i) * 31 + 7);
+    if (i % 3 == 0) s->set_top_k(20);
+    if (i % 5 == 1) s->set_top_p(0.9f);
+    if (i % 7 == 3) s->set_min_p(0.05f);
+    if (i % 4 == 1) s->set_repetition_penalty(1.2f);
+    if (i % 6 == 5) s->set_frequency_penalty(0.5f);
+  }
+  return r;
+}
+
+TEST_F(BrokerTest, ConcurrentStreamsMatchTheSameRequestAlone) {
+  constexpr int kStreams = 32;
+  std::vector<test::Generation> alone(kStreams), together(kStreams);
+  for (int i = 0; i < kStreams; ++i) {
+    alone[i] = generate(*broker_->channel(), mixedRequest(i));
+    ASSERT_TRUE(alone[i].status.ok()) << alone[i].status.error_message();
+  }
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] { together[i] = generate(*broker_->channel(), mixedRequest(i)); });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(together[i].status.ok()) << together[i].status.error_message();
+    EXPECT_EQ(together[i].tokens, alone[i].tokens) << "stream " << i;
+    EXPECT_EQ(together[i].logprobs, alone[i].logprobs) << "stream " << i;
+    EXPECT_EQ(together[i].tokens.size(), mixedRequest(i).max_tokens());
+  }
+  expectAllBlocksFree();
+}
+
+TEST_F(BrokerTest, SeededSamplingIsReproducibleAndUnseededRecordsItsSeed) {
+  auto r = request({5, 6, 7}, 40);
+  r.set_ignore_eos(true);
+  r.mutable_sampling()->set_temperature(1.0f);
+  r.mutable_sampling()->set_seed(1234);
+  test::Generation a = generate(*broker_->channel(), r);
+  test::Generation b = generate(*broker_->channel(), r);
+  ASSERT_TRUE(a.status.ok() && b.status.ok());
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.usage.seed(), 1234u);
+  r.mutable_sampling()->set_seed(1235);
+  EXPECT_NE(generate(*broker_->channel(), r).tokens, a.tokens);
+
+  auto unseeded = request({5, 6, 7}, 40);
+  unseeded.set_ignore_eos(true);
+  unseeded.mutable_sampling()->set_temperature(1.0f);
+  test::Generation u = generate(*broker_->channel(), unseeded);
+  ASSERT_TRUE(u.status.ok());
+  unseeded.mutable_sampling()->set_seed(u.usage.seed());
+  EXPECT_EQ(generate(*broker_->channel(), unseeded).tokens, u.tokens)
+      << "replaying with the recorded seed must reproduce the output";
+}
+
+TEST_F(BrokerTest, StopTokensAndEos) {
+  // Greedy case 2 of the golden file continues 144,123,123,...: stop at 123.
+  auto r = request({369, 137, 41, 124, 111, 365, 251}, 20);
+  r.add_stop_token_ids(123);
+  test::Generation g = generate(*broker_->channel(), r);
+  ASSERT_TRUE(g.status.ok());
+  EXPECT_EQ(g.tokens, (std::vector<uint32_t>{144, 123}));
+  EXPECT_EQ(g.finish, v1::FINISH_REASON_STOP);
+  // EOS (token 2, from generation_config.json) ends a generation unless ignore_eos. Near-uniform
+  // seeded sampling reaches it within a few seeds; the seeds make the search deterministic.
+  bool found = false;
+  for (uint64_t seed = 0; seed < 40 && !found; ++seed) {
+    auto eos = request({1}, 250);
+    eos.mutable_sampling()->set_temperature(50.0f);
+    eos.mutable_sampling()->set_seed(seed);
+    test::Generation e = generate(*broker_->channel(), eos);
+    ASSERT_TRUE(e.status.ok());
+    if (e.finish != v1::FINISH_REASON_STOP) continue;
+    found = true;
+    EXPECT_EQ(e.tokens.back(), 2u);
+    eos.set_ignore_eos(true);
+    test::Generation past = generate(*broker_->channel(), eos);
+    ASSERT_TRUE(past.status.ok());
+    EXPECT_EQ(past.finish, v1::FINISH_REASON_LENGTH);
+    ASSERT_EQ(past.tokens.size(), 250u);
+    EXPECT_TRUE(std::equal(e.tokens.begin(), e.tokens.end(), past.tokens.begin()));
+  }
+  EXPECT_TRUE(found) << "no seed reached EOS";
+}
+
+TEST_F(BrokerTest, ValidationErrorsNameTheField) {
+  struct Case {
+    std::function<void(v1::GenerateRequest&)> edit;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& r) { r.clear_prompt_token_ids(); }, "prompt_token_ids: empty"},
+      {[](auto& r) { r.add_prompt_token_ids(512); }, "prompt_token_ids[3]: 512 >= vocab size"},
+      {[](auto& r) { r.set_max_tokens(0); }, "max_tokens: must be at least 1"},
+      {[](auto& r) { r.set_max_tokens(254); }, "exceeds the context of 256"},
+      {[](auto& r) { r.mutable_sampling()->set_temperature(-1); }, "sampling.temperature"},
+      {[](auto& r) { r.mutable_sampling()->set_temperature(NAN); }, "sampling.temperature"},
+      {[](auto& r) { r.mutable_sampling()->set_top_p(1.5f); }, "sampling.top_p"},
+      {[](auto& r) { r.mutable_sampling()->set_top_p(-0.1f); }, "sampling.top_p"},
+      {[](auto& r) { r.mutable_sampling()->set_min_p(2); }, "sampling.min_p"},
+      {[](auto& r) { r.mutable_sampling()->set_repetition_penalty(-1); },
+       "sampling.repetition_penalty"},
+      {[](auto& r) { r.mutable_sampling()->set_presence_penalty(3); }, "sampling.presence_penalty"},
+      {[](auto& r) { r.mutable_sampling()->set_frequency_penalty(-3); },
+       "sampling.frequency_penalty"},
+      {[](auto& r) { r.add_stop_token_ids(600); }, "stop_token_ids[0]"},
+      {[](auto& r) { r.set_top_logprobs(21); }, "top_logprobs"},
+      {[](auto& r) { r.set_request_id(std::string(300, 'x')); }, "request_id"},
+  };
+  for (const Case& c : cases) {
+    auto r = request({1, 2, 3}, 4);
+    c.edit(r);
+    test::Generation g = generate(*broker_->channel(), r);
+    EXPECT_EQ(g.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
+    EXPECT_NE(g.status.error_message().find(c.field), std::string::npos)
+        << g.status.error_message();
+    EXPECT_TRUE(g.tokens.empty());
+  }
+}
+
+TEST_F(BrokerTest, CancelFreesBlocksWithinAStep) {
+  auto stub = v1::Generator::NewStub(broker_->channel());
+  auto r = request({1, 2, 3}, 250);
+  r.set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, r);
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(reader->Read(&resp));
+  ctx.TryCancel();
+  while (reader->Read(&resp)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  expectAllBlocksFree();
+}
+
+TEST_F(BrokerTest, DeadlineEndsTheRequestAndFreesBlocks) {
+  // Enough work that it cannot finish in 5 ms on any machine: 32 long streams at once.
+  std::vector<std::thread> threads;
+  std::vector<grpc::StatusCode> codes(8);
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      auto r = request({uint32_t(1 + i), 2, 3}, 250);
+      r.set_ignore_eos(true);
+      codes[i] = generate(*broker_->channel(), r, 5ms).status.error_code();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto c : codes) EXPECT_EQ(c, grpc::StatusCode::DEADLINE_EXCEEDED);
+  expectAllBlocksFree();
+}
+
+// Server reflection, spoken with a generic stub so the test needs no reflection stubs:
+// ServerReflectionRequest{list_services: "*"} is field 7, a length-delimited "*".
+std::string listServicesViaReflection(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+  auto call =
+      stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok;
+  auto next = [&] { return cq.Next(&tag, &ok) && ok; };
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!next()) return "start failed";
+  const char request[] = {0x3a, 0x01, '*'};
+  grpc::Slice slice(request, sizeof(request));
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  if (!next()) return "write failed";
+  grpc::ByteBuffer in;
+  call->Read(&in, reinterpret_cast<void*>(3));
+  if (!next()) return "read failed";
+  std::vector<grpc::Slice> slices;
+  (void)in.Dump(&slices);
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  call->WritesDone(reinterpret_cast<void*>(4));
+  next();
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  next();
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return bytes;
+}
+
+TEST_F(BrokerTest, HealthAndReflectionAreServed) {
+  const std::string services = listServicesViaReflection(broker_->channel());
+  EXPECT_NE(services.find("bulkhead.v1.Generator"), std::string::npos) << services;
+  EXPECT_NE(services.find("bulkhead.v1.Admin"), std::string::npos) << services;
+  EXPECT_NE(services.find("grpc.health.v1.Health"), std::string::npos) << services;
+
+  auto health = grpc::health::v1::Health::NewStub(broker_->channel());
+  for (const std::string service : {"", "bulkhead.v1.Generator"}) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  const v1::WorkerInfo w = worker();
+  EXPECT_EQ(w.state(), "ready");
+  EXPECT_GT(w.incarnation(), 0u);
+  EXPECT_EQ(w.backend(), "cpu");
+}
+
+TEST(BrokerQueueTest, FullQueueIsResourceExhausted) {
+  // One sequence at a time, one waiting: the third concurrent request finds the queue full.
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                             {"--max-running", "1", "--max-waiting", "1"});
+  ASSERT_TRUE(broker.ok());
+  std::vector<std::future<test::Generation>> calls;
+  for (int i = 0; i < 12; ++i) {
+    calls.push_back(std::async(std::launch::async, [&, i] {
+      auto r = request({uint32_t(3 + i), 4, 5}, 250);
+      r.set_ignore_eos(true);
+      return generate(*broker.channel(), r);
+    }));
+  }
+  int exhausted = 0, ok = 0;
+  for (auto& c : calls) {
+    test::Generation g = c.get();
+    if (g.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++exhausted;
+      EXPECT_NE(g.status.error_message().find("queue is full"), std::string::npos);
+    } else {
+      EXPECT_TRUE(g.status.ok()) << g.status.error_message();
+      ++ok;
+    }
+  }
+  EXPECT_GT(exhausted, 0);
+  EXPECT_GE(ok, 2);
+}
+
+TEST(BrokerDrainTest, DrainFinishesRunningRequestsThenReportsNotServing) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"));
+  ASSERT_TRUE(broker.ok());
+  // A request that is streaming when the drain starts runs to its end.
+  auto stub = v1::Generator::NewStub(broker.channel());
+  auto r = request({7, 8, 9}, 200);
+  r.set_ignore_eos(true);
+  grpc::ClientContext stream_ctx;
+  auto reader = stub->Generate(&stream_ctx, r);
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(reader->Read(&resp));
+  size_t tokens = size_t(resp.token_ids_size());
+  auto admin = v1::Admin::NewStub(broker.channel());
+  auto drain = std::async(std::launch::async, [&] {
+    grpc::ClientContext ctx;
+    v1::DrainResponse drained;
+    return std::make_pair(admin->Drain(&ctx, {}, &drained), drained.drained());
+  });
+  while (reader->Read(&resp)) tokens += size_t(resp.token_ids_size());
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(tokens, 200u);
+  auto [drain_status, drained] = drain.get();
+  ASSERT_TRUE(drain_status.ok()) << drain_status.error_message();
+  test::Generation after = generate(*broker.channel(), request({1}, 2));
+  EXPECT_EQ(after.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  auto health = grpc::health::v1::Health::NewStub(broker.channel());
+  grpc::ClientContext hctx;
+  grpc::health::v1::HealthCheckResponse health_resp;
+  ASSERT_TRUE(health->Check(&hctx, {}, &health_resp).ok());
+  EXPECT_EQ(health_resp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+}
+
+TEST(BrokerRestartTest, AdminRestartReplaysInFlightSequencesLosslessly) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"));
+  ASSERT_TRUE(broker.ok());
+  auto r = request({11, 12, 13}, 240);
+  r.set_ignore_eos(true);
+  r.mutable_sampling()->set_temperature(0.9f);
+  r.mutable_sampling()->set_seed(99);
+  const test::Generation reference = generate(*broker.channel(), r);
+  ASSERT_TRUE(reference.status.ok());
+  auto during = std::async(std::launch::async, [&] { return generate(*broker.channel(), r); });
+  auto admin = v1::Admin::NewStub(broker.channel());
+  grpc::ClientContext ctx;
+  v1::RestartWorkerResponse restarted;
+  ASSERT_TRUE(admin->RestartWorker(&ctx, {}, &restarted).ok());
+  EXPECT_NE(restarted.old_incarnation(), restarted.new_incarnation());
+  const test::Generation g = during.get();
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.tokens, reference.tokens);
+}
+
+}  // namespace
+}  // namespace bulkhead

@@ -1,0 +1,105 @@
+// A real bulkhead-broker process for end-to-end tests: started on port 0 with a readiness pipe,
+// stopped (SIGTERM, then SIGKILL) on destruction. Plus small gRPC client helpers.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "bulkhead/v1/generator.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "shared/child_process.h"
+
+namespace bulkhead::test {
+
+class BrokerProcess {
+ public:
+  // Starts the broker on `model` with extra flags; waits until it serves.
+  explicit BrokerProcess(const std::string& model, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {std::string(BULKHEAD_BIN_DIR) + "/bulkhead-broker",
+                                     "--model",
+                                     model,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--backend",
+                                     "cpu",
+                                     "--ready-fd",
+                                     "3",
+                                     "--log-level",
+                                     "warn"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto child = ChildProcess::spawn(args);
+    if (!child.ok()) {
+      ADD_FAILURE() << child.status().toString();
+      return;
+    }
+    process_ = std::move(*child);
+    auto ready = process_.waitReady(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+    if (!ready.ok()) {
+      ADD_FAILURE() << "broker did not become ready: " << ready.status().toString();
+      return;
+    }
+    address_ = ready->substr(0, ready->find('\n'));
+    channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+  }
+  ~BrokerProcess() {
+    channel_.reset();
+    process_.signal(SIGTERM);
+    ExitInfo info;
+    if (!process_.waitExit(std::chrono::steady_clock::now() + std::chrono::seconds(20), &info)) {
+      ADD_FAILURE() << "broker did not exit on SIGTERM";
+    }
+  }
+
+  bool ok() const { return channel_ != nullptr; }
+  const std::string& address() const { return address_; }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  ChildProcess& process() { return process_; }
+
+ private:
+  ChildProcess process_;
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+struct Generation {
+  grpc::Status status;
+  std::vector<uint32_t> tokens;
+  std::vector<float> logprobs;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  v1::Usage usage;
+  size_t messages = 0;
+};
+
+inline Generation generate(grpc::Channel& channel, const v1::GenerateRequest& request,
+                           std::chrono::milliseconds deadline = std::chrono::seconds(60)) {
+  auto stub = v1::Generator::NewStub(std::shared_ptr<grpc::Channel>(&channel, [](auto*) {}));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + deadline);
+  auto reader = stub->Generate(&context, request);
+  Generation g;
+  v1::GenerateResponse r;
+  while (reader->Read(&r)) {
+    ++g.messages;
+    g.tokens.insert(g.tokens.end(), r.token_ids().begin(), r.token_ids().end());
+    for (const auto& lp : r.logprobs()) g.logprobs.push_back(lp.logprob());
+    if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      g.finish = r.finish_reason();
+      g.usage = r.usage();
+    }
+  }
+  g.status = reader->Finish();
+  return g;
+}
+
+inline v1::GenerateRequest request(std::vector<uint32_t> prompt, uint32_t max_tokens) {
+  v1::GenerateRequest r;
+  for (uint32_t t : prompt) r.add_prompt_token_ids(t);
+  r.set_max_tokens(max_tokens);
+  return r;
+}
+
+}  // namespace bulkhead::test
