@@ -375,3 +375,41 @@ TEST(BrokerRestartTest, AdminRestartReplaysInFlightSequencesLosslessly) {
 
 }  // namespace
 }  // namespace bulkhead
+
+namespace bulkhead {
+namespace {
+
+TEST(BrokerPreemptionTest, RecomputeAfterPreemptionGivesTheSameTokens) {
+  // 24 blocks of 16 positions: eight 200-token generations cannot all hold their caches, so
+  // the newest are preempted and recomputed.
+  test::BrokerProcess tight(test::fixtureDir("tiny-qwen2"), {"--kv-blocks", "24"});
+  ASSERT_TRUE(tight.ok());
+  auto make = [](int i) {
+    auto r = request({uint32_t(20 + i), 21, 22, 23, 24, 25, 26, 27}, 200);
+    r.set_ignore_eos(true);
+    if (i % 2) {
+      r.mutable_sampling()->set_temperature(1.0f);
+      r.mutable_sampling()->set_seed(uint64_t(i));
+    }
+    return r;
+  };
+  std::vector<test::Generation> alone(8), together(8);
+  for (int i = 0; i < 8; ++i) alone[i] = generate(*tight.channel(), make(i));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i)
+    threads.emplace_back([&, i] { together[i] = generate(*tight.channel(), make(i)); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(alone[i].status.ok()) << alone[i].status.error_message();
+    ASSERT_TRUE(together[i].status.ok()) << together[i].status.error_message();
+    EXPECT_EQ(together[i].tokens, alone[i].tokens) << "stream " << i;
+  }
+  auto admin = v1::Admin::NewStub(tight.channel());
+  grpc::ClientContext ctx;
+  v1::Stats stats;
+  ASSERT_TRUE(admin->GetStats(&ctx, {}, &stats).ok());
+  EXPECT_GT(stats.preemptions(), 0u) << "the test did not exercise preemption";
+}
+
+}  // namespace
+}  // namespace bulkhead

@@ -320,6 +320,30 @@ INSTANTIATE_TEST_SUITE_P(
                                    Kind::kProtocolViolation, IntegrityCheck::kNone}),
     [](const ::testing::TestParamInfo<RowFaultCase>& info) { return info.param.name; });
 
+TEST_F(WorkerProcessTest, ConnectsToAWorkerItDidNotSpawn) {
+  // As under systemd: the worker runs on its own; the client only connects.
+  const std::string socket = dir_.file("standalone.sock");
+  auto child = ChildProcess::spawn({std::string(BULKHEAD_BIN_DIR) + "/bulkhead-worker", "--model",
+                                    test::fixtureDir("tiny-qwen2"), "--socket", socket, "--backend",
+                                    "cpu", "--ready-fd", "3", "--log-level", "warn"});
+  ASSERT_TRUE(child.ok());
+  ASSERT_TRUE(child->waitReady(std::chrono::steady_clock::now() + 30s).ok());
+  auto client = WorkerClient::connect(socket, 10s);
+  ASSERT_TRUE(client.ok()) << client.error().toString();
+  EXPECT_EQ((*client)->hello().pid, child->pid());
+  OneStep s;
+  SequenceStep seq = s.step();
+  EXPECT_TRUE((*client)->step(next_step_++, {&seq, 1}, kStepTimeout).ok());
+  // The worker's exit is seen as a lost connection.
+  child->signal(SIGKILL);
+  auto r = (*client)->step(next_step_++, {&seq, 1}, kStepTimeout);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, Kind::kExited) << r.error().toString();
+  ExitInfo info;
+  ASSERT_TRUE(child->waitExit(std::chrono::steady_clock::now() + 10s, &info));
+  EXPECT_GE(LogitsArena::collectStale(), 1);  // the killed worker's arena
+}
+
 TEST_F(WorkerProcessTest, CleanShutdownRemovesSocketAndArena) {
   auto client = spawn();
   ASSERT_TRUE(client);
