@@ -1,7 +1,11 @@
-// Scheduler: admission, step packing, preemption, sampling, stop conditions, worker replacement.
+// Scheduler: admission, step packing, preemption, sampling, token release, stop conditions,
+// worker supervision, canary and fault-injection bookkeeping.
 #include "broker/scheduler.h"
 
-#include <sys/random.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 
@@ -10,6 +14,15 @@
 namespace bulkhead {
 
 using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+double msBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
 
 struct Scheduler::Sequence {
   uint64_t id = 0;
@@ -19,18 +32,30 @@ struct Scheduler::Sequence {
   uint32_t prompt_len = 0;
   uint32_t computed = 0;  // tokens whose KV the current worker holds
   std::vector<uint32_t> blocks;
+  // Generated tokens not yet sent: the step that produced each, and what to send.
+  uint32_t released = 0;              // generated tokens already sent to the client
+  std::vector<uint64_t> token_steps;  // per generated token
+  std::vector<TokenChoice> unreleased;
+  FinishReason finish_reason = FinishReason::kNone;
   // Set when assembling a step.
   uint32_t chunk = 0;
   bool wants_row = false;
 
   std::span<const uint32_t> generated() const { return std::span(tokens).subspan(prompt_len); }
+  uint32_t generatedCount() const { return uint32_t(tokens.size()) - prompt_len; }
 };
 
 Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options)
-    : factory_(std::move(factory)), model_(std::move(model)), options_(options) {}
+    : factory_(std::move(factory)),
+      model_(std::move(model)),
+      options_(std::move(options)),
+      canaries_(options_.state_dir) {
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+}
 
 Scheduler::~Scheduler() {
   stop();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void Scheduler::start() {
@@ -40,11 +65,30 @@ void Scheduler::start() {
 void Scheduler::stop() {
   {
     std::lock_guard lock(mu_);
-    if (stopping_ && !thread_.joinable()) return;
     stopping_ = true;
   }
-  wake_.notify_all();
+  notify();
   if (thread_.joinable()) thread_.join();
+}
+
+void Scheduler::notify() {
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+}
+
+void Scheduler::waitForWork(Clock::time_point until) {
+  // Wakes on a notification, on the worker process exiting, or at `until`.
+  const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now()).count();
+  pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {-1, POLLIN, 0}};
+  int count = 1;
+  if (worker_ && worker_->exitFd() >= 0) {
+    fds[1].fd = worker_->exitFd();
+    count = 2;
+  }
+  if (::poll(fds, nfds_t(count), int(std::clamp<int64_t>(left, 0, 60'000))) > 0) {
+    uint64_t value;
+    [[maybe_unused]] ssize_t n = ::read(wake_fd_, &value, sizeof(value));
+  }
 }
 
 void Scheduler::setServingCallback(std::function<void(bool)> callback) {
@@ -58,6 +102,7 @@ void Scheduler::setServing(bool serving) {
   {
     std::lock_guard lock(mu_);
     if (serving_ == serving) return;
+    if (serving && draining_) return;  // a drained broker stays NOT_SERVING
     serving_ = serving;
     callback = serving_callback_;
   }
@@ -89,7 +134,7 @@ Status Scheduler::submit(GenerationRequest request, std::shared_ptr<TokenSink> s
     seq->id = next_sequence_id_++;
     incoming_.push_back(std::move(seq));
   }
-  wake_.notify_all();
+  notify();
   return okStatus();
 }
 
@@ -103,11 +148,13 @@ WorkerStatus Scheduler::workerStatus() const {
   return worker_status_;
 }
 
-Result<uint32_t> Scheduler::drain(std::chrono::milliseconds timeout) {
+Result<uint32_t> Scheduler::drain(milliseconds timeout) {
   std::unique_lock lock(mu_);
   draining_ = true;
   finished_while_draining_ = 0;
-  wake_.notify_all();
+  lock.unlock();
+  notify();
+  lock.lock();
   const bool done = idle_.wait_for(lock, timeout, [&] {
     return stopping_ ||
            (incoming_.empty() && stats_.requests_running == 0 && stats_.requests_waiting == 0);
@@ -122,15 +169,121 @@ Result<uint32_t> Scheduler::drain(std::chrono::milliseconds timeout) {
   return finished;
 }
 
-Result<std::pair<uint64_t, uint64_t>> Scheduler::restartWorker(std::chrono::milliseconds timeout) {
+Result<std::pair<uint64_t, uint64_t>> Scheduler::restartWorker(milliseconds timeout) {
   std::unique_lock lock(mu_);
-  const uint64_t generation = ++restart_generation_;
   restart_requested_ = true;
-  wake_.notify_all();
+  lock.unlock();
+  notify();
+  lock.lock();
   const bool done = idle_.wait_for(lock, timeout, [&] { return !restart_requested_ || stopping_; });
   if (!done || restart_requested_) return unavailable("restart did not complete in time");
-  (void)generation;
   return last_restart_;
+}
+
+Result<InjectionOutcome> Scheduler::injectFault(ChaosFault fault, uint64_t random,
+                                                milliseconds timeout) {
+  auto injection = std::make_shared<Injection>();
+  injection->fault = fault;
+  injection->random = random;
+  std::unique_lock lock(mu_);
+  if (injection_) return failedPrecondition("another injection is in progress");
+  injection_ = injection;
+  lock.unlock();
+  notify();
+  lock.lock();
+  const bool settled = idle_.wait_for(lock, timeout, [&] {
+    return stopping_ || injection->recovered_at != Clock::time_point{} ||
+           (injection->applied && injection->at == Clock::time_point{});
+  });
+  injection_.reset();
+  if (injection->applied && injection->at == Clock::time_point{})
+    return failedPrecondition(injection->detected_as);  // refused by the worker
+  InjectionOutcome out;
+  out.detected = injection->detected_at != Clock::time_point{};
+  out.recovered = injection->recovered_at != Clock::time_point{};
+  out.detected_as = injection->detected_as;
+  if (out.detected) out.detection_ms = msBetween(injection->at, injection->detected_at);
+  if (out.recovered) out.recovery_ms = msBetween(injection->detected_at, injection->recovered_at);
+  (void)settled;
+  return out;
+}
+
+// Runs on the scheduler thread: applies a pending injection to the current worker.
+void Scheduler::applyInjection() {
+  std::shared_ptr<Injection> inj;
+  {
+    std::lock_guard lock(mu_);
+    if (!injection_ || injection_->applied) return;
+    inj = injection_;
+  }
+  if (!worker_) return;  // wait for a worker
+  const uint64_t r = inj->random;
+  WorkerFailure armed;
+  const milliseconds rpc(5'000);
+  switch (inj->fault) {
+    case ChaosFault::kWorkerKill:
+      worker_->kill(SIGKILL);
+      break;
+    case ChaosFault::kWorkerHang:
+      worker_->kill(SIGSTOP);
+      break;
+    case ChaosFault::kWeightBitflip:
+      armed = worker_->injectFault(
+          {.kind = FaultKind::kWeightBitflip,
+           .byte_offset = r % std::max<uint64_t>(1, worker_->hello().weight_bytes),
+           .bit = uint8_t((r >> 56) % 8)},
+          rpc);
+      break;
+    case ChaosFault::kLogitsCorrupt:
+      armed =
+          worker_->injectFault({.kind = FaultKind::kCorruptPayload, .row = uint32_t(r % 64)}, rpc);
+      break;
+    case ChaosFault::kLogitsNan:
+      armed = worker_->injectFault({.kind = FaultKind::kNanRow, .row = uint32_t(r % 64)}, rpc);
+      break;
+    case ChaosFault::kTornWrite:
+      armed = worker_->injectFault({.kind = FaultKind::kTornWrite, .row = uint32_t(r % 64)}, rpc);
+      break;
+    case ChaosFault::kStaleEpoch:
+      armed = worker_->injectFault(
+          {.kind = (r & 1) ? FaultKind::kStaleIncarnation : FaultKind::kStaleStep,
+           .row = uint32_t((r >> 1) % 64)},
+          rpc);
+      break;
+    case ChaosFault::kSlowStep: {
+      // Slower than the step deadline: the supervisor must notice and replace the worker.
+      const auto delay = options_.step_timeout_base * 3;
+      armed = worker_->injectFault(
+          {.kind = FaultKind::kSlowStep, .delay_ms = uint32_t(delay.count())}, rpc);
+      break;
+    }
+  }
+  std::lock_guard lock(mu_);
+  inj->applied = true;
+  if (!armed.ok()) {
+    inj->detected_as = "injection refused: " + armed.toString();
+    idle_.notify_all();
+    return;
+  }
+  inj->at = Clock::now();
+}
+
+void Scheduler::recordFailure(const std::string& what) {
+  std::lock_guard lock(mu_);
+  if (injection_ && injection_->applied && injection_->at != Clock::time_point{} &&
+      injection_->detected_at == Clock::time_point{}) {
+    injection_->detected_at = Clock::now();
+    injection_->detected_as = what;
+  }
+}
+
+void Scheduler::recordSuccess() {
+  std::lock_guard lock(mu_);
+  if (injection_ && injection_->detected_at != Clock::time_point{} &&
+      injection_->recovered_at == Clock::time_point{}) {
+    injection_->recovered_at = Clock::now();
+    idle_.notify_all();
+  }
 }
 
 uint32_t Scheduler::blocksFor(uint64_t positions) const {
@@ -147,11 +300,22 @@ bool Scheduler::growBlocks(Sequence& seq, uint64_t positions) {
   return true;
 }
 
-void Scheduler::finish(Sequence& seq, FinishReason reason, const Status& status) {
+void Scheduler::freeBlocks(Sequence& seq) {
   for (uint32_t b : seq.blocks) blocks_.release(b);
   seq.blocks.clear();
-  Usage usage{seq.prompt_len, uint32_t(seq.tokens.size() - seq.prompt_len),
-              seq.request.sampling.seed};
+  seq.computed = 0;
+}
+
+bool Scheduler::hasUnreleased() const {
+  if (!finishing_.empty()) return true;
+  for (const auto& s : running_)
+    if (!s->unreleased.empty()) return true;
+  return false;
+}
+
+void Scheduler::finish(Sequence& seq, FinishReason reason, const Status& status) {
+  freeBlocks(seq);
+  Usage usage{seq.prompt_len, seq.released, seq.request.sampling.seed};
   seq.sink->onFinish(reason, usage, status);
   std::lock_guard lock(mu_);
   if (status.ok()) {
@@ -163,9 +327,11 @@ void Scheduler::finish(Sequence& seq, FinishReason reason, const Status& status)
 }
 
 void Scheduler::failAll(const Status& status) {
-  for (auto& s : running_) finish(*s, FinishReason::kNone, status);
+  for (auto* list : {&running_, &finishing_}) {
+    for (auto& s : *list) finish(*s, FinishReason::kNone, status);
+    list->clear();
+  }
   for (auto& s : waiting_) finish(*s, FinishReason::kNone, status);
-  running_.clear();
   waiting_.clear();
 }
 
@@ -174,94 +340,224 @@ void Scheduler::preemptLast() {
   // whole history; it will be re-prefilled when blocks free up.
   std::unique_ptr<Sequence> victim = std::move(running_.back());
   running_.pop_back();
-  for (uint32_t b : victim->blocks) blocks_.release(b);
-  victim->blocks.clear();
-  victim->computed = 0;
+  freeBlocks(*victim);
   waiting_.push_front(std::move(victim));
   std::lock_guard lock(mu_);
   ++stats_.preemptions;
 }
 
+// Every sequence the worker was computing goes back to waiting with an empty cache, in order.
+void Scheduler::requeueAll() {
+  std::vector<std::unique_ptr<Sequence>> all;
+  for (auto& s : running_) all.push_back(std::move(s));
+  for (auto& s : finishing_) all.push_back(std::move(s));
+  running_.clear();
+  finishing_.clear();
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a->id < b->id; });
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    freeBlocks(**it);
+    (*it)->finish_reason = FinishReason::kNone;
+    waiting_.push_front(std::move(*it));
+  }
+  for (auto& s : waiting_) freeBlocks(*s);
+}
+
+// Forgets every token produced by step `from_step` or later; none of them was sent.
+void Scheduler::rollBack(uint64_t from_step) {
+  uint64_t dropped = 0;
+  auto cut = [&](Sequence& s) {
+    size_t keep = s.released;
+    while (keep < s.token_steps.size() && s.token_steps[keep] < from_step) ++keep;
+    const size_t drop = s.token_steps.size() - keep;
+    if (drop == 0) return;
+    s.tokens.resize(s.tokens.size() - drop);
+    s.token_steps.resize(keep);
+    s.unreleased.resize(s.unreleased.size() - drop);
+    dropped += drop;
+  };
+  for (auto& s : running_) cut(*s);
+  for (auto& s : finishing_) cut(*s);
+  for (auto& s : waiting_) cut(*s);
+  uint64_t replayed = running_.size() + finishing_.size();
+  requeueAll();
+  spdlog::warn("rolled back {} unsent tokens from step {} on; replaying {} sequences", dropped,
+               from_step, replayed);
+  std::lock_guard lock(mu_);
+  stats_.replayed_sequences += replayed;
+}
+
+void Scheduler::release(uint64_t clean_through) {
+  auto send = [&](Sequence& s) {
+    size_t n = 0;
+    while (n < s.unreleased.size() && s.token_steps[s.released + n] <= clean_through) ++n;
+    if (n == 0) return;
+    s.sink->onTokens(std::span(s.unreleased).first(n));
+    s.unreleased.erase(s.unreleased.begin(), s.unreleased.begin() + long(n));
+    s.released += uint32_t(n);
+  };
+  for (auto& s : running_) send(*s);
+  for (auto& s : finishing_) send(*s);
+  std::erase_if(finishing_, [&](std::unique_ptr<Sequence>& s) {
+    if (!s->unreleased.empty()) return false;
+    finish(*s, s->finish_reason, okStatus());
+    return true;
+  });
+}
+
+void Scheduler::applyScrub(const ScrubStatus& scrub) {
+  if (!scrub.corruptions.empty()) {
+    uint64_t from = UINT64_MAX;
+    for (const auto& c : scrub.corruptions) {
+      spdlog::error(
+          "worker repaired corrupted weights in {} (bytes {}..{}); steps from {} replayed",
+          c.tensor, c.offset, c.offset + c.bytes, c.suspect_from_step);
+      from = std::min(from, c.suspect_from_step);
+    }
+    {
+      std::lock_guard lock(mu_);
+      stats_.weight_corruptions += scrub.corruptions.size();
+    }
+    recordFailure("weight corruption in " + scrub.corruptions[0].tensor);
+    rollBack(from);
+    return;
+  }
+  release(worker_->hello().scrubbing ? scrub.clean_through : UINT64_MAX);
+}
+
+bool Scheduler::passesCanary() {
+  const WorkerHello& h = worker_->hello();
+  const std::vector<uint32_t> tokens = canaryTokens(h.vocab_size);
+  std::vector<uint32_t> blocks, rows;
+  for (uint32_t b = 0; b < blocksFor(tokens.size()); ++b) blocks.push_back(b);
+  for (uint32_t r = 0; r < std::min<size_t>(tokens.size(), h.arena_slots); ++r) rows.push_back(r);
+  if (blocks.size() > h.kv_block_count || h.max_step_tokens < tokens.size()) return true;
+  SequenceStep step{.sequence_id = 0,
+                    .start_position = 0,
+                    .tokens = tokens,
+                    .kv_blocks = blocks,
+                    .logits_rows = rows};
+  auto result = worker_->step(next_step_id_++, {&step, 1}, options_.step_timeout_base);
+  last_canary_ = Clock::now();
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.canary_runs;
+  }
+  std::string why;
+  if (!result.ok()) {
+    why = "canary step failed: " + result.error().toString();
+  } else if (!result->scrub.corruptions.empty()) {
+    why = "canary: worker found corrupted weights in " + result->scrub.corruptions[0].tensor;
+  } else {
+    Status s =
+        canaries_.check(h.model_identity, h.backend, h.weight_digest, canaryDigest(result->rows));
+    if (s.ok()) return true;
+    why = s.message();
+  }
+  spdlog::error("worker incarnation {} quarantined: {}", h.incarnation, why);
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.canary_failures;
+  }
+  recordFailure(why);
+  replaceWorker(why);
+  return false;
+}
+
 bool Scheduler::ensureWorker() {
   if (worker_) return true;
+  if (Clock::now() < next_start_at_) return false;
   const uint64_t incarnation = next_incarnation_++;
   {
     std::lock_guard lock(mu_);
     if (worker_status_.state != "failed") worker_status_.state = "starting";
   }
   auto started = factory_(incarnation);
-  if (!started.ok()) {
-    ++failed_starts_;
-    const std::string why = started.error().toString();
-    spdlog::error("worker start {} failed ({} in a row): {}", incarnation, failed_starts_, why);
-    backoff_ = backoff_.count() == 0 ? options_.restart_backoff_initial
-                                     : std::min(options_.restart_backoff_max, backoff_ * 2);
-    bool now_failed = false;
+  if (started.ok()) {
+    worker_ = std::move(*started);
+    if (worker_->hello().vocab_size != model_.vocab_size) {
+      const std::string why = "worker reports vocabulary " +
+                              std::to_string(worker_->hello().vocab_size) + ", the model has " +
+                              std::to_string(model_.vocab_size);
+      replaceWorker(why);
+      return false;
+    }
+    blocks_.reset(worker_->hello().kv_block_count);
+    worker_proven_ = false;
+    if (!passesCanary()) return false;
+    const WorkerHello& h = worker_->hello();
     {
       std::lock_guard lock(mu_);
-      worker_status_.last_failure = why;
-      if (failed_starts_ >= options_.max_failed_starts && worker_status_.state != "failed") {
-        worker_status_.state = "failed";
-        now_failed = true;
-      }
+      worker_status_.state = "ready";
+      worker_status_.incarnation = h.incarnation;
+      worker_status_.pid = h.pid;
+      worker_status_.backend = h.backend;
+      worker_status_.kv_blocks_total = h.kv_block_count;
     }
-    if (now_failed) {
-      spdlog::error("worker marked failed after {} failed starts; failing queued requests",
-                    failed_starts_);
-      setServing(false);
-      failAll(unavailable("no healthy worker: " + why));
-    }
-    return false;
+    spdlog::info("worker incarnation {} ready (pid {}, {} backend, {} KV blocks)", h.incarnation,
+                 h.pid, h.backend, h.kv_block_count);
+    setServing(true);
+    return true;
   }
-  worker_ = std::move(*started);
-  const WorkerHello& h = worker_->hello();
-  if (h.vocab_size != model_.vocab_size) {
-    spdlog::error("worker reports vocabulary {}, the model has {}", h.vocab_size,
-                  model_.vocab_size);
-    worker_.reset();
-    ++failed_starts_;
-    return false;
-  }
-  failed_starts_ = 0;
-  backoff_ = std::chrono::milliseconds(0);
-  blocks_.reset(h.kv_block_count);
+  const std::string why = started.error().toString();
+  spdlog::error("worker start {} failed: {}", incarnation, why);
   {
     std::lock_guard lock(mu_);
-    worker_status_.state = "ready";
-    worker_status_.incarnation = h.incarnation;
-    worker_status_.pid = h.pid;
-    worker_status_.backend = h.backend;
-    worker_status_.kv_blocks_total = h.kv_block_count;
+    worker_status_.last_failure = why;
   }
-  spdlog::info("worker incarnation {} ready (pid {}, {} backend, {} KV blocks)", h.incarnation,
-               h.pid, h.backend, h.kv_block_count);
-  setServing(true);
-  return true;
+  recordFailure("start failed: " + why);
+  // Counted like any other failure of a worker that never completed a step.
+  worker_proven_ = false;
+  replaceWorker(why);
+  return false;
 }
 
 void Scheduler::replaceWorker(const std::string& why) {
-  spdlog::warn("replacing worker incarnation {}: {}", worker_ ? worker_->hello().incarnation : 0,
-               why);
+  const bool had_worker = worker_ != nullptr;
+  if (had_worker) {
+    spdlog::warn("replacing worker incarnation {}: {}", worker_->hello().incarnation, why);
+  }
   worker_.reset();  // SIGKILLs a worker that is still running
-  // Every running sequence is replayed: its cache is gone, its history is not.
+  // Nothing the old worker computed after its last verified step can be vouched for now.
   uint64_t replayed = 0;
-  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
-    (*it)->blocks.clear();
-    (*it)->computed = 0;
-    waiting_.push_front(std::move(*it));
-    ++replayed;
+  for (auto* list : {&running_, &finishing_}) replayed += list->size();
+  auto forget = [](Sequence& s) {
+    s.tokens.resize(s.tokens.size() - s.unreleased.size());
+    s.token_steps.resize(s.released);
+    s.unreleased.clear();
+  };
+  for (auto* list : {&running_, &finishing_})
+    for (auto& s : *list) forget(*s);
+  for (auto& s : waiting_) forget(*s);
+  requeueAll();
+  // Crash-loop accounting: failures of workers that never completed a step accumulate.
+  consecutive_failures_ = worker_proven_ ? 1 : consecutive_failures_ + 1;
+  worker_proven_ = false;
+  const auto backoff = std::min<milliseconds>(
+      options_.restart_backoff_max,
+      options_.restart_backoff_initial * (1u << std::min<uint32_t>(consecutive_failures_ - 1, 16)));
+  next_start_at_ = Clock::now() + (consecutive_failures_ > 1 ? backoff : milliseconds(0));
+  bool now_failed = false;
+  {
+    std::lock_guard lock(mu_);
+    if (had_worker) {
+      ++stats_.worker_restarts;
+      ++worker_status_.restarts;
+    }
+    stats_.replayed_sequences += replayed;
+    worker_status_.last_failure = why;
+    if (consecutive_failures_ >= options_.max_consecutive_failures) {
+      now_failed = worker_status_.state != "failed";
+      worker_status_.state = "failed";
+    } else if (worker_status_.state != "failed") {
+      worker_status_.state = "starting";
+    }
   }
-  running_.clear();
-  for (auto& s : waiting_) {
-    s->blocks.clear();
-    s->computed = 0;
+  if (now_failed) {
+    spdlog::error("worker failed {} times in a row; failing requests until a start succeeds",
+                  consecutive_failures_);
+    setServing(false);
+    failAll(unavailable("no healthy worker: " + why));
   }
-  std::lock_guard lock(mu_);
-  ++stats_.worker_restarts;
-  stats_.replayed_sequences += replayed;
-  ++worker_status_.restarts;
-  worker_status_.last_failure = why;
-  worker_status_.state = "starting";
 }
 
 void Scheduler::admit() {
@@ -327,31 +623,28 @@ bool Scheduler::stepOnce() {
     tokens_in_step += s.chunk;
   }
   const auto timeout =
-      options_.step_timeout_base + std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       options_.step_timeout_per_token * tokens_in_step);
-  auto result = worker_->step(next_step_id_++, steps, timeout);
+      options_.step_timeout_base +
+      std::chrono::duration_cast<milliseconds>(options_.step_timeout_per_token * tokens_in_step);
+  const uint64_t step_id = next_step_id_++;
+  auto result = worker_->step(step_id, steps, timeout);
   {
     std::lock_guard lock(mu_);
     ++stats_.steps;
   }
   if (!result.ok()) {
     const WorkerFailure& f = result.error();
+    recordFailure(std::string(workerFailureKindName(f.kind)) +
+                  (f.kind == WorkerFailure::Kind::kIntegrityFailure
+                       ? " (" + std::string(integrityCheckName(f.check)) + ")"
+                       : ""));
     if (f.kind == WorkerFailure::Kind::kRejected) {
       // The worker refused input the broker validated: a broker bug, not the client's.
       spdlog::error("worker rejected a step: {}", f.toString());
-      for (Sequence* s : batch) {
-        s->wants_row = false;
-        s->chunk = 0;
-      }
-      std::vector<std::unique_ptr<Sequence>> keep;
-      for (auto& s : running_) {
-        if (std::find(batch.begin(), batch.end(), s.get()) != batch.end()) {
-          finish(*s, FinishReason::kNone, internalError("worker rejected the step: " + f.message));
-        } else {
-          keep.push_back(std::move(s));
-        }
-      }
-      running_ = std::move(keep);
+      std::erase_if(running_, [&](std::unique_ptr<Sequence>& s) {
+        if (std::find(batch.begin(), batch.end(), s.get()) == batch.end()) return false;
+        finish(*s, FinishReason::kNone, internalError("worker rejected the step: " + f.message));
+        return true;
+      });
       return true;
     }
     if (f.kind == WorkerFailure::Kind::kIntegrityFailure) {
@@ -370,11 +663,16 @@ bool Scheduler::stepOnce() {
     return true;
   }
   step_failures_in_a_row_ = 0;
+  worker_proven_ = true;
+  consecutive_failures_ = 0;
+  recordSuccess();
 
+  if (!result->scrub.corruptions.empty()) {
+    applyScrub(result->scrub);  // rolls back: this step's rows are not sampled
+    return true;
+  }
   size_t r = 0;
   uint64_t generated = 0;
-  std::vector<Sequence*> finished;
-  std::vector<FinishReason> reasons;
   for (Sequence* s : batch) {
     s->computed += s->chunk;
     if (!s->wants_row) continue;
@@ -384,30 +682,30 @@ bool Scheduler::stepOnce() {
         sampler_.sample(row, s->request.sampling, std::span(s->tokens).first(s->prompt_len),
                         s->generated(), position);
     s->tokens.push_back(choice.token);
+    s->token_steps.push_back(step_id);
+    s->unreleased.push_back(std::move(choice));
     ++generated;
-    s->sink->onTokens({&choice, 1});
-    FinishReason reason = FinishReason::kNone;
+    const uint32_t token = s->tokens.back();
     const auto& stops = s->request.stop_token_ids;
-    if (!s->request.ignore_eos &&
-        std::find(model_.eos_token_ids.begin(), model_.eos_token_ids.end(), choice.token) !=
-            model_.eos_token_ids.end()) {
-      reason = FinishReason::kStop;
-    } else if (std::find(stops.begin(), stops.end(), choice.token) != stops.end()) {
-      reason = FinishReason::kStop;
-    } else if (s->generated().size() >= s->request.max_tokens) {
-      reason = FinishReason::kLength;
+    const auto& eos = model_.eos_token_ids;
+    if (!s->request.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) {
+      s->finish_reason = FinishReason::kStop;
+    } else if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+      s->finish_reason = FinishReason::kStop;
+    } else if (s->generatedCount() >= s->request.max_tokens) {
+      s->finish_reason = FinishReason::kLength;
     } else if (s->tokens.size() >= model_.max_context) {
-      reason = FinishReason::kContext;
-    }
-    if (reason != FinishReason::kNone) {
-      finished.push_back(s);
-      reasons.push_back(reason);
+      s->finish_reason = FinishReason::kContext;
     }
   }
-  for (size_t i = 0; i < finished.size(); ++i) finish(*finished[i], reasons[i], okStatus());
-  std::erase_if(running_, [&](const std::unique_ptr<Sequence>& s) {
-    return std::find(finished.begin(), finished.end(), s.get()) != finished.end();
+  // Stopped sequences give their blocks back now and wait for their last tokens to be released.
+  std::erase_if(running_, [&](std::unique_ptr<Sequence>& s) {
+    if (s->finish_reason == FinishReason::kNone) return false;
+    freeBlocks(*s);
+    finishing_.push_back(std::move(s));
+    return true;
   });
+  applyScrub(result->scrub);
   std::lock_guard lock(mu_);
   stats_.tokens_generated += generated;
   return true;
@@ -427,7 +725,11 @@ void Scheduler::run() {
     }
     if (restart) {
       const uint64_t old = worker_ ? worker_->hello().incarnation : 0;
-      if (worker_) replaceWorker("restart requested by an operator");
+      if (worker_) {
+        replaceWorker("restart requested by an operator");
+        consecutive_failures_ = 0;
+        next_start_at_ = Clock::now();
+      }
       const bool ok = ensureWorker();
       std::lock_guard lock(mu_);
       if (ok) {
@@ -445,40 +747,64 @@ void Scheduler::run() {
         return true;
       }
       if (s.request.deadline && now >= *s.request.deadline) {
-        finish(
-            s, FinishReason::kNone,
-            Status(Code::kDeadlineExceeded,
-                   "deadline exceeded after " + std::to_string(s.generated().size()) + " tokens"));
+        finish(s, FinishReason::kNone,
+               Status(Code::kDeadlineExceeded,
+                      "deadline exceeded after " + std::to_string(s.released) + " tokens"));
         return true;
       }
       return false;
     };
     std::erase_if(running_, [&](const std::unique_ptr<Sequence>& s) { return drop(*s); });
+    std::erase_if(finishing_, [&](const std::unique_ptr<Sequence>& s) { return drop(*s); });
     std::erase_if(waiting_, [&](const std::unique_ptr<Sequence>& s) { return drop(*s); });
 
     bool worked = false;
-    if (!ensureWorker()) {
-      std::unique_lock lock(mu_);
-      wake_.wait_for(lock, backoff_, [&] { return stopping_; });
-      continue;
+    if (worker_ && worker_->exitFd() >= 0) {
+      // A worker that died while idle is noticed here, not at the next request.
+      pollfd p{worker_->exitFd(), POLLIN, 0};
+      if (::poll(&p, 1, 0) > 0) {
+        recordFailure("worker exited");
+        replaceWorker("worker process exited while idle");
+      }
     }
-    admit();
-    if (!running_.empty()) worked = stepOnce();
+    if (ensureWorker()) {
+      applyInjection();
+      admit();
+      if (!running_.empty()) {
+        worked = stepOnce();
+      } else if (worker_ && hasUnreleased()) {
+        // Nothing left to compute: ask the worker to vouch for its last steps.
+        auto scrub = worker_->ping(options_.step_timeout_base);
+        if (scrub.ok()) {
+          applyScrub(*scrub);
+        } else {
+          recordFailure(std::string(workerFailureKindName(scrub.error().kind)));
+          replaceWorker(scrub.error().toString());
+        }
+        worked = true;
+      } else if (worker_ && options_.canary_interval.count() > 0 &&
+                 Clock::now() - last_canary_ >= options_.canary_interval) {
+        passesCanary();
+      }
+    }
 
     std::unique_lock lock(mu_);
-    stats_.requests_running = uint32_t(running_.size());
+    stats_.requests_running = uint32_t(running_.size() + finishing_.size());
     stats_.requests_waiting = uint32_t(waiting_.size());
     worker_status_.kv_blocks_free = blocks_.freeCount();
-    if (running_.empty() && waiting_.empty() && incoming_.empty()) idle_.notify_all();
-    if (!worked) {
-      // Nothing to run: sleep until a submission, a restart request, or the nearest deadline.
-      auto until = Clock::now() + std::chrono::seconds(1);
-      for (const auto& s : waiting_) {
-        if (s->request.deadline) until = std::min(until, *s->request.deadline);
-      }
-      wake_.wait_until(lock, until,
-                       [&] { return stopping_ || !incoming_.empty() || restart_requested_; });
-    }
+    if (running_.empty() && waiting_.empty() && finishing_.empty() && incoming_.empty())
+      idle_.notify_all();
+    if (worked || !incoming_.empty() || stopping_) continue;
+    // Nothing to run: sleep until a submission, the worker exiting, the next start attempt,
+    // the nearest deadline, or the next canary.
+    auto until = Clock::now() + std::chrono::seconds(1);
+    if (!worker_) until = std::min(until, next_start_at_);
+    for (const auto& s : waiting_)
+      if (s->request.deadline) until = std::min(until, *s->request.deadline);
+    if (worker_ && options_.canary_interval.count() > 0)
+      until = std::min(until, last_canary_ + options_.canary_interval);
+    lock.unlock();
+    waitForWork(until);
   }
   // Shutting down: every open request ends.
   failAll(unavailable("the broker is shutting down"));
@@ -494,6 +820,7 @@ void Scheduler::run() {
     worker_.reset();
   }
   setServing(false);
+  std::lock_guard lock(mu_);
   idle_.notify_all();
 }
 

@@ -6,16 +6,23 @@
 // A sequence is its full token history plus how much of it the worker's KV cache holds. Prefill,
 // decode, recompute after preemption and replay onto a new worker are all the same operation:
 // feed the tokens the cache lacks, sample when the last one is fed.
+//
+// Supervision lives here too, because the scheduler is the one that talks to the worker: a
+// worker that exits, hangs, breaks the protocol or keeps failing verification is replaced and its
+// sequences replayed; a new worker must pass the canary before it takes traffic; tokens are held
+// back until the worker's scrubber vouches for the weights that produced them.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
 
+#include "broker/canary.h"
 #include "broker/kv_allocator.h"
 #include "broker/sampler.h"
 #include "broker/sequence.h"
@@ -31,10 +38,14 @@ struct SchedulerOptions {
   std::chrono::milliseconds step_timeout_base{10'000};
   std::chrono::microseconds step_timeout_per_token{10'000};
   uint32_t integrity_retries = 2;  // retries of a step whose rows failed before a restart
-  // Crash-loop guard: after this many failed starts in a row the worker is marked failed.
-  uint32_t max_failed_starts = 5;
-  std::chrono::milliseconds restart_backoff_initial{100};
+  // Crash loop: after this many failures in a row (failed starts, or workers that fail before
+  // completing a step) the worker is marked failed and waiting requests get UNAVAILABLE.
+  uint32_t max_consecutive_failures = 5;
+  std::chrono::milliseconds restart_backoff_initial{50};
   std::chrono::milliseconds restart_backoff_max{5'000};
+  // Canary between generations, when idle for this long since the last one (0: only at start).
+  std::chrono::milliseconds canary_interval{60'000};
+  std::filesystem::path state_dir;  // canary records; empty: kept in memory only
 };
 
 struct SchedulerStats {
@@ -42,7 +53,8 @@ struct SchedulerStats {
            requests_rejected = 0;
   uint32_t requests_running = 0, requests_waiting = 0;
   uint64_t tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
-           replayed_sequences = 0, integrity_failures = 0;
+           replayed_sequences = 0, integrity_failures = 0, weight_corruptions = 0, canary_runs = 0,
+           canary_failures = 0;
 };
 
 struct WorkerStatus {
@@ -53,6 +65,24 @@ struct WorkerStatus {
   uint32_t kv_blocks_total = 0, kv_blocks_free = 0;
   uint32_t restarts = 0;
   std::string last_failure;
+};
+
+// Fault classes an operator (or `bulkhead chaos`) can inject through the broker.
+enum class ChaosFault {
+  kWorkerKill,
+  kWorkerHang,
+  kWeightBitflip,
+  kLogitsCorrupt,
+  kLogitsNan,
+  kTornWrite,
+  kStaleEpoch,
+  kSlowStep,
+};
+
+struct InjectionOutcome {
+  bool detected = false, recovered = false;
+  double detection_ms = 0, recovery_ms = 0;
+  std::string detected_as;
 };
 
 // Starts a worker incarnation.
@@ -84,6 +114,10 @@ class Scheduler {
   Result<uint32_t> drain(std::chrono::milliseconds timeout);
   // Replaces the worker; in-flight sequences are replayed. Returns {old, new} incarnations.
   Result<std::pair<uint64_t, uint64_t>> restartWorker(std::chrono::milliseconds timeout);
+  // Injects one fault (the worker must run with fault injection) and waits until it is detected
+  // and service has recovered, or `timeout`. `random` picks rows, bits and offsets.
+  Result<InjectionOutcome> injectFault(ChaosFault fault, uint64_t random,
+                                       std::chrono::milliseconds timeout);
 
   SchedulerStats stats() const;
   WorkerStatus workerStatus() const;
@@ -91,47 +125,70 @@ class Scheduler {
  private:
   struct Sequence;
   void run();
+  void notify();
+  void waitForWork(std::chrono::steady_clock::time_point until);
   bool ensureWorker();
+  bool passesCanary();
   void replaceWorker(const std::string& why);
+  void recordFailure(const std::string& what);
+  void recordSuccess();
   void admit();
   bool stepOnce();
+  void applyScrub(const ScrubStatus& scrub);
+  void rollBack(uint64_t from_step);
+  void release(uint64_t clean_through);
   void finish(Sequence& seq, FinishReason reason, const Status& status);
   void preemptLast();
+  void requeueAll();
   void failAll(const Status& status);
+  void applyInjection();
   uint32_t blocksFor(uint64_t positions) const;
   bool growBlocks(Sequence& seq, uint64_t positions);
+  void freeBlocks(Sequence& seq);
   void setServing(bool serving);
+  bool hasUnreleased() const;
 
   const WorkerFactory factory_;
   const ModelLimits model_;
   const SchedulerOptions options_;
+  CanaryStore canaries_;
 
   // Shared with RPC threads.
   mutable std::mutex mu_;
-  std::condition_variable wake_;
-  std::condition_variable idle_;
+  std::condition_variable idle_;  // drains, restarts and injections wait on it
   std::deque<std::unique_ptr<Sequence>> incoming_;
   bool stopping_ = false;
   bool draining_ = false;
   bool restart_requested_ = false;
-  uint64_t restart_generation_ = 0;
   std::pair<uint64_t, uint64_t> last_restart_{0, 0};
   SchedulerStats stats_;
   WorkerStatus worker_status_;
   std::function<void(bool)> serving_callback_;
   bool serving_ = false;
   uint32_t finished_while_draining_ = 0;
+  struct Injection {
+    ChaosFault fault;
+    uint64_t random;
+    bool applied = false;
+    std::chrono::steady_clock::time_point at, detected_at, recovered_at;
+    std::string detected_as;
+  };
+  std::shared_ptr<Injection> injection_;
 
   // Scheduler thread only.
+  int wake_fd_ = -1;
   std::thread thread_;
   std::unique_ptr<WorkerClient> worker_;
   uint64_t next_incarnation_ = 1;
   uint64_t next_sequence_id_ = 1;
   uint64_t next_step_id_ = 1;
-  uint32_t failed_starts_ = 0;
-  std::chrono::milliseconds backoff_{0};
+  uint32_t consecutive_failures_ = 0;
+  bool worker_proven_ = false;  // the current worker completed a step
+  std::chrono::steady_clock::time_point next_start_at_{};
+  std::chrono::steady_clock::time_point last_canary_{};
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
+  std::vector<std::unique_ptr<Sequence>> finishing_;  // stopped, tokens not all released yet
   KvBlockAllocator blocks_;
   Sampler sampler_;
   uint32_t step_failures_in_a_row_ = 0;

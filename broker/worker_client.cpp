@@ -105,6 +105,15 @@ WorkerFailure withReply(const std::vector<capnp::word>& words, uint64_t request_
   }
 }
 
+ScrubStatus readScrub(wire::ScrubReport::Reader report) {
+  ScrubStatus s;
+  s.clean_through = report.getCleanThrough();
+  for (auto c : report.getCorruptions()) {
+    s.corruptions.push_back({c.getTensor(), c.getOffset(), c.getBytes(), c.getSuspectFromStep()});
+  }
+  return s;
+}
+
 }  // namespace
 
 std::string_view workerFailureKindName(WorkerFailure::Kind kind) {
@@ -266,6 +275,8 @@ WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
     hello_.weight_digest = h.getWeightDigest();
     hello_.fault_injection = h.getFaultInjection();
     for (uint32_t id : h.getEosTokenIds()) hello_.eos_token_ids.push_back(id);
+    hello_.model_identity = h.getModelIdentity();
+    hello_.scrubbing = h.getScrubbing();
     if (hello_.vocab_size == 0 || hello_.kv_block_size == 0 || hello_.max_step_tokens == 0)
       return failure(Kind::kProtocolViolation, "Hello has zero limits");
     auto arena = LogitsArena::open(h.getArenaName(), hello_.incarnation, hello_.vocab_size);
@@ -385,6 +396,7 @@ WorkerResult<StepRows> WorkerClient::step(uint64_t step_id, std::span<const Sequ
       return failure(Kind::kProtocolViolation, "StepDone carries " + std::to_string(refs.size()) +
                                                    " rows, expected " + std::to_string(total_rows));
     result.compute_micros = done.getComputeMicros();
+    result.scrub = readScrub(done.getScrub());
     result.rows.reserve(total_rows);
     size_t r = 0;
     for (const SequenceStep& s : batch) {
@@ -427,12 +439,21 @@ WorkerFailure WorkerClient::simpleCall(capnp::MessageBuilder& message, int expec
   return f.ok() || f.kind == Kind::kRejected ? f : fail(f);
 }
 
-WorkerFailure WorkerClient::ping(milliseconds timeout) {
+WorkerResult<ScrubStatus> WorkerClient::ping(milliseconds timeout) {
   capnp::MallocMessageBuilder message;
   auto request = message.initRoot<wire::ToWorker>();
-  request.setRequestId(next_request_id_++);
+  const uint64_t request_id = next_request_id_++;
+  request.setRequestId(request_id);
   request.setPing();
-  return simpleCall(message, int(wire::FromWorker::PONG), timeout);
+  if (WorkerFailure f = roundTrip(message, after(timeout)); !f.ok()) return f;
+  ScrubStatus status;
+  WorkerFailure f = withReply(reply_words_, request_id, [&](wire::FromWorker::Reader reply) {
+    if (!reply.isPong()) return failure(Kind::kProtocolViolation, "reply is not Pong");
+    status = readScrub(reply.getPong());
+    return WorkerFailure{};
+  });
+  if (!f.ok()) return f.kind == Kind::kRejected ? f : fail(f);
+  return status;
 }
 
 WorkerFailure WorkerClient::release(std::span<const uint64_t> ids, milliseconds timeout) {

@@ -58,6 +58,20 @@ struct WorkerHello {
   uint64_t weight_bytes = 0, weight_digest = 0;
   bool fault_injection = false;
   std::vector<uint32_t> eos_token_ids;
+  uint64_t model_identity = 0;
+  bool scrubbing = false;
+};
+
+struct WeightCorruptionReport {
+  std::string tensor;
+  uint64_t offset = 0, bytes = 0;
+  uint64_t suspect_from_step = 0;
+};
+
+// What the worker's weight scrubber vouches for (see worker/weight_scrubber.h).
+struct ScrubStatus {
+  uint64_t clean_through = 0;  // steps up to this id computed with verified weights
+  std::vector<WeightCorruptionReport> corruptions;  // found and repaired since the last report
 };
 
 enum class FaultKind {
@@ -86,6 +100,7 @@ struct StepRows {
   // One verified row per requested logits row, in request order. Valid until the next call.
   std::vector<std::span<const float>> rows;
   uint64_t compute_micros = 0;  // as reported by the worker
+  ScrubStatus scrub;
 };
 
 class WorkerClient {
@@ -113,12 +128,15 @@ class WorkerClient {
 
   const WorkerHello& hello() const { return hello_; }
   pid_t pid() const { return child_.pid(); }
+  // Readable once a spawned worker has exited (-1 when connected to one we did not spawn).
+  int exitFd() const { return child_.exitFd(); }
   // After any failure other than kRejected the connection is unusable; further calls fail fast.
   bool broken() const { return !broken_by_.ok(); }
 
   WorkerResult<StepRows> step(uint64_t step_id, std::span<const SequenceStep> batch,
                               std::chrono::milliseconds timeout);
-  WorkerFailure ping(std::chrono::milliseconds timeout);
+  // A round trip that also completes a full scrub pass on the worker.
+  WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout);
   WorkerFailure release(std::span<const uint64_t> sequence_ids, std::chrono::milliseconds timeout);
   WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout);
   // Asks the worker to exit cleanly and, for a spawned worker, reaps it.

@@ -27,6 +27,27 @@ struct Hello {
   arenaSlots @14 :UInt32;
   faultInjection @15 :Bool;
   eosTokenIds @16 :List(UInt32);
+  # Identity of the model independent of weight content: config.json and the tensors' names,
+  # dtypes and shapes. Keys the broker's canary record.
+  modelIdentity @17 :UInt64;
+  # Whether the worker scrubs its resident weights (StepDone.scrub is meaningful).
+  scrubbing @18 :Bool;
+}
+
+struct WeightCorruption {
+  tensor @0 :Text;
+  offset @1 :UInt64;
+  bytes @2 :UInt64;
+  # The granule was last verified clean before this step: this step and later ones may have
+  # computed with the corrupted weight. The granule has been repaired from the host copy.
+  suspectFromStep @3 :UInt64;
+}
+
+struct ScrubReport {
+  # Every resident weight was verified clean after this step completed, so steps up to and
+  # including it computed with clean weights.
+  cleanThrough @0 :UInt64;
+  corruptions @1 :List(WeightCorruption);
 }
 
 struct SequenceStep {
@@ -55,6 +76,7 @@ struct StepDone {
   # One per requested row, in request order (sequence by sequence, rows ascending).
   rows @1 :List(RowRef);
   computeMicros @2 :UInt64;
+  scrub @3 :ScrubReport;
 }
 
 enum FaultKind {
@@ -105,7 +127,7 @@ struct FromWorker {
     hello @1 :Hello;
     stepDone @2 :StepDone;
     error @3 :Error;
-    pong @4 :Void;
+    pong @4 :ScrubReport;   # a Ping completes a full scrub pass first
     released @5 :Void;
     shuttingDown @6 :Void;
     faultArmed @7 :Void;

@@ -26,6 +26,12 @@ Result<Checkpoint> Checkpoint::open(const std::string& dir) {
   Checkpoint ckpt;
   ckpt.dir_ = dir;
   BULKHEAD_ASSIGN_OR_RETURN(ckpt.config_, ModelConfig::load(dir));
+  {
+    std::ifstream in(dir + "/config.json", std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    ckpt.config_text_ = text.str();
+  }
 
   const std::string index_path = dir + "/model.safetensors.index.json";
   const std::string single_path = dir + "/model.safetensors";
@@ -139,6 +145,14 @@ uint64_t Checkpoint::weightBytes() const {
   uint64_t bytes = 0;
   for (const TensorView* v : usedTensors()) bytes += v->data.size();
   return bytes;
+}
+
+uint64_t Checkpoint::identity() const {
+  std::string description = config_text_;
+  for (const TensorView* v : usedTensors()) {
+    description += "\n" + v->name + " " + std::string(dtypeName(v->dtype)) + " " + v->shapeString();
+  }
+  return checksumBytes(std::as_bytes(std::span(description.data(), description.size())));
 }
 
 uint64_t Checkpoint::weightDigest() const {

@@ -58,12 +58,16 @@ class Checkpoint {
   // Digest of the per-granule checksums (shared/checksum.h) of every used tensor, in order:
   // identifies the exact weights a worker loaded.
   uint64_t weightDigest() const;
+  // Identity of the model apart from weight content: config.json and every used tensor's name,
+  // dtype and shape. Two checkpoints with the same identity should compute the same function.
+  uint64_t identity() const;
 
  private:
   Checkpoint() = default;
   Status bindTensors();
 
   std::string dir_;
+  std::string config_text_;
   ModelConfig config_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, TensorView> all_;

@@ -39,6 +39,12 @@ class Backend {
   // the checkpoint), so integrity checks can be proven against a real corruption.
   virtual Status flipWeightBit(uint64_t byte_offset, uint8_t bit) = 0;
   virtual uint64_t residentWeightBytes() const = 0;
+
+  // Scrubbing. Tensors are numbered as Checkpoint::usedTensors(); ranges are byte ranges of one
+  // tensor. The checksum is shared/checksum.h's checksumBytes of the resident copy.
+  virtual Result<uint64_t> residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) = 0;
+  // Rewrites the resident range from the checkpoint's (host) bytes.
+  virtual Status repairResident(size_t tensor, uint64_t offset, uint64_t bytes) = 0;
 };
 
 // Checks a step against the backend's limits: token ids, positions, block tables, logits rows.

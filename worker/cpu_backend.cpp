@@ -4,24 +4,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+
+#include "shared/checksum.h"
 
 namespace bulkhead {
-namespace {
-
-std::vector<float> floatsOf(const TensorView* t) {
-  std::vector<float> out;
-  if (t == nullptr) return out;
-  out.resize(size_t(t->numel()));
-  cpu::toFloat(t->dtype, t->data.data(), out.size(), out.data());
-  return out;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Checkpoint> checkpoint,
                                                        const Options& options) {
   std::unique_ptr<CpuBackend> b(new CpuBackend());
   b->checkpoint_ = checkpoint;
+  b->parallel_macs_ = options.parallel_macs;
   const ModelConfig& c = checkpoint->config();
   const ModelTensors& t = checkpoint->tensors();
 
@@ -45,57 +39,81 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   b->k_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
   b->v_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
 
-  // One owned copy of every matrix, each 64-byte aligned.
-  std::vector<const TensorView*> matrices{t.embed};
-  if (t.lm_head != t.embed) matrices.push_back(t.lm_head);
-  for (const LayerTensors& l : t.layers) {
-    for (const TensorView* m : {l.q, l.k, l.v, l.o, l.gate, l.up, l.down}) matrices.push_back(m);
-  }
+  // One owned copy of every tensor the model uses, each 64-byte aligned.
+  const std::vector<const TensorView*> used = checkpoint->usedTensors();
   auto aligned = [](size_t n) { return (n + 63) & ~size_t(63); };
   size_t total = 0;
-  for (const TensorView* m : matrices) total += aligned(m->data.size());
+  for (const TensorView* m : used) total += aligned(m->data.size());
   b->weight_bytes_ = std::make_unique_for_overwrite<std::byte[]>(total + 64);
   std::byte* base = reinterpret_cast<std::byte*>(
       (reinterpret_cast<uintptr_t>(b->weight_bytes_.get()) + 63) & ~uintptr_t(63));
-  b->weights_ = base;
-  b->weight_size_ = total;
+  std::map<const TensorView*, std::byte*> where;
   size_t offset = 0;
-  auto place = [&](const TensorView* m) {
+  for (const TensorView* m : used) {
     std::memcpy(base + offset, m->data.data(), m->data.size());
-    cpu::WeightMatrix w{m->dtype, base + offset, int(m->shape[0]), int(m->shape[1])};
+    b->resident_.push_back(base + offset);
+    where[m] = base + offset;
     offset += aligned(m->data.size());
-    return w;
+  }
+  auto matrix = [&](const TensorView* m) {
+    return cpu::WeightMatrix{m->dtype, where.at(m), int(m->shape[0]), int(m->shape[1])};
   };
-  b->embed_ = place(t.embed);
-  b->lm_head_ = t.lm_head == t.embed ? b->embed_ : place(t.lm_head);
-  b->final_norm_ = floatsOf(t.final_norm);
+  auto vector = [&](const TensorView* m) {
+    return m == nullptr ? Vector{} : Vector{m->dtype, where.at(m), int(m->numel())};
+  };
+  b->embed_ = matrix(t.embed);
+  b->lm_head_ = matrix(t.lm_head);
+  b->final_norm_ = vector(t.final_norm);
   for (const LayerTensors& l : t.layers) {
-    Layer layer;
-    layer.q = place(l.q);
-    layer.k = place(l.k);
-    layer.v = place(l.v);
-    layer.o = place(l.o);
-    layer.gate = place(l.gate);
-    layer.up = place(l.up);
-    layer.down = place(l.down);
-    layer.input_norm = floatsOf(l.input_norm);
-    layer.post_norm = floatsOf(l.post_norm);
-    layer.q_bias = floatsOf(l.q_bias);
-    layer.k_bias = floatsOf(l.k_bias);
-    layer.v_bias = floatsOf(l.v_bias);
-    layer.o_bias = floatsOf(l.o_bias);
-    b->layers_.push_back(std::move(layer));
+    b->layers_.push_back({.q = matrix(l.q),
+                          .k = matrix(l.k),
+                          .v = matrix(l.v),
+                          .o = matrix(l.o),
+                          .gate = matrix(l.gate),
+                          .up = matrix(l.up),
+                          .down = matrix(l.down),
+                          .input_norm = vector(l.input_norm),
+                          .post_norm = vector(l.post_norm),
+                          .q_bias = vector(l.q_bias),
+                          .k_bias = vector(l.k_bias),
+                          .v_bias = vector(l.v_bias),
+                          .o_bias = vector(l.o_bias)});
   }
   b->inv_freq_ = c.ropeInverseFrequencies();
   return b;
 }
 
-Status CpuBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
-  if (byte_offset >= weight_size_ || bit > 7)
-    return invalidArgument("weight bit " + std::to_string(byte_offset) + ":" + std::to_string(bit) +
-                           " outside " + std::to_string(weight_size_) + " bytes");
-  weights_[byte_offset] ^= std::byte(1u << bit);
+Result<uint64_t> CpuBackend::residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) {
+  const auto used = checkpoint_->usedTensors();
+  if (tensor >= used.size() || offset > used[tensor]->data.size() ||
+      bytes > used[tensor]->data.size() - offset)
+    return invalidArgument("resident range outside tensor " + std::to_string(tensor));
+  return checksumBytes(std::span(resident_[tensor] + offset, bytes));
+}
+
+Status CpuBackend::repairResident(size_t tensor, uint64_t offset, uint64_t bytes) {
+  const auto used = checkpoint_->usedTensors();
+  if (tensor >= used.size() || offset > used[tensor]->data.size() ||
+      bytes > used[tensor]->data.size() - offset)
+    return invalidArgument("resident range outside tensor " + std::to_string(tensor));
+  std::memcpy(resident_[tensor] + offset, used[tensor]->data.data() + offset, bytes);
   return okStatus();
+}
+
+Status CpuBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
+  // Offsets count tensor bytes only (no alignment padding), so every flip lands in a weight.
+  const auto used = checkpoint_->usedTensors();
+  if (bit > 7) return invalidArgument("bit " + std::to_string(bit) + " is not 0..7");
+  uint64_t offset = byte_offset;
+  for (size_t t = 0; t < used.size(); ++t) {
+    if (offset < used[t]->data.size()) {
+      resident_[t][offset] ^= std::byte(1u << bit);
+      return okStatus();
+    }
+    offset -= used[t]->data.size();
+  }
+  return invalidArgument("weight byte " + std::to_string(byte_offset) + " outside " +
+                         std::to_string(residentWeightBytes()) + " bytes");
 }
 
 float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, uint32_t slot) const {
@@ -160,17 +178,30 @@ Status CpuBackend::step(std::span<const SequenceStep> batch, std::span<float* co
     }
   };
   const float scale = float(1.0 / std::sqrt(double(head_dim)));
-  auto optional = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
+  // Norm weights and biases of the current layer, converted to float32.
+  auto floats = [&](const Vector& v, std::vector<float>& out) -> const float* {
+    if (v.data == nullptr) return nullptr;
+    out.resize(size_t(v.n));
+    cpu::toFloat(v.dtype, v.data, out.size(), out.data());
+    return out.data();
+  };
+  std::vector<float> input_norm, post_norm, q_bias, k_bias, v_bias, o_bias, final_norm;
 
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
+    floats(L.input_norm, input_norm);
+    floats(L.post_norm, post_norm);
+    const float* qb = floats(L.q_bias, q_bias);
+    const float* kb = floats(L.k_bias, k_bias);
+    const float* vb = floats(L.v_bias, v_bias);
+    const float* ob = floats(L.o_bias, o_bias);
     for (int r = 0; r < n; ++r) {
-      cpu::rmsNorm(x.data() + size_t(r) * hidden, L.input_norm.data(), c.rms_norm_eps, hidden,
+      cpu::rmsNorm(x.data() + size_t(r) * hidden, input_norm.data(), c.rms_norm_eps, hidden,
                    xn.data() + size_t(r) * hidden);
     }
-    cpu::matmul(xn.data(), n, L.q, optional(L.q_bias), q.data(), false);
-    cpu::matmul(xn.data(), n, L.k, optional(L.k_bias), k.data(), false);
-    cpu::matmul(xn.data(), n, L.v, optional(L.v_bias), v.data(), false);
+    cpu::matmul(xn.data(), n, L.q, qb, q.data(), false, parallel_macs_);
+    cpu::matmul(xn.data(), n, L.k, kb, k.data(), false, parallel_macs_);
+    cpu::matmul(xn.data(), n, L.v, vb, v.data(), false, parallel_macs_);
     for (int r = 0; r < n; ++r) {
       for (int h = 0; h < heads; ++h) rope(q.data() + size_t(r) * q_dim + h * head_dim, r);
       for (int h = 0; h < kv_heads; ++h) {
@@ -186,7 +217,9 @@ Status CpuBackend::step(std::span<const SequenceStep> batch, std::span<float* co
     }
     // Causal attention of every (row, head) over positions 0..position of its own sequence, read
     // back from the cache in position order: the same arithmetic for prefill and decode.
-#pragma omp parallel
+    int64_t attention_work = 0;
+    for (const Row& row : rows) attention_work += int64_t(row.position + 1) * heads * head_dim;
+#pragma omp parallel if (attention_work >= parallel_macs_)
     {
       std::vector<float> scores(limits_.max_context);
 #pragma omp for schedule(static)
@@ -215,29 +248,30 @@ Status CpuBackend::step(std::span<const SequenceStep> batch, std::span<float* co
         }
       }
     }
-    cpu::matmul(attn.data(), n, L.o, optional(L.o_bias), x.data(), true);
+    cpu::matmul(attn.data(), n, L.o, ob, x.data(), true, parallel_macs_);
 
     for (int r = 0; r < n; ++r) {
-      cpu::rmsNorm(x.data() + size_t(r) * hidden, L.post_norm.data(), c.rms_norm_eps, hidden,
+      cpu::rmsNorm(x.data() + size_t(r) * hidden, post_norm.data(), c.rms_norm_eps, hidden,
                    xn.data() + size_t(r) * hidden);
     }
-    cpu::matmul(xn.data(), n, L.gate, nullptr, gate.data(), false);
-    cpu::matmul(xn.data(), n, L.up, nullptr, up.data(), false);
+    cpu::matmul(xn.data(), n, L.gate, nullptr, gate.data(), false, parallel_macs_);
+    cpu::matmul(xn.data(), n, L.up, nullptr, up.data(), false, parallel_macs_);
     for (size_t i = 0; i < gate.size(); ++i) {
       const float g = gate[i];
       gate[i] = (g / (1.0f + std::exp(-g))) * up[i];
     }
-    cpu::matmul(gate.data(), n, L.down, nullptr, x.data(), true);
+    cpu::matmul(gate.data(), n, L.down, nullptr, x.data(), true, parallel_macs_);
   }
 
   // Final norm and lm_head only for the rows whose logits were asked for.
+  floats(final_norm_, final_norm);
   std::vector<float> selected;
   int row_base = 0;
   for (const SequenceStep& s : batch) {
     for (uint32_t i : s.logits_rows) {
       const size_t r = size_t(row_base) + i;
       selected.resize(selected.size() + hidden);
-      cpu::rmsNorm(x.data() + r * hidden, final_norm_.data(), c.rms_norm_eps, hidden,
+      cpu::rmsNorm(x.data() + r * hidden, final_norm.data(), c.rms_norm_eps, hidden,
                    selected.data() + selected.size() - hidden);
     }
     row_base += int(s.tokens.size());
@@ -245,7 +279,8 @@ Status CpuBackend::step(std::span<const SequenceStep> batch, std::span<float* co
   const int vocab = c.vocab_size;
   std::vector<float> out(logits.size() * size_t(vocab));
   if (!logits.empty()) {
-    cpu::matmul(selected.data(), int(logits.size()), lm_head_, nullptr, out.data(), false);
+    cpu::matmul(selected.data(), int(logits.size()), lm_head_, nullptr, out.data(), false,
+                parallel_macs_);
     for (size_t i = 0; i < logits.size(); ++i) {
       std::memcpy(logits[i], out.data() + i * vocab, sizeof(float) * vocab);
     }

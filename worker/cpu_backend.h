@@ -19,6 +19,8 @@ class CpuBackend final : public Backend {
     uint32_t kv_blocks = 0;  // 0: sized from kv_budget_bytes
     uint64_t kv_budget_bytes = 1ull << 30;
     uint32_t max_step_tokens = 8192;
+    // Work below which a kernel runs on one thread (multiply-adds; tests lower it to 0).
+    int64_t parallel_macs = int64_t(1) << 18;
   };
 
   // Copies the weights out of the checkpoint: the engine computes from its own copy, so the
@@ -31,12 +33,21 @@ class CpuBackend final : public Backend {
   BackendLimits limits() const override { return limits_; }
   Status step(std::span<const SequenceStep> batch, std::span<float* const> logits) override;
   Status flipWeightBit(uint64_t byte_offset, uint8_t bit) override;
-  uint64_t residentWeightBytes() const override { return weight_size_; }
+  uint64_t residentWeightBytes() const override { return checkpoint_->weightBytes(); }
+  Result<uint64_t> residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) override;
+  Status repairResident(size_t tensor, uint64_t offset, uint64_t bytes) override;
 
  private:
+  // A norm weight or bias kept in its checkpoint dtype, converted when a step uses it, so every
+  // resident byte is a copy of a checkpoint byte and can be scrubbed against it.
+  struct Vector {
+    DType dtype = DType::kF32;
+    const std::byte* data = nullptr;  // null: absent
+    int n = 0;
+  };
   struct Layer {
     cpu::WeightMatrix q, k, v, o, gate, up, down;
-    std::vector<float> input_norm, post_norm, q_bias, k_bias, v_bias, o_bias;
+    Vector input_norm, post_norm, q_bias, k_bias, v_bias, o_bias;
   };
 
   CpuBackend() = default;
@@ -44,11 +55,12 @@ class CpuBackend final : public Backend {
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
+  int64_t parallel_macs_ = 0;
   std::unique_ptr<std::byte[]> weight_bytes_;
-  std::byte* weights_ = nullptr;  // 64-byte aligned start inside weight_bytes_
-  uint64_t weight_size_ = 0;
+  // Resident copy of each of checkpoint_->usedTensors(), in that order.
+  std::vector<std::byte*> resident_;
   cpu::WeightMatrix embed_, lm_head_;
-  std::vector<float> final_norm_;
+  Vector final_norm_;
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;
   // [layer][block][kv_head][slot][head_dim]

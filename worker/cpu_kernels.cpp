@@ -100,11 +100,13 @@ constexpr int kRowBlock = 16;
 
 template <DType D>
 void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
-                 bool accumulate) {
+                 bool accumulate, int64_t parallel_macs) {
   const int rows = w.rows, cols = w.cols;
   const size_t row_bytes = size_t(cols) * dtypeSize(D);
   const int blocks = (rows + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel for schedule(static)
+  // Threads only where the work pays for waking them: small products run on the caller.
+  const bool parallel = int64_t(rows) * cols * tokens >= parallel_macs;
+#pragma omp parallel for schedule(static) if (parallel)
   for (int b = 0; b < blocks; ++b) {
     const int j0 = b * kRowBlock;
     const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
@@ -137,14 +139,14 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const float*
 }  // namespace
 
 void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
-            bool accumulate) {
+            bool accumulate, int64_t parallel_macs) {
   switch (w.dtype) {
     case DType::kF32:
-      return matmulTyped<DType::kF32>(x, tokens, w, bias, y, accumulate);
+      return matmulTyped<DType::kF32>(x, tokens, w, bias, y, accumulate, parallel_macs);
     case DType::kF16:
-      return matmulTyped<DType::kF16>(x, tokens, w, bias, y, accumulate);
+      return matmulTyped<DType::kF16>(x, tokens, w, bias, y, accumulate, parallel_macs);
     case DType::kBF16:
-      return matmulTyped<DType::kBF16>(x, tokens, w, bias, y, accumulate);
+      return matmulTyped<DType::kBF16>(x, tokens, w, bias, y, accumulate, parallel_macs);
   }
 }
 

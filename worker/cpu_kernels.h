@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "shared/dtype.h"
 
@@ -18,9 +19,10 @@ struct WeightMatrix {
 };
 
 // y[t * w.rows + j] = dot(x[t * w.cols ...], row j of w) (+ bias[j]) (+ y when accumulate), for
-// t < tokens. Parallel over j; each dot product has a fixed reduction order.
+// t < tokens. Parallel over j when the product has at least `parallel_macs` multiply-adds (waking
+// threads costs more than small products); each dot product has a fixed reduction order.
 void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
-            bool accumulate);
+            bool accumulate, int64_t parallel_macs);
 
 // Same reduction order as the rows of matmul, for two float32 vectors.
 float dot(const float* a, const float* b, int n);

@@ -29,6 +29,12 @@ int main(int argc, char** argv) {
   app.add_option("--ready-fd", options.ready_fd, "Descriptor to signal readiness on");
   app.add_flag("--enable-fault-injection", options.enable_fault_injection,
                "Accept FaultInject messages (tests and chaos runs only)");
+  app.add_option("--scrub-bytes-per-step", options.scrub_bytes_per_step,
+                 "Resident weight bytes verified after each step (0: no scrubbing)");
+  std::string perturb;
+  app.add_option("--perturb-weight", perturb,
+                 "BYTE:BIT to flip in the resident weights at start (needs "
+                 "--enable-fault-injection; simulates a worker that computes wrongly from birth)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   CLI11_PARSE(app, argc, argv);
 
@@ -47,17 +53,31 @@ int main(int argc, char** argv) {
     spdlog::critical("{}", checkpoint.status().toString());
     return 1;
   }
-  const uint64_t digest = checkpoint->weightDigest();
   auto shared = std::make_shared<const Checkpoint>(std::move(*checkpoint));
   auto backend = createBackend(backend_name, shared, backend_options);
   if (!backend.ok()) {
     spdlog::critical("{}", backend.status().toString());
     return 1;
   }
-  spdlog::info("loaded {} ({}) on {}: {} KV blocks of {}, weight digest {:016x}", options.model_dir,
+  spdlog::info("loaded {} ({}) on {}: {} KV blocks of {}", options.model_dir,
                shared->config().architecture_name, (*backend)->name(),
-               (*backend)->limits().kv_block_count, (*backend)->limits().kv_block_size, digest);
-  auto server = WorkerServer::create(std::move(*backend), digest, options);
+               (*backend)->limits().kv_block_count, (*backend)->limits().kv_block_size);
+  if (!perturb.empty()) {
+    unsigned long long byte = 0;
+    unsigned bit = 0;
+    if (!options.enable_fault_injection ||
+        std::sscanf(perturb.c_str(), "%llu:%u", &byte, &bit) != 2) {
+      spdlog::critical("--perturb-weight needs --enable-fault-injection and BYTE:BIT");
+      return 2;
+    }
+    Status flipped = (*backend)->flipWeightBit(byte, uint8_t(bit));
+    if (!flipped.ok()) {
+      spdlog::critical("{}", flipped.toString());
+      return 2;
+    }
+    spdlog::warn("fault injection: resident weight byte {} bit {} flipped at start", byte, bit);
+  }
+  auto server = WorkerServer::create(std::move(*backend), shared, options);
   if (!server.ok()) {
     spdlog::critical("{}", server.status().toString());
     return 1;

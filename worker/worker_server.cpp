@@ -70,6 +70,18 @@ Status bindListener(const std::string& path, int& out_fd) {
   return okStatus();
 }
 
+void fillScrubReport(wire::ScrubReport::Builder report,
+                     const std::vector<WeightCorruption>& corruptions, uint64_t clean_through) {
+  report.setCleanThrough(clean_through);
+  auto list = report.initCorruptions(unsigned(corruptions.size()));
+  for (size_t i = 0; i < corruptions.size(); ++i) {
+    list[unsigned(i)].setTensor(corruptions[i].tensor);
+    list[unsigned(i)].setOffset(corruptions[i].offset);
+    list[unsigned(i)].setBytes(corruptions[i].bytes);
+    list[unsigned(i)].setSuspectFromStep(corruptions[i].suspect_from_step);
+  }
+}
+
 void setError(wire::FromWorker::Builder reply, const Status& status) {
   auto e = reply.initError();
   e.setCode(uint32_t(status.code()));
@@ -84,12 +96,14 @@ struct WorkerServer::PendingFault {
   uint32_t delay_ms = 0;
 };
 
-Result<std::unique_ptr<WorkerServer>> WorkerServer::create(std::unique_ptr<Backend> backend,
-                                                           uint64_t weight_digest,
-                                                           const WorkerOptions& options) {
+Result<std::unique_ptr<WorkerServer>> WorkerServer::create(
+    std::unique_ptr<Backend> backend, std::shared_ptr<const Checkpoint> checkpoint,
+    const WorkerOptions& options) {
   std::unique_ptr<WorkerServer> server(new WorkerServer());
   server->options_ = options;
-  server->weight_digest_ = weight_digest;
+  server->weight_digest_ = checkpoint->weightDigest();
+  server->model_identity_ = checkpoint->identity();
+  server->checkpoint_ = checkpoint;
   server->fault_ = std::make_unique<PendingFault>();
   if (const int removed = LogitsArena::collectStale(); removed > 0)
     spdlog::info("removed {} stale logits arena(s)", removed);
@@ -98,6 +112,7 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::create(std::unique_ptr<Backe
       LogitsArena::create(LogitsArena::arenaName(int(::getpid()), options.incarnation),
                           options.incarnation, options.arena_slots, backend->limits().vocab_size));
   server->backend_ = std::move(backend);
+  server->scrubber_ = std::make_unique<WeightScrubber>(*server->backend_, *checkpoint);
 
   sigset_t mask;
   sigemptyset(&mask);
@@ -170,6 +185,8 @@ bool WorkerServer::serveConnection(int fd) {
     hello.setArenaName(arena_->name());
     hello.setArenaSlots(arena_->slots());
     hello.setFaultInjection(options_.enable_fault_injection);
+    hello.setModelIdentity(model_identity_);
+    hello.setScrubbing(options_.scrub_bytes_per_step > 0);
     const auto& eos = backend_->config().eos_token_ids;
     auto eos_list = hello.initEosTokenIds(unsigned(eos.size()));
     for (size_t i = 0; i < eos.size(); ++i) eos_list.set(unsigned(i), eos[i]);
@@ -210,9 +227,13 @@ bool WorkerServer::serveConnection(int fd) {
       auto request = reader.getRoot<wire::ToWorker>();
       reply.setRequestId(request.getRequestId());
       switch (request.which()) {
-        case wire::ToWorker::PING:
-          reply.setPong();
+        case wire::ToWorker::PING: {
+          auto report = reply.initPong();
+          if (options_.scrub_bytes_per_step > 0) {
+            fillScrubReport(report, scrubber_->fullPass(last_step_), scrubber_->cleanThrough());
+          }
           break;
+        }
         case wire::ToWorker::RELEASE:
           reply.setReleased();
           break;
@@ -295,9 +316,20 @@ bool WorkerServer::serveConnection(int fd) {
             setError(reply, invalid);
             break;
           }
-          const PendingFault fault = *fault_;
-          *fault_ = PendingFault{};
-          const bool torn = fault.kind == wire::FaultKind::TORN_WRITE && fault.row < total_rows;
+          // Row faults wait for a step that has rows; they hit the last row if there are fewer.
+          PendingFault fault = *fault_;
+          const bool row_fault = fault.kind == wire::FaultKind::CORRUPT_PAYLOAD ||
+                                 fault.kind == wire::FaultKind::TORN_WRITE ||
+                                 fault.kind == wire::FaultKind::STALE_INCARNATION ||
+                                 fault.kind == wire::FaultKind::STALE_STEP ||
+                                 fault.kind == wire::FaultKind::NAN_ROW;
+          if (row_fault && total_rows == 0) {
+            fault = PendingFault{};
+          } else {
+            *fault_ = PendingFault{};
+            if (row_fault) fault.row = std::min<uint32_t>(fault.row, uint32_t(total_rows - 1));
+          }
+          const bool torn = fault.kind == wire::FaultKind::TORN_WRITE;
           rows.resize(total_rows);
           for (uint32_t r = 0; r < total_rows; ++r) rows[r] = arena_->beginRow(r);
           if (torn) {
@@ -317,9 +349,15 @@ bool WorkerServer::serveConnection(int fd) {
           const uint64_t micros = uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
                                                std::chrono::steady_clock::now() - start)
                                                .count());
+          last_step_ = step_id;
           auto done = reply.initStepDone();
           done.setStepId(step_id);
           done.setComputeMicros(micros);
+          if (options_.scrub_bytes_per_step > 0) {
+            fillScrubReport(done.initScrub(),
+                            scrubber_->scrub(options_.scrub_bytes_per_step, step_id),
+                            scrubber_->cleanThrough());
+          }
           auto refs = done.initRows(unsigned(total_rows));
           uint32_t r = 0;
           for (const SequenceStep& seq : batch) {

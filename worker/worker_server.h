@@ -9,6 +9,7 @@
 #include "shared/checkpoint.h"
 #include "shared/logits_arena.h"
 #include "worker/backend.h"
+#include "worker/weight_scrubber.h"
 
 namespace bulkhead {
 
@@ -19,12 +20,14 @@ struct WorkerOptions {
   bool enable_fault_injection = false;
   std::string model_dir;
   int ready_fd = -1;  // written to (one byte) and closed once the socket listens
+  // Resident weight bytes verified after each step (0: no scrubbing).
+  uint64_t scrub_bytes_per_step = 256ull << 20;
 };
 
 class WorkerServer {
  public:
   static Result<std::unique_ptr<WorkerServer>> create(std::unique_ptr<Backend> backend,
-                                                      uint64_t weight_digest,
+                                                      std::shared_ptr<const Checkpoint> checkpoint,
                                                       const WorkerOptions& options);
   ~WorkerServer();
 
@@ -38,7 +41,11 @@ class WorkerServer {
   // Serves one connection; returns true when the worker should stop.
   bool serveConnection(int fd);
 
+  std::shared_ptr<const Checkpoint> checkpoint_;
   std::unique_ptr<Backend> backend_;
+  std::unique_ptr<WeightScrubber> scrubber_;
+  uint64_t last_step_ = 0;
+  uint64_t model_identity_ = 0;
   std::unique_ptr<LogitsArena> arena_;
   std::unique_ptr<PendingFault> fault_;
   WorkerOptions options_;

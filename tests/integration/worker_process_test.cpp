@@ -231,7 +231,7 @@ TEST_F(WorkerProcessTest, CrashMidStepIsReportedAsExitBySignal) {
   EXPECT_EQ(f.signal, SIGKILL);
   EXPECT_LT(last_detection_, 3s);
   EXPECT_TRUE(client->broken());
-  EXPECT_EQ(client->ping(1s).kind, Kind::kExited);  // fails fast afterwards
+  EXPECT_EQ(client->ping(1s).error().kind, Kind::kExited);  // fails fast afterwards
 }
 
 TEST_F(WorkerProcessTest, ExternalSigkillIsReportedPromptly) {

@@ -36,7 +36,11 @@ class InvarianceTest : public ::testing::TestWithParam<ModelCase> {
     }
     auto ckpt = Checkpoint::open(dir);
     ASSERT_TRUE(ckpt.ok()) << ckpt.status().toString();
-    auto backend = CpuBackend::create(std::make_shared<const Checkpoint>(std::move(*ckpt)), {});
+    // Every kernel parallel, however small, so thread splits are exercised on tiny models.
+    CpuBackend::Options options;
+    options.parallel_macs = 0;
+    auto backend =
+        CpuBackend::create(std::make_shared<const Checkpoint>(std::move(*ckpt)), options);
     ASSERT_TRUE(backend.ok()) << backend.status().toString();
     backend_ = std::move(*backend);
   }
