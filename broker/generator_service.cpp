@@ -207,6 +207,9 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
   out->set_worker_restarts(s.worker_restarts);
   out->set_replayed_sequences(s.replayed_sequences);
   out->set_integrity_failures(s.integrity_failures);
+  out->set_weight_corruptions(s.weight_corruptions);
+  out->set_canary_runs(s.canary_runs);
+  out->set_canary_failures(s.canary_failures);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -240,6 +243,76 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* conte
   std::thread([this, reactor, response] {
     auto r = scheduler_.drain(std::chrono::minutes(10));
     if (r.ok()) response->set_drained(*r);
+    reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
+  }).detach();
+  return reactor;
+}
+
+const std::vector<ChaosFault>& allChaosFaults() {
+  static const std::vector<ChaosFault> all = {
+      ChaosFault::kWorkerKill,    ChaosFault::kWorkerHang, ChaosFault::kWeightBitflip,
+      ChaosFault::kLogitsCorrupt, ChaosFault::kLogitsNan,  ChaosFault::kTornWrite,
+      ChaosFault::kStaleEpoch,    ChaosFault::kSlowStep};
+  return all;
+}
+
+std::string_view chaosFaultName(ChaosFault fault) {
+  switch (fault) {
+    case ChaosFault::kWorkerKill:
+      return "worker_kill";
+    case ChaosFault::kWorkerHang:
+      return "worker_hang";
+    case ChaosFault::kWeightBitflip:
+      return "weight_bitflip";
+    case ChaosFault::kLogitsCorrupt:
+      return "logits_corrupt";
+    case ChaosFault::kLogitsNan:
+      return "logits_nan";
+    case ChaosFault::kTornWrite:
+      return "torn_write";
+    case ChaosFault::kStaleEpoch:
+      return "stale_epoch";
+    case ChaosFault::kSlowStep:
+      return "slow_step";
+  }
+  return "?";
+}
+
+std::optional<ChaosFault> chaosFaultFromName(std::string_view name) {
+  for (ChaosFault f : allChaosFaults())
+    if (chaosFaultName(f) == name) return f;
+  return std::nullopt;
+}
+
+grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext* context,
+                                                    const v1::InjectFaultRequest* request,
+                                                    v1::InjectFaultResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  if (!fault_injection_) {
+    spdlog::warn("refused a fault injection request: fault injection is disabled");
+    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                 "fault injection is disabled; start the broker with "
+                                 "--enable-fault-injection"));
+    return reactor;
+  }
+  const auto fault = chaosFaultFromName(request->fault());
+  if (!fault) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "fault: unknown class \"" + request->fault() + "\""));
+    return reactor;
+  }
+  const auto timeout =
+      std::chrono::milliseconds(request->timeout_ms() != 0 ? request->timeout_ms() : 30'000);
+  const uint64_t random = request->random();
+  std::thread([this, reactor, response, f = *fault, random, timeout] {
+    auto r = scheduler_.injectFault(f, random, timeout);
+    if (r.ok()) {
+      response->set_detected(r->detected);
+      response->set_recovered(r->recovered);
+      response->set_detection_ms(r->detection_ms);
+      response->set_recovery_ms(r->recovery_ms);
+      response->set_detected_as(r->detected_as);
+    }
     reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
   }).detach();
   return reactor;

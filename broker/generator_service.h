@@ -3,6 +3,9 @@
 #pragma once
 
 #include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
 
 #include "broker/scheduler.h"
 #include "bulkhead/v1/generator.grpc.pb.h"
@@ -26,7 +29,8 @@ class GeneratorService final : public v1::Generator::CallbackService {
 
 class AdminService final : public v1::Admin::CallbackService {
  public:
-  explicit AdminService(Scheduler& scheduler) : scheduler_(scheduler) {}
+  AdminService(Scheduler& scheduler, bool fault_injection)
+      : scheduler_(scheduler), fault_injection_(fault_injection) {}
 
   grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,
                                         const v1::ListWorkersRequest* request,
@@ -40,9 +44,18 @@ class AdminService final : public v1::Admin::CallbackService {
   grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* context,
                                   const v1::DrainRequest* request,
                                   v1::DrainResponse* response) override;
+  grpc::ServerUnaryReactor* InjectFault(grpc::CallbackServerContext* context,
+                                        const v1::InjectFaultRequest* request,
+                                        v1::InjectFaultResponse* response) override;
 
  private:
   Scheduler& scheduler_;
+  const bool fault_injection_;
 };
+
+// "worker_kill" -> ChaosFault::kWorkerKill, ...
+std::optional<ChaosFault> chaosFaultFromName(std::string_view name);
+std::string_view chaosFaultName(ChaosFault fault);
+const std::vector<ChaosFault>& allChaosFaults();
 
 }  // namespace bulkhead

@@ -49,7 +49,9 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend, "Worker backend: cpu | cuda | auto");
   app.add_option("--ready-file", ready_file, "Written with the bound host:port once serving");
   int ready_fd = -1;
-  app.add_option("--ready-fd", ready_fd, "Descriptor that gets the bound host:port once serving");
+  app.add_option("--ready-fd", ready_fd,
+                 "Descriptor that gets \"listening HOST:PORT\" once bound, then \"serving\" "
+                 "once a worker is ready, then is closed");
   app.add_option("--worker", worker_path, "bulkhead-worker executable (default: next to this one)");
   app.add_option("--kv-blocks", kv_blocks, "Worker KV cache blocks (0: the backend's default)");
   app.add_option("--max-batch-tokens", options.max_batch_tokens, "Tokens per step");
@@ -57,6 +59,18 @@ int main(int argc, char** argv) {
   app.add_option("--max-waiting", options.max_waiting, "Queued requests before RESOURCE_EXHAUSTED");
   app.add_option("--step-timeout-ms", step_timeout_ms, "Base deadline of a worker step");
   app.add_option("--arena-slots", arena_slots, "Logits rows per step (default: --max-running)");
+  uint32_t step_timeout_per_token_us = 10'000;
+  app.add_option("--step-timeout-per-token-us", step_timeout_per_token_us,
+                 "Added to a step's deadline per token in the step");
+  std::string state_dir;
+  app.add_option("--state-dir", state_dir,
+                 "Canary records (default: $STATE_DIRECTORY, else ~/.local/state/bulkhead)");
+  uint32_t canary_interval_s = 60;
+  app.add_option("--canary-interval-s", canary_interval_s,
+                 "Run the canary between generations this often (0: only at worker start)");
+  uint64_t scrub_bytes = 256ull << 20;
+  app.add_option("--scrub-bytes-per-step", scrub_bytes,
+                 "Worker weight bytes verified after each step (0: no scrubbing)");
   app.add_flag("--enable-fault-injection", fault_injection,
                "Start workers that accept fault injection (tests and chaos runs only)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
@@ -64,6 +78,16 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [broker] %l: %v");
   options.step_timeout_base = std::chrono::milliseconds(step_timeout_ms);
+  options.step_timeout_per_token = std::chrono::microseconds(step_timeout_per_token_us);
+  options.canary_interval = std::chrono::seconds(canary_interval_s);
+  if (state_dir.empty()) {
+    if (const char* s = std::getenv("STATE_DIRECTORY"); s && *s) {
+      state_dir = s;  // systemd's StateDirectory=
+    } else if (const char* home = std::getenv("HOME"); home && *home) {
+      state_dir = std::string(home) + "/.local/state/bulkhead";
+    }
+  }
+  options.state_dir = state_dir;
 
   auto config = ModelConfig::load(model_dir);
   if (!config.ok()) {
@@ -93,7 +117,8 @@ int main(int argc, char** argv) {
   spawn.kv_blocks = kv_blocks;
   spawn.arena_slots = arena_slots != 0 ? arena_slots : options.max_running;
   spawn.enable_fault_injection = fault_injection;
-  spawn.extra_args = {"--log-level", log_level};
+  spawn.extra_args = {"--log-level", log_level, "--scrub-bytes-per-step",
+                      std::to_string(scrub_bytes)};
   Scheduler scheduler(
       [spawn](uint64_t incarnation) {
         WorkerClient::SpawnOptions o = spawn;
@@ -103,7 +128,7 @@ int main(int argc, char** argv) {
       model, options);
 
   GeneratorService generator(scheduler, model);
-  AdminService admin(scheduler);
+  AdminService admin(scheduler, fault_injection);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -123,6 +148,10 @@ int main(int argc, char** argv) {
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string bound = host + ":" + std::to_string(port);
   spdlog::info("listening on {} (model {}, worker {})", bound, model_dir, worker_path);
+  if (ready_fd >= 0) {
+    const std::string line = "listening " + bound + "\n";
+    if (::write(ready_fd, line.data(), line.size()) < 0) spdlog::error("ready fd: write failed");
+  }
 
   std::once_flag ready_once;
   scheduler.setServingCallback([&](bool serving) {
@@ -133,7 +162,7 @@ int main(int argc, char** argv) {
         if (!ready_file.empty() && !writeReadyFile(ready_file, bound))
           spdlog::error("cannot write {}", ready_file);
         if (ready_fd >= 0) {
-          const std::string line = bound + "\n";
+          const std::string line = "serving\n";
           if (::write(ready_fd, line.data(), line.size()) < 0)
             spdlog::error("ready fd: write failed");
           ::close(ready_fd);

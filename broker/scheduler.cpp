@@ -346,7 +346,21 @@ void Scheduler::preemptLast() {
   ++stats_.preemptions;
 }
 
-// Every sequence the worker was computing goes back to waiting with an empty cache, in order.
+FinishReason Scheduler::stopReason(const Sequence& s) const {
+  if (s.generatedCount() == 0) return FinishReason::kNone;
+  const uint32_t token = s.tokens.back();
+  const auto& stops = s.request.stop_token_ids;
+  const auto& eos = model_.eos_token_ids;
+  if (!s.request.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end())
+    return FinishReason::kStop;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) return FinishReason::kStop;
+  if (s.generatedCount() >= s.request.max_tokens) return FinishReason::kLength;
+  if (s.tokens.size() >= model_.max_context) return FinishReason::kContext;
+  return FinishReason::kNone;
+}
+
+// Every sequence the worker was computing loses its cache. Those whose history still ends in a
+// stop wait only for their tokens to be released; the rest go back to waiting, in order.
 void Scheduler::requeueAll() {
   std::vector<std::unique_ptr<Sequence>> all;
   for (auto& s : running_) all.push_back(std::move(s));
@@ -356,9 +370,14 @@ void Scheduler::requeueAll() {
   std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a->id < b->id; });
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     freeBlocks(**it);
-    (*it)->finish_reason = FinishReason::kNone;
-    waiting_.push_front(std::move(*it));
+    (*it)->finish_reason = stopReason(**it);
+    if ((*it)->finish_reason != FinishReason::kNone) {
+      finishing_.push_back(std::move(*it));
+    } else {
+      waiting_.push_front(std::move(*it));
+    }
   }
+  std::reverse(finishing_.begin(), finishing_.end());
   for (auto& s : waiting_) freeBlocks(*s);
 }
 
@@ -685,18 +704,7 @@ bool Scheduler::stepOnce() {
     s->token_steps.push_back(step_id);
     s->unreleased.push_back(std::move(choice));
     ++generated;
-    const uint32_t token = s->tokens.back();
-    const auto& stops = s->request.stop_token_ids;
-    const auto& eos = model_.eos_token_ids;
-    if (!s->request.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) {
-      s->finish_reason = FinishReason::kStop;
-    } else if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
-      s->finish_reason = FinishReason::kStop;
-    } else if (s->generatedCount() >= s->request.max_tokens) {
-      s->finish_reason = FinishReason::kLength;
-    } else if (s->tokens.size() >= model_.max_context) {
-      s->finish_reason = FinishReason::kContext;
-    }
+    s->finish_reason = stopReason(*s);
   }
   // Stopped sequences give their blocks back now and wait for their last tokens to be released.
   std::erase_if(running_, [&](std::unique_ptr<Sequence>& s) {

@@ -140,6 +140,7 @@ class Scheduler {
   void finish(Sequence& seq, FinishReason reason, const Status& status);
   void preemptLast();
   void requeueAll();
+  FinishReason stopReason(const Sequence& seq) const;
   void failAll(const Status& status);
   void applyInjection();
   uint32_t blocksFor(uint64_t positions) const;

@@ -101,9 +101,32 @@ void ChildProcess::reset() {
   pid_ = -1;
 }
 
+Result<std::string> ChildProcess::readReadyLine(SteadyTime deadline) {
+  while (true) {
+    if (const size_t nl = ready_buffer_.find('\n'); nl != std::string::npos) {
+      std::string line = ready_buffer_.substr(0, nl);
+      ready_buffer_.erase(0, nl + 1);
+      return line;
+    }
+    if (ready_fd_ < 0) return unavailable("readiness pipe closed");
+    if (!waitReadable(ready_fd_, deadline)) return Status(Code::kDeadlineExceeded, "not ready");
+    char buf[256];
+    const ssize_t n = ::read(ready_fd_, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(ready_fd_);
+      ready_fd_ = -1;
+      if (ready_buffer_.empty()) return unavailable("exited before it was ready");
+      ready_buffer_ += '\n';
+      continue;
+    }
+    ready_buffer_.append(buf, size_t(n));
+  }
+}
+
 Result<std::string> ChildProcess::waitReady(SteadyTime deadline) {
   if (ready_fd_ < 0) return failedPrecondition("readiness already consumed");
-  std::string message;
+  std::string message = std::move(ready_buffer_);
   while (true) {
     if (!waitReadable(ready_fd_, deadline)) return Status(Code::kDeadlineExceeded, "not ready");
     char buf[256];

@@ -39,6 +39,8 @@ class ChildProcess {
   // What the child wrote on fd 3 before closing it (its readiness message). UNAVAILABLE if it
   // closed the pipe empty or died first; DEADLINE_EXCEEDED if neither happened in time.
   Result<std::string> waitReady(SteadyTime deadline);
+  // One line of the readiness pipe (without the newline), for children that report in stages.
+  Result<std::string> readReadyLine(SteadyTime deadline);
   // Reaps the child if it exits by `deadline`; true then, with `info` filled.
   bool waitExit(SteadyTime deadline, ExitInfo* info);
   void signal(int sig);
@@ -52,6 +54,7 @@ class ChildProcess {
   int pidfd_ = -1;
   int ready_fd_ = -1;
   bool reaped_ = false;
+  std::string ready_buffer_;  // read from the pipe but not yet returned
 };
 
 // Waits for `fd` to become readable until `deadline`; true if it did.

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include "shared/dtype.h"
+#include "tools/chaos.h"
 #include "tools/commands.h"
 #include "tools/make_model.h"
 #include "tools/remote.h"
@@ -94,6 +95,20 @@ int main(int argc, char** argv) {
   step_bench->add_option("--iterations", step_opts.iterations, "Measured steps per batch size");
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
 
+  ChaosOptions chaos_opts;
+  auto* chaos = app.add_subcommand("chaos", "Fault-injection run against its own broker");
+  chaos->add_option("--model", chaos_opts.model_dir, "Checkpoint directory")->required();
+  chaos->add_option("--faults", chaos_opts.faults, "Faults to inject");
+  chaos->add_option("--seed", chaos_opts.seed, "Schedule and request seed (same seed, same run)");
+  chaos->add_option("--concurrency", chaos_opts.concurrency, "Concurrent client streams");
+  chaos->add_option("--requests", chaos_opts.requests, "Distinct requests in the reference set");
+  chaos->add_option("--backend", chaos_opts.backend, "cpu | cuda | auto");
+  chaos->add_option("--step-timeout-ms", chaos_opts.step_timeout_ms,
+                    "Broker step deadline (how fast hangs are detected)");
+  chaos->add_option("--report", chaos_opts.report_path, "Write the JSON report here");
+  chaos->add_option("--broker", chaos_opts.broker_path,
+                    "bulkhead-broker executable (default: next to this one)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -147,6 +162,13 @@ int main(int argc, char** argv) {
   } else if (*bench) {
     Status s = runBench(bench_cmd);
     if (!s.ok()) return fail("bench", s);
+  } else if (*chaos) {
+    if (chaos_opts.broker_path.empty()) {
+      std::error_code ec;
+      auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+      chaos_opts.broker_path = (self.parent_path() / "bulkhead-broker").string();
+    }
+    return runChaos(chaos_opts);
   } else if (*step_bench) {
     auto parsed = parseTokenList(batches);
     if (!parsed.ok()) return fail("step-bench", invalidArgument("--batches: expected e.g. 1,32"));

@@ -6,19 +6,23 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "bulkhead/v1/generator.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "shared/child_process.h"
+#include "support/test_support.h"
 
 namespace bulkhead::test {
 
 class BrokerProcess {
  public:
-  // Starts the broker on `model` with extra flags; waits until it serves.
-  explicit BrokerProcess(const std::string& model, std::vector<std::string> extra = {}) {
+  // Starts the broker on `model` with extra flags; waits until it listens and, unless told not
+  // to, until it serves. Canary records go to a private state directory unless one is given.
+  explicit BrokerProcess(const std::string& model, std::vector<std::string> extra = {},
+                         bool wait_serving = true) {
     std::vector<std::string> args = {std::string(BULKHEAD_BIN_DIR) + "/bulkhead-broker",
                                      "--model",
                                      model,
@@ -30,6 +34,10 @@ class BrokerProcess {
                                      "3",
                                      "--log-level",
                                      "warn"};
+    if (std::find(extra.begin(), extra.end(), "--state-dir") == extra.end()) {
+      args.push_back("--state-dir");
+      args.push_back(state_.path());
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     auto child = ChildProcess::spawn(args);
     if (!child.ok()) {
@@ -37,12 +45,20 @@ class BrokerProcess {
       return;
     }
     process_ = std::move(*child);
-    auto ready = process_.waitReady(std::chrono::steady_clock::now() + std::chrono::seconds(60));
-    if (!ready.ok()) {
-      ADD_FAILURE() << "broker did not become ready: " << ready.status().toString();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    auto listening = process_.readReadyLine(deadline);
+    if (!listening.ok() || listening->rfind("listening ", 0) != 0) {
+      ADD_FAILURE() << "broker did not start listening";
       return;
     }
-    address_ = ready->substr(0, ready->find('\n'));
+    address_ = listening->substr(10);
+    if (wait_serving) {
+      auto serving = process_.readReadyLine(deadline);
+      if (!serving.ok() || *serving != "serving") {
+        ADD_FAILURE() << "broker did not start serving";
+        return;
+      }
+    }
     channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
   }
   ~BrokerProcess() {
@@ -60,6 +76,7 @@ class BrokerProcess {
   ChildProcess& process() { return process_; }
 
  private:
+  TempDir state_;
   ChildProcess process_;
   std::string address_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -1,0 +1,233 @@
+// Supervision end to end through gRPC: every fault class injected for real while a generation
+// runs, detected, recovered from, and invisible in the output; a crash loop that reaches
+// UNAVAILABLE and recovers; a canary mismatch caught before any client traffic reaches the worker.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <future>
+
+#include "broker/generator_service.h"
+#include "support/broker_process.h"
+#include "support/test_support.h"
+
+namespace bulkhead {
+namespace {
+
+using namespace std::chrono_literals;
+using test::generate;
+using test::request;
+
+v1::GenerateRequest longRequest(bool seeded) {
+  auto r = request({17, 33, 65, 129, 257, 3, 4}, 200);
+  r.set_ignore_eos(true);
+  if (seeded) {
+    r.mutable_sampling()->set_temperature(0.9f);
+    r.mutable_sampling()->set_seed(2024);
+    r.mutable_sampling()->set_top_p(0.95f);
+  }
+  return r;
+}
+
+class FaultClassTest : public ::testing::TestWithParam<ChaosFault> {
+ protected:
+  static void SetUpTestSuite() {
+    broker_ = new test::BrokerProcess(test::fixtureDir("tiny-qwen2"),
+                                      {"--enable-fault-injection", "--step-timeout-ms", "300",
+                                       "--step-timeout-per-token-us", "500"});
+  }
+  static void TearDownTestSuite() {
+    delete broker_;
+    broker_ = nullptr;
+  }
+  static inline test::BrokerProcess* broker_ = nullptr;
+};
+
+TEST_P(FaultClassTest, IsDetectedRecoveredAndInvisibleToClients) {
+  ASSERT_TRUE(broker_ && broker_->ok());
+  const ChaosFault fault = GetParam();
+  std::vector<test::Generation> reference;
+  for (bool seeded : {false, true}) {
+    reference.push_back(generate(*broker_->channel(), longRequest(seeded)));
+    ASSERT_TRUE(reference.back().status.ok());
+  }
+  // Inject while generations keep the worker stepping; the injection returns once the fault was
+  // detected and service recovered.
+  auto admin = v1::Admin::NewStub(broker_->channel());
+  auto injected = std::async(std::launch::async, [&] {
+    grpc::ClientContext ctx;
+    v1::InjectFaultRequest req;
+    req.set_fault(std::string(chaosFaultName(fault)));
+    req.set_random(0x9e3779b97f4a7c15ull * (uint64_t(fault) + 1));
+    req.set_timeout_ms(20'000);
+    v1::InjectFaultResponse resp;
+    grpc::Status s = admin->InjectFault(&ctx, req, &resp);
+    return std::make_pair(s, resp);
+  });
+  int rounds = 0;
+  while (injected.wait_for(0s) != std::future_status::ready && rounds < 200) {
+    std::vector<std::future<test::Generation>> running;
+    for (bool seeded : {false, true}) {
+      running.push_back(std::async(std::launch::async, [seeded] {
+        return generate(*broker_->channel(), longRequest(seeded));
+      }));
+    }
+    for (size_t i = 0; i < running.size(); ++i) {
+      test::Generation g = running[i].get();
+      ASSERT_TRUE(g.status.ok()) << chaosFaultName(fault) << ": " << g.status.error_message();
+      EXPECT_EQ(g.tokens, reference[i].tokens) << chaosFaultName(fault) << " changed an output";
+    }
+    ++rounds;
+  }
+  auto [status, outcome] = injected.get();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(outcome.detected()) << chaosFaultName(fault) << " was not detected";
+  EXPECT_TRUE(outcome.recovered()) << chaosFaultName(fault) << " was not recovered from";
+  RecordProperty("detected_as", outcome.detected_as());
+  RecordProperty("detection_ms", std::to_string(outcome.detection_ms()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Classes, FaultClassTest,
+                         ::testing::Values(ChaosFault::kWorkerKill, ChaosFault::kWorkerHang,
+                                           ChaosFault::kWeightBitflip, ChaosFault::kLogitsCorrupt,
+                                           ChaosFault::kLogitsNan, ChaosFault::kTornWrite,
+                                           ChaosFault::kStaleEpoch, ChaosFault::kSlowStep),
+                         [](const ::testing::TestParamInfo<ChaosFault>& info) {
+                           return std::string(chaosFaultName(info.param));
+                         });
+
+TEST(FaultInjection, RefusedUnlessEnabled) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"));
+  ASSERT_TRUE(broker.ok());
+  auto admin = v1::Admin::NewStub(broker.channel());
+  grpc::ClientContext ctx;
+  v1::InjectFaultRequest req;
+  req.set_fault("worker_kill");
+  v1::InjectFaultResponse resp;
+  grpc::Status s = admin->InjectFault(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(s.error_message().find("--enable-fault-injection"), std::string::npos);
+}
+
+std::string writeScript(const test::TempDir& dir, const std::string& name,
+                        const std::string& body) {
+  const std::string path = dir.file(name);
+  test::writeFile(path, "#!/bin/sh\n" + body + "\n");
+  ::chmod(path.c_str(), 0700);
+  return path;
+}
+
+grpc::health::v1::HealthCheckResponse::ServingStatus health(grpc::Channel& channel) {
+  auto stub =
+      grpc::health::v1::Health::NewStub(std::shared_ptr<grpc::Channel>(&channel, [](auto*) {}));
+  grpc::ClientContext ctx;
+  grpc::health::v1::HealthCheckResponse resp;
+  if (!stub->Check(&ctx, {}, &resp).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  return resp.status();
+}
+
+// Follows the health service's Watch stream until `want` (bounded).
+bool watchUntil(grpc::Channel& channel, grpc::health::v1::HealthCheckResponse::ServingStatus want,
+                std::chrono::seconds limit) {
+  auto stub =
+      grpc::health::v1::Health::NewStub(std::shared_ptr<grpc::Channel>(&channel, [](auto*) {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + limit);
+  auto reader = stub->Watch(&ctx, {});
+  grpc::health::v1::HealthCheckResponse resp;
+  while (reader->Read(&resp)) {
+    if (resp.status() == want) {
+      ctx.TryCancel();
+      return true;
+    }
+  }
+  return false;
+}
+
+TEST(CrashLoop, ReachesUnavailableAndRecoversWhenAStartSucceeds) {
+  test::TempDir dir;
+  const std::string marker = dir.file("broken");
+  test::writeFile(marker, "");
+  // A worker that dies at once while the marker exists, then behaves.
+  const std::string worker = writeScript(
+      dir, "worker.sh",
+      "[ -e '" + marker + "' ] && exit 3\nexec '" + BULKHEAD_BIN_DIR + "/bulkhead-worker' \"$@\"");
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--worker", worker},
+                             /*wait_serving=*/false);
+  ASSERT_TRUE(broker.ok());
+  // Five failed starts in a row mark the worker failed (backoff 50, 100, 200, 400 ms).
+  auto admin = v1::Admin::NewStub(broker.channel());
+  v1::WorkerInfo info;
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  do {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse workers;
+    ASSERT_TRUE(admin->ListWorkers(&ctx, {}, &workers).ok());
+    info = workers.workers(0);
+    if (info.state() == "failed") break;
+    std::this_thread::yield();
+  } while (std::chrono::steady_clock::now() < deadline);
+  ASSERT_EQ(info.state(), "failed");
+  EXPECT_NE(info.last_failure().find("status 3"), std::string::npos) << info.last_failure();
+  EXPECT_EQ(health(*broker.channel()), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  test::Generation refused = generate(*broker.channel(), request({1, 2, 3}, 4));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(refused.status.error_message().find("no healthy worker"), std::string::npos);
+
+  std::filesystem::remove(marker);
+  ASSERT_TRUE(watchUntil(*broker.channel(), grpc::health::v1::HealthCheckResponse::SERVING, 30s));
+  test::Generation served = generate(*broker.channel(), request({1, 2, 3}, 4));
+  EXPECT_TRUE(served.status.ok()) << served.status.error_message();
+}
+
+TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
+  test::TempDir state;
+  {
+    // A healthy worker records the canary for this model and backend.
+    test::BrokerProcess healthy(test::fixtureDir("tiny-qwen2"), {"--state-dir", state.path()});
+    ASSERT_TRUE(healthy.ok());
+  }
+  bool recorded = false;
+  for (const auto& e : std::filesystem::directory_iterator(state.path()))
+    recorded |= e.path().filename().string().rfind("canary-", 0) == 0;
+  ASSERT_TRUE(recorded);
+
+  // Workers that compute with one perturbed weight from birth (the host copy is untouched, so
+  // the model's identity and weight digest are the same). Scrubbing is off, so the canary's
+  // logits digest is the only thing that can tell.
+  test::TempDir dir;
+  const std::string worker = writeScript(dir, "worker.sh",
+                                         "exec '" + std::string(BULKHEAD_BIN_DIR) +
+                                             "/bulkhead-worker' \"$@\" --perturb-weight 70001:6");
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                             {"--worker", worker, "--enable-fault-injection", "--state-dir",
+                              state.path(), "--scrub-bytes-per-step", "0"},
+                             /*wait_serving=*/false);
+  ASSERT_TRUE(broker.ok());
+  auto admin = v1::Admin::NewStub(broker.channel());
+  v1::WorkerInfo info;
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  do {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse workers;
+    ASSERT_TRUE(admin->ListWorkers(&ctx, {}, &workers).ok());
+    info = workers.workers(0);
+    if (info.state() == "failed") break;
+    std::this_thread::yield();
+  } while (std::chrono::steady_clock::now() < deadline);
+  ASSERT_EQ(info.state(), "failed") << "a perturbed worker was allowed to serve";
+  EXPECT_NE(info.last_failure().find("canary mismatch: logits digest"), std::string::npos)
+      << info.last_failure();
+  EXPECT_EQ(health(*broker.channel()), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  grpc::ClientContext ctx;
+  v1::Stats stats;
+  ASSERT_TRUE(admin->GetStats(&ctx, {}, &stats).ok());
+  EXPECT_GE(stats.canary_failures(), 5u);
+  EXPECT_EQ(stats.tokens_generated(), 0u) << "client traffic reached a quarantined worker";
+  test::Generation refused = generate(*broker.channel(), request({1, 2, 3}, 4));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+}  // namespace
+}  // namespace bulkhead

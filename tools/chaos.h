@@ -1,0 +1,30 @@
+// `bulkhead chaos`: proves the broker's promise. Starts its own broker and worker with fault
+// injection, records a fault-free reference for a set of greedy and seeded requests, then replays
+// them under concurrent load while injecting faults from a seeded schedule, and checks that every
+// completed output equals its reference and every fault was detected.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "shared/status.h"
+
+namespace bulkhead {
+
+struct ChaosOptions {
+  std::string model_dir;
+  std::string broker_path;  // default: next to the bulkhead executable
+  std::string backend = "cpu";
+  uint32_t faults = 100;
+  uint64_t seed = 1;
+  uint32_t concurrency = 8;
+  uint32_t requests = 24;          // distinct requests in the reference set
+  uint32_t step_timeout_ms = 300;  // the broker's base step deadline (hang detection)
+  std::string report_path;
+};
+
+// Prints the table; returns the process exit code (0 only if nothing was lost, mismatched,
+// failed or undetected).
+int runChaos(const ChaosOptions& options);
+
+}  // namespace bulkhead
