@@ -422,8 +422,16 @@ WorkerResult<StepRows> WorkerClient::step(uint64_t step_id, std::span<const Sequ
     }
     return WorkerFailure{};
   });
-  // A rejected step leaves the connection usable; anything else does not.
-  if (!f.ok()) return f.kind == Kind::kRejected ? f : fail(f);
+  // A rejected step, or rows that failed verification, leave the stream in step: the connection
+  // stays usable (the caller decides whether to retry or replace the worker). Anything else
+  // breaks it.
+  if (!f.ok()) {
+    // A corruption report must not be lost with the rows it came with: it rides on the next one.
+    carried_corruptions_.insert(carried_corruptions_.end(), result.scrub.corruptions.begin(),
+                                result.scrub.corruptions.end());
+    return f.kind == Kind::kRejected || f.kind == Kind::kIntegrityFailure ? f : fail(f);
+  }
+  takeCarried(result.scrub);
   return result;
 }
 
@@ -453,7 +461,14 @@ WorkerResult<ScrubStatus> WorkerClient::ping(milliseconds timeout) {
     return WorkerFailure{};
   });
   if (!f.ok()) return f.kind == Kind::kRejected ? f : fail(f);
+  takeCarried(status);
   return status;
+}
+
+void WorkerClient::takeCarried(ScrubStatus& status) {
+  status.corruptions.insert(status.corruptions.begin(), carried_corruptions_.begin(),
+                            carried_corruptions_.end());
+  carried_corruptions_.clear();
 }
 
 WorkerFailure WorkerClient::release(std::span<const uint64_t> ids, milliseconds timeout) {

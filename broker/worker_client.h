@@ -130,7 +130,8 @@ class WorkerClient {
   pid_t pid() const { return child_.pid(); }
   // Readable once a spawned worker has exited (-1 when connected to one we did not spawn).
   int exitFd() const { return child_.exitFd(); }
-  // After any failure other than kRejected the connection is unusable; further calls fail fast.
+  // After any failure other than kRejected or kIntegrityFailure the connection is unusable;
+  // further calls fail fast.
   bool broken() const { return !broken_by_.ok(); }
 
   WorkerResult<StepRows> step(uint64_t step_id, std::span<const SequenceStep> batch,
@@ -155,6 +156,7 @@ class WorkerClient {
   // Why the connection ended: the exit status if the process is gone by `wait_until`.
   WorkerFailure connectionLost(const std::string& what, SteadyTime wait_until);
   WorkerFailure handshake(SteadyTime deadline);
+  void takeCarried(ScrubStatus& status);
   // A request carrying no payload (ping, shutdown, release, fault) answered by `expected`.
   WorkerFailure simpleCall(capnp::MessageBuilder& request, int expected_which,
                            std::chrono::milliseconds timeout);
@@ -167,6 +169,8 @@ class WorkerClient {
   uint64_t next_request_id_ = 1;
   WorkerFailure broken_by_;
   std::vector<capnp::word> reply_words_;
+  // Corruption reports that arrived with a reply whose rows failed verification.
+  std::vector<WeightCorruptionReport> carried_corruptions_;
 };
 
 }  // namespace bulkhead

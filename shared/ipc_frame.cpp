@@ -31,10 +31,11 @@ Status waitFor(int fd, short events, SteadyTime deadline, int extra_fd) {
       if (errno == EINTR) continue;
       return internalError(std::string("poll: ") + std::strerror(errno));
     }
+    // Data the peer sent before it went away is still read: the socket wins over extra_fd.
+    if (fds[0].revents != 0) return okStatus();
     if (extra_fd >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR))) {
       return Status(Code::kAborted, "watched descriptor became ready");
     }
-    if (fds[0].revents != 0) return okStatus();
     if (n == 0 && std::chrono::steady_clock::now() >= deadline) {
       return Status(Code::kDeadlineExceeded, "timed out");
     }

@@ -20,10 +20,7 @@
 #include "broker/generator_service.h"
 #include "bulkhead/v1/generator.grpc.pb.h"
 #include "shared/child_process.h"
-
-#ifndef BULKHEAD_COMMIT
-#define BULKHEAD_COMMIT "unknown"
-#endif
+#include "tools/build_info.h"
 
 namespace bulkhead {
 namespace {

@@ -94,6 +94,8 @@ int main(int argc, char** argv) {
   step_bench->add_option("--batches", batches, "Comma-separated batch sizes");
   step_bench->add_option("--iterations", step_opts.iterations, "Measured steps per batch size");
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
+  step_bench->add_option("--scrub-bytes-per-step", step_opts.scrub_bytes_per_step,
+                         "Worker weight scrubbing per step (default 0: IPC overhead alone)");
 
   ChaosOptions chaos_opts;
   auto* chaos = app.add_subcommand("chaos", "Fault-injection run against its own broker");

@@ -16,6 +16,7 @@ struct StepBenchOptions {
   std::string backend = "cpu";
   std::vector<uint32_t> batches = {1, 32};
   uint32_t iterations = 200;
+  uint64_t scrub_bytes_per_step = 0;  // the worker's weight scrubbing, part of the overhead
   std::string json_path;
 };
 

@@ -152,7 +152,7 @@ TEST(CrashLoop, ReachesUnavailableAndRecoversWhenAStartSucceeds) {
   // A worker that dies at once while the marker exists, then behaves.
   const std::string worker = writeScript(
       dir, "worker.sh",
-      "[ -e '" + marker + "' ] && exit 3\nexec '" + BULKHEAD_BIN_DIR + "/bulkhead-worker' \"$@\"");
+      "[ -e '" + marker + "' ] && exit 3\nexec '" + test::binDir() + "/bulkhead-worker' \"$@\"");
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--worker", worker},
                              /*wait_serving=*/false);
   ASSERT_TRUE(broker.ok());
@@ -197,9 +197,9 @@ TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
   // the model's identity and weight digest are the same). Scrubbing is off, so the canary's
   // logits digest is the only thing that can tell.
   test::TempDir dir;
-  const std::string worker = writeScript(dir, "worker.sh",
-                                         "exec '" + std::string(BULKHEAD_BIN_DIR) +
-                                             "/bulkhead-worker' \"$@\" --perturb-weight 70001:6");
+  const std::string worker =
+      writeScript(dir, "worker.sh",
+                  "exec '" + test::binDir() + "/bulkhead-worker' \"$@\" --perturb-weight 70001:6");
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
                              {"--worker", worker, "--enable-fault-injection", "--state-dir",
                               state.path(), "--scrub-bytes-per-step", "0"},

@@ -30,7 +30,7 @@ std::string quote(const std::string& s) {
 }
 
 CommandResult runBulkhead(const test::TempDir& dir, const std::vector<std::string>& args) {
-  std::string cmd = quote(std::string(BULKHEAD_BIN_DIR) + "/bulkhead");
+  std::string cmd = quote(test::binDir() + "/bulkhead");
   for (const auto& a : args) cmd += " " + quote(a);
   cmd += " > " + quote(dir.file("stdout")) + " 2> " + quote(dir.file("stderr"));
   const int status = std::system(cmd.c_str());

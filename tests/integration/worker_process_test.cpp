@@ -26,7 +26,7 @@ class WorkerProcessTest : public ::testing::Test {
  protected:
   std::unique_ptr<WorkerClient> spawn(bool fault_injection = true, uint32_t arena_slots = 64) {
     WorkerClient::SpawnOptions o;
-    o.worker_path = std::string(BULKHEAD_BIN_DIR) + "/bulkhead-worker";
+    o.worker_path = test::binDir() + "/bulkhead-worker";
     o.model_dir = test::fixtureDir("tiny-qwen2");
     o.backend = "cpu";
     o.socket_dir = dir_.file("sock");
@@ -323,7 +323,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST_F(WorkerProcessTest, ConnectsToAWorkerItDidNotSpawn) {
   // As under systemd: the worker runs on its own; the client only connects.
   const std::string socket = dir_.file("standalone.sock");
-  auto child = ChildProcess::spawn({std::string(BULKHEAD_BIN_DIR) + "/bulkhead-worker", "--model",
+  auto child = ChildProcess::spawn({test::binDir() + "/bulkhead-worker", "--model",
                                     test::fixtureDir("tiny-qwen2"), "--socket", socket, "--backend",
                                     "cpu", "--ready-fd", "3", "--log-level", "warn"});
   ASSERT_TRUE(child.ok());

@@ -37,7 +37,7 @@ class WorkerProtocolTest : public ::testing::Test {
   void SetUp() override { socket_ = dir_.file("w.sock"); }
 
   Result<ChildProcess> startWorker(const std::string& socket) {
-    return ChildProcess::spawn({std::string(BULKHEAD_BIN_DIR) + "/bulkhead-worker", "--model",
+    return ChildProcess::spawn({test::binDir() + "/bulkhead-worker", "--model",
                                 test::fixtureDir("tiny-qwen2"), "--socket", socket, "--backend",
                                 "cpu", "--kv-blocks", "64", "--ready-fd", "3", "--log-level",
                                 "error"});

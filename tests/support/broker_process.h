@@ -23,7 +23,7 @@ class BrokerProcess {
   // to, until it serves. Canary records go to a private state directory unless one is given.
   explicit BrokerProcess(const std::string& model, std::vector<std::string> extra = {},
                          bool wait_serving = true) {
-    std::vector<std::string> args = {std::string(BULKHEAD_BIN_DIR) + "/bulkhead-broker",
+    std::vector<std::string> args = {test::binDir() + "/bulkhead-broker",
                                      "--model",
                                      model,
                                      "--listen",

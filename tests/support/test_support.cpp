@@ -53,6 +53,11 @@ void copyDir(const std::string& from, const std::string& to) {
   }
 }
 
+std::string binDir() {
+  const char* env = std::getenv("BULKHEAD_BIN_DIR");
+  return env != nullptr && *env ? env : BULKHEAD_BIN_DIR;
+}
+
 std::string fixtureDir(const std::string& name) {
   // The environment can point elsewhere (a bundle run on another machine).
   const char* env = std::getenv("BULKHEAD_FIXTURES_DIR");

@@ -26,6 +26,9 @@ std::string readFile(const std::string& path);
 // Copies every file of `from` into `to` (flat directories only).
 void copyDir(const std::string& from, const std::string& to);
 
+// Where the executables under test are: $BULKHEAD_BIN_DIR, else the build's bin directory.
+std::string binDir();
+
 // ../shared/fixtures/<name>; aborts the test with a clear message when absent.
 std::string fixtureDir(const std::string& name);
 
