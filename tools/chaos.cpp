@@ -21,6 +21,7 @@
 #include "bulkhead/v1/generator.grpc.pb.h"
 #include "shared/child_process.h"
 #include "tools/build_info.h"
+#include "tools/percentile.h"
 
 namespace bulkhead {
 namespace {
@@ -66,12 +67,6 @@ std::vector<v1::GenerateRequest> requestSet(uint32_t count, uint64_t seed) {
     set.push_back(std::move(r));
   }
   return set;
-}
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, size_t(p / 100.0 * double(v.size())))];
 }
 
 }  // namespace

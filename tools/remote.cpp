@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bulkhead/v1/generator.grpc.pb.h"
+#include "tools/percentile.h"
 
 namespace bulkhead {
 namespace {
@@ -42,12 +43,6 @@ const char* finishName(v1::FinishReason r) {
     default:
       return "unspecified";
   }
-}
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, size_t(p / 100.0 * double(v.size())))];
 }
 
 }  // namespace

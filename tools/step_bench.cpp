@@ -9,17 +9,10 @@
 #include <nlohmann/json.hpp>
 
 #include "broker/worker_client.h"
+#include "tools/percentile.h"
 
 namespace bulkhead {
-namespace {
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, size_t(p / 100.0 * double(v.size())))];
-}
-
-}  // namespace
+namespace {}  // namespace
 
 Status runStepBench(const StepBenchOptions& o) {
   const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());

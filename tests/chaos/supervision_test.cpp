@@ -158,16 +158,8 @@ TEST(CrashLoop, ReachesUnavailableAndRecoversWhenAStartSucceeds) {
   ASSERT_TRUE(broker.ok());
   // Five failed starts in a row mark the worker failed (backoff 50, 100, 200, 400 ms).
   auto admin = v1::Admin::NewStub(broker.channel());
-  v1::WorkerInfo info;
-  const auto deadline = std::chrono::steady_clock::now() + 30s;
-  do {
-    grpc::ClientContext ctx;
-    v1::ListWorkersResponse workers;
-    ASSERT_TRUE(admin->ListWorkers(&ctx, {}, &workers).ok());
-    info = workers.workers(0);
-    if (info.state() == "failed") break;
-    std::this_thread::yield();
-  } while (std::chrono::steady_clock::now() < deadline);
+  const v1::WorkerInfo info = test::waitForWorker(
+      *broker.channel(), [](const v1::WorkerInfo& w) { return w.state() == "failed"; }, 30s);
   ASSERT_EQ(info.state(), "failed");
   EXPECT_NE(info.last_failure().find("status 3"), std::string::npos) << info.last_failure();
   EXPECT_EQ(health(*broker.channel()), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
@@ -206,16 +198,8 @@ TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
                              /*wait_serving=*/false);
   ASSERT_TRUE(broker.ok());
   auto admin = v1::Admin::NewStub(broker.channel());
-  v1::WorkerInfo info;
-  const auto deadline = std::chrono::steady_clock::now() + 30s;
-  do {
-    grpc::ClientContext ctx;
-    v1::ListWorkersResponse workers;
-    ASSERT_TRUE(admin->ListWorkers(&ctx, {}, &workers).ok());
-    info = workers.workers(0);
-    if (info.state() == "failed") break;
-    std::this_thread::yield();
-  } while (std::chrono::steady_clock::now() < deadline);
+  const v1::WorkerInfo info = test::waitForWorker(
+      *broker.channel(), [](const v1::WorkerInfo& w) { return w.state() == "failed"; }, 30s);
   ASSERT_EQ(info.state(), "failed") << "a perturbed worker was allowed to serve";
   EXPECT_NE(info.last_failure().find("canary mismatch: logits digest"), std::string::npos)
       << info.last_failure();

@@ -37,23 +37,13 @@ class BrokerTest : public ::testing::Test {
     EXPECT_TRUE(admin->GetStats(&ctx, {}, &s).ok());
     return s;
   }
-  v1::WorkerInfo worker() {
-    auto admin = v1::Admin::NewStub(broker_->channel());
-    grpc::ClientContext ctx;
-    v1::ListWorkersResponse r;
-    EXPECT_TRUE(admin->ListWorkers(&ctx, {}, &r).ok());
-    return r.workers_size() > 0 ? r.workers(0) : v1::WorkerInfo{};
-  }
+  v1::WorkerInfo worker() { return test::workerInfo(*broker_->channel()); }
   // Every KV block is free again once nothing runs (the scheduler updates between steps).
   void expectAllBlocksFree() {
-    const auto deadline = std::chrono::steady_clock::now() + 10s;
-    v1::WorkerInfo w;
-    do {
-      w = worker();
-      if (w.kv_blocks_free() == w.kv_blocks_total()) return;
-      std::this_thread::yield();
-    } while (std::chrono::steady_clock::now() < deadline);
-    FAIL() << w.kv_blocks_free() << " of " << w.kv_blocks_total() << " blocks free";
+    const v1::WorkerInfo w = test::waitForWorker(
+        *broker_->channel(),
+        [](const v1::WorkerInfo& w) { return w.kv_blocks_free() == w.kv_blocks_total(); }, 10s);
+    EXPECT_EQ(w.kv_blocks_free(), w.kv_blocks_total());
   }
 
   static inline test::BrokerProcess* broker_ = nullptr;

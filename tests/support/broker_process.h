@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bulkhead/v1/generator.grpc.pb.h"
@@ -110,6 +111,28 @@ inline Generation generate(grpc::Channel& channel, const v1::GenerateRequest& re
   }
   g.status = reader->Finish();
   return g;
+}
+
+inline v1::WorkerInfo workerInfo(grpc::Channel& channel) {
+  auto admin = v1::Admin::NewStub(std::shared_ptr<grpc::Channel>(&channel, [](auto*) {}));
+  grpc::ClientContext ctx;
+  v1::ListWorkersResponse r;
+  EXPECT_TRUE(admin->ListWorkers(&ctx, {}, &r).ok());
+  return r.workers_size() > 0 ? r.workers(0) : v1::WorkerInfo{};
+}
+
+// Asks Admin.ListWorkers until `done` holds for the worker or `limit` passes; returns the last
+// answer. (The broker publishes worker state between steps; there is no event to wait on.)
+template <typename Done>
+v1::WorkerInfo waitForWorker(grpc::Channel& channel, Done done, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  v1::WorkerInfo info;
+  do {
+    info = workerInfo(channel);
+    if (done(info)) break;
+    std::this_thread::yield();
+  } while (std::chrono::steady_clock::now() < deadline);
+  return info;
 }
 
 inline v1::GenerateRequest request(std::vector<uint32_t> prompt, uint32_t max_tokens) {
