@@ -40,7 +40,9 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   b->v_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
 
   // One owned copy of every tensor the model uses, each 64-byte aligned.
-  const std::vector<const TensorView*> used = checkpoint->usedTensors();
+  b->used_ = checkpoint->usedTensors();
+  b->weight_bytes_total_ = checkpoint->weightBytes();
+  const std::vector<const TensorView*>& used = b->used_;
   auto aligned = [](size_t n) { return (n + 63) & ~size_t(63); };
   size_t total = 0;
   for (const TensorView* m : used) total += aligned(m->data.size());
@@ -84,7 +86,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
 }
 
 Result<uint64_t> CpuBackend::residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) {
-  const auto used = checkpoint_->usedTensors();
+  const auto& used = used_;
   if (tensor >= used.size() || offset > used[tensor]->data.size() ||
       bytes > used[tensor]->data.size() - offset)
     return invalidArgument("resident range outside tensor " + std::to_string(tensor));
@@ -92,7 +94,7 @@ Result<uint64_t> CpuBackend::residentChecksum(size_t tensor, uint64_t offset, ui
 }
 
 Status CpuBackend::repairResident(size_t tensor, uint64_t offset, uint64_t bytes) {
-  const auto used = checkpoint_->usedTensors();
+  const auto& used = used_;
   if (tensor >= used.size() || offset > used[tensor]->data.size() ||
       bytes > used[tensor]->data.size() - offset)
     return invalidArgument("resident range outside tensor " + std::to_string(tensor));
@@ -102,7 +104,7 @@ Status CpuBackend::repairResident(size_t tensor, uint64_t offset, uint64_t bytes
 
 Status CpuBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
   // Offsets count tensor bytes only (no alignment padding), so every flip lands in a weight.
-  const auto used = checkpoint_->usedTensors();
+  const auto& used = used_;
   if (bit > 7) return invalidArgument("bit " + std::to_string(bit) + " is not 0..7");
   uint64_t offset = byte_offset;
   for (size_t t = 0; t < used.size(); ++t) {

@@ -33,7 +33,7 @@ class CpuBackend final : public Backend {
   BackendLimits limits() const override { return limits_; }
   Status step(std::span<const SequenceStep> batch, std::span<float* const> logits) override;
   Status flipWeightBit(uint64_t byte_offset, uint8_t bit) override;
-  uint64_t residentWeightBytes() const override { return checkpoint_->weightBytes(); }
+  uint64_t residentWeightBytes() const override { return weight_bytes_total_; }
   Result<uint64_t> residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) override;
   Status repairResident(size_t tensor, uint64_t offset, uint64_t bytes) override;
 
@@ -57,8 +57,10 @@ class CpuBackend final : public Backend {
   BackendLimits limits_;
   int64_t parallel_macs_ = 0;
   std::unique_ptr<std::byte[]> weight_bytes_;
-  // Resident copy of each of checkpoint_->usedTensors(), in that order.
+  // checkpoint_->usedTensors(), and the resident copy of each, in that order.
+  std::vector<const TensorView*> used_;
   std::vector<std::byte*> resident_;
+  uint64_t weight_bytes_total_ = 0;
   cpu::WeightMatrix embed_, lm_head_;
   Vector final_norm_;
   std::vector<Layer> layers_;
