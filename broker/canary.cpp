@@ -35,7 +35,10 @@ uint64_t canaryDigest(std::span<const std::span<const float>> rows) {
 }
 
 std::filesystem::path CanaryStore::pathFor(uint64_t identity, const std::string& backend) const {
-  return dir_ / ("canary-" + hex(identity) + "-" + backend + ".json");
+  // The version names the canary's definition (prompt, rows, digest): records made under another
+  // definition are not compared against.
+  return dir_ / ("canary-v" + std::to_string(kCanaryVersion) + "-" + hex(identity) + "-" + backend +
+                 ".json");
 }
 
 Status CanaryStore::check(uint64_t identity, const std::string& backend, uint64_t weight_digest,

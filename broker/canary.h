@@ -16,6 +16,8 @@
 
 namespace bulkhead {
 
+constexpr int kCanaryVersion = 2;
+
 // The canary prompt for a vocabulary: 16 fixed, spread-out token ids.
 std::vector<uint32_t> canaryTokens(uint32_t vocab_size);
 // Digest of the canary's logits rows.

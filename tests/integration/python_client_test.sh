@@ -6,7 +6,7 @@ bin=$1 fixture=$2 src=$3
 dir=$(mktemp -d)
 trap 'kill $broker 2>/dev/null || true; wait $broker 2>/dev/null || true; rm -rf "$dir"' EXIT
 "$bin/bulkhead-broker" --model "$fixture" --listen 127.0.0.1:0 --backend cpu \
-  --ready-file "$dir/ready" --log-level warn &
+  --ready-file "$dir/ready" --state-dir "$dir/state" --log-level warn &
 broker=$!
 for _ in $(seq 600); do [ -s "$dir/ready" ] && break; kill -0 $broker; sleep 0.1; done
 addr=$(cat "$dir/ready")
