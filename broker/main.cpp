@@ -4,6 +4,7 @@
 #include <sys/signalfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -68,6 +69,8 @@ int main(int argc, char** argv) {
   uint32_t canary_interval_s = 60;
   app.add_option("--canary-interval-s", canary_interval_s,
                  "Run the canary between generations this often (0: only at worker start)");
+  uint32_t heartbeat_ms = 2'000;
+  app.add_option("--heartbeat-ms", heartbeat_ms, "Heartbeat an idle worker this often");
   uint64_t scrub_bytes = 256ull << 20;
   app.add_option("--scrub-bytes-per-step", scrub_bytes,
                  "Worker weight bytes verified after each step (0: no scrubbing)");
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
   options.step_timeout_base = std::chrono::milliseconds(step_timeout_ms);
   options.step_timeout_per_token = std::chrono::microseconds(step_timeout_per_token_us);
   options.canary_interval = std::chrono::seconds(canary_interval_s);
+  options.heartbeat_interval = std::chrono::milliseconds(std::max<uint32_t>(heartbeat_ms, 10));
   if (state_dir.empty()) {
     if (const char* s = std::getenv("STATE_DIRECTORY"); s && *s) {
       state_dir = s;  // systemd's StateDirectory=

@@ -506,6 +506,7 @@ bool Scheduler::ensureWorker() {
     }
     blocks_.reset(worker_->hello().kv_block_count);
     worker_proven_ = false;
+    last_contact_ = Clock::now();
     if (!passesCanary()) return false;
     const WorkerHello& h = worker_->hello();
     {
@@ -686,6 +687,7 @@ bool Scheduler::stepOnce() {
     return true;
   }
   step_failures_in_a_row_ = 0;
+  last_contact_ = Clock::now();
   worker_proven_ = true;
   consecutive_failures_ = 0;
   recordSuccess();
@@ -788,6 +790,7 @@ void Scheduler::run() {
         // Nothing left to compute: ask the worker to vouch for its last steps.
         auto scrub = worker_->ping(options_.step_timeout_base);
         if (scrub.ok()) {
+          last_contact_ = Clock::now();
           applyScrub(*scrub);
         } else {
           recordFailure(std::string(workerFailureKindName(scrub.error().kind)));
@@ -797,6 +800,15 @@ void Scheduler::run() {
       } else if (worker_ && options_.canary_interval.count() > 0 &&
                  Clock::now() - last_canary_ >= options_.canary_interval) {
         passesCanary();
+        last_contact_ = Clock::now();
+      } else if (worker_ && Clock::now() - last_contact_ >= options_.heartbeat_interval) {
+        WorkerFailure beat = worker_->heartbeat(options_.step_timeout_base);
+        if (beat.ok()) {
+          last_contact_ = Clock::now();
+        } else {
+          recordFailure(std::string(workerFailureKindName(beat.kind)));
+          replaceWorker("heartbeat: " + beat.toString());
+        }
       }
     }
 
@@ -815,6 +827,7 @@ void Scheduler::run() {
       if (s->request.deadline) until = std::min(until, *s->request.deadline);
     if (worker_ && options_.canary_interval.count() > 0)
       until = std::min(until, last_canary_ + options_.canary_interval);
+    if (worker_) until = std::min(until, last_contact_ + options_.heartbeat_interval);
     lock.unlock();
     waitForWork(until);
   }

@@ -45,6 +45,8 @@ struct SchedulerOptions {
   std::chrono::milliseconds restart_backoff_max{5'000};
   // Canary between generations, when idle for this long since the last one (0: only at start).
   std::chrono::milliseconds canary_interval{60'000};
+  // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
+  std::chrono::milliseconds heartbeat_interval{2'000};
   std::filesystem::path state_dir;  // canary records; empty: kept in memory only
 };
 
@@ -187,6 +189,7 @@ class Scheduler {
   bool worker_proven_ = false;  // the current worker completed a step
   std::chrono::steady_clock::time_point next_start_at_{};
   std::chrono::steady_clock::time_point last_canary_{};
+  std::chrono::steady_clock::time_point last_contact_{};  // last reply from the worker
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
   std::vector<std::unique_ptr<Sequence>> finishing_;  // stopped, tokens not all released yet

@@ -471,6 +471,14 @@ void WorkerClient::takeCarried(ScrubStatus& status) {
   carried_corruptions_.clear();
 }
 
+WorkerFailure WorkerClient::heartbeat(milliseconds timeout) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<wire::ToWorker>();
+  request.setRequestId(next_request_id_++);
+  request.setHeartbeat();
+  return simpleCall(message, int(wire::FromWorker::PONG), timeout);
+}
+
 WorkerFailure WorkerClient::release(std::span<const uint64_t> ids, milliseconds timeout) {
   capnp::MallocMessageBuilder message;
   auto request = message.initRoot<wire::ToWorker>();

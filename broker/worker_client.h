@@ -139,6 +139,8 @@ class WorkerClient {
   // A round trip that also completes a full scrub pass on the worker.
   WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout);
   WorkerFailure release(std::span<const uint64_t> sequence_ids, std::chrono::milliseconds timeout);
+  // A cheap liveness check for an idle worker.
+  WorkerFailure heartbeat(std::chrono::milliseconds timeout);
   WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout);
   // Asks the worker to exit cleanly and, for a spawned worker, reaps it.
   WorkerFailure shutdown(std::chrono::milliseconds timeout);

@@ -112,6 +112,7 @@ struct ToWorker {
     ping @3 :Void;
     shutdown @4 :Void;
     faultInject @5 :FaultInject;
+    heartbeat @6 :Void;         # answered at once by a Pong carrying no new scrub work
   }
 }
 

@@ -234,6 +234,9 @@ bool WorkerServer::serveConnection(int fd) {
           }
           break;
         }
+        case wire::ToWorker::HEARTBEAT:
+          reply.initPong().setCleanThrough(scrubber_->cleanThrough());
+          break;
         case wire::ToWorker::RELEASE:
           reply.setReleased();
           break;

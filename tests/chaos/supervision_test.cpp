@@ -3,6 +3,7 @@
 // UNAVAILABLE and recovers; a canary mismatch caught before any client traffic reaches the worker.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <filesystem>
@@ -171,6 +172,23 @@ TEST(CrashLoop, ReachesUnavailableAndRecoversWhenAStartSucceeds) {
   ASSERT_TRUE(watchUntil(*broker.channel(), grpc::health::v1::HealthCheckResponse::SERVING, 30s));
   test::Generation served = generate(*broker.channel(), request({1, 2, 3}, 4));
   EXPECT_TRUE(served.status.ok()) << served.status.error_message();
+}
+
+TEST(Heartbeat, AWorkerThatHangsWhileIdleIsReplacedWithoutTraffic) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                             {"--heartbeat-ms", "100", "--step-timeout-ms", "300"});
+  ASSERT_TRUE(broker.ok());
+  const v1::WorkerInfo before = test::workerInfo(*broker.channel());
+  ASSERT_GT(before.pid(), 0);
+  ASSERT_EQ(::kill(before.pid(), SIGSTOP), 0);  // the fault itself: no request is running
+  const v1::WorkerInfo after = test::waitForWorker(
+      *broker.channel(),
+      [&](const v1::WorkerInfo& w) { return w.restarts() >= 1 && w.state() == "ready"; }, 20s);
+  EXPECT_EQ(after.restarts(), 1u);
+  EXPECT_NE(after.pid(), before.pid());
+  EXPECT_NE(after.last_failure().find("heartbeat"), std::string::npos) << after.last_failure();
+  test::Generation g = generate(*broker.channel(), request({1, 2, 3}, 8));
+  EXPECT_TRUE(g.status.ok()) << g.status.error_message();
 }
 
 TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
