@@ -5,15 +5,10 @@
 #include <cmath>
 #include <limits>
 
+#include "shared/mix.h"
+
 namespace bulkhead {
 namespace {
-
-uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 // Orders candidates by value, descending, ties by lower token id: a total order, so the
 // selection never depends on how a sort treated equal values.
@@ -25,7 +20,7 @@ struct ByValueDesc {
 }  // namespace
 
 double uniformAt(uint64_t seed, uint64_t position) {
-  const uint64_t bits = splitmix(seed ^ splitmix(position ^ 0x5bd1e9955bd1e995ull));
+  const uint64_t bits = splitmix64(seed ^ splitmix64(position ^ 0x5bd1e9955bd1e995ull));
   return double(bits >> 11) * 0x1.0p-53;
 }
 

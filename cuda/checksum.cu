@@ -4,18 +4,10 @@
 #include "cuda/checksum.cuh"
 
 #include "cuda/cuda_check.cuh"
+#include "shared/mix.h"
 
 namespace bulkhead::cuda {
 namespace {
-
-// shared/checksum.h's checksumTerm.
-__device__ __forceinline__ uint32_t term(uint32_t word, uint32_t index) {
-  uint32_t t = (word ^ (index * 0x9e3779b1u)) * 0x85ebca77u;
-  t ^= t >> 13;
-  t *= 0xc2b2ae3du;
-  t ^= t >> 16;
-  return t;
-}
 
 // grid: (blocks per granule, granules)
 __global__ void granuleChecksumKernel(const unsigned char* data, size_t bytes, size_t granule_bytes,
@@ -29,12 +21,12 @@ __global__ void granuleChecksumKernel(const unsigned char* data, size_t bytes, s
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += stride) {
     const uint32_t w = *reinterpret_cast<const uint32_t*>(base + i * 4);
-    sum += term(w, uint32_t(i));
+    sum += checksumTerm(w, uint32_t(i));
   }
   if (blockIdx.x == 0 && threadIdx.x == 0 && len % 4 != 0) {
     uint32_t w = 0;
     for (size_t k = 0; k < len % 4; ++k) w |= uint32_t(base[words * 4 + k]) << (8 * k);
-    sum += term(w, uint32_t(words));
+    sum += checksumTerm(w, uint32_t(words));
   }
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
   if ((threadIdx.x & 31) == 0) atomicAdd(out + granule, static_cast<unsigned long long>(sum));

@@ -10,18 +10,11 @@
 #include <span>
 #include <vector>
 
+#include "shared/mix.h"
+
 namespace bulkhead {
 
 constexpr size_t kChecksumGranuleBytes = size_t(2) << 20;
-
-// One word's term. Also compiled for the device (see cuda/checksum.cu).
-constexpr uint32_t checksumTerm(uint32_t word, uint32_t index) {
-  uint32_t t = (word ^ (index * 0x9e3779b1u)) * 0x85ebca77u;
-  t ^= t >> 13;
-  t *= 0xc2b2ae3du;
-  t ^= t >> 16;
-  return t;
-}
 
 // Checksum of a byte range; a trailing partial word is zero-padded.
 uint64_t checksumBytes(std::span<const std::byte> bytes);

@@ -15,6 +15,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "shared/mix.h"
+
 namespace bulkhead {
 namespace {
 
@@ -31,16 +33,9 @@ struct TensorSpec {
   }
 };
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Uniform in [-1, 1) from (seed, tensor, element).
 float uniform(uint64_t key, uint64_t index) {
-  uint64_t bits = splitmix(key ^ splitmix(index));
+  uint64_t bits = splitmix64(key ^ splitmix64(index));
   return float(int64_t(bits >> 11) - (int64_t(1) << 52)) / float(int64_t(1) << 52);
 }
 
@@ -175,7 +170,7 @@ Status writeShard(const std::string& path, const std::vector<TensorSpec>& specs,
   std::memcpy(bytes + 8, header_text.data(), header_text.size());
   std::byte* data = bytes + 8 + header_text.size();
   for (size_t i = begin; i < end; ++i) {
-    fill(specs[i], splitmix(seed * 1000003ull + i), dtype, data);
+    fill(specs[i], splitmix64(seed * 1000003ull + i), dtype, data);
     data += specs[i].numel() * dtypeSize(dtype);
   }
   const bool synced = ::msync(map, total, MS_SYNC) == 0;
