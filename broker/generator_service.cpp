@@ -248,42 +248,6 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* conte
   return reactor;
 }
 
-const std::vector<ChaosFault>& allChaosFaults() {
-  static const std::vector<ChaosFault> all = {
-      ChaosFault::kWorkerKill,    ChaosFault::kWorkerHang, ChaosFault::kWeightBitflip,
-      ChaosFault::kLogitsCorrupt, ChaosFault::kLogitsNan,  ChaosFault::kTornWrite,
-      ChaosFault::kStaleEpoch,    ChaosFault::kSlowStep};
-  return all;
-}
-
-std::string_view chaosFaultName(ChaosFault fault) {
-  switch (fault) {
-    case ChaosFault::kWorkerKill:
-      return "worker_kill";
-    case ChaosFault::kWorkerHang:
-      return "worker_hang";
-    case ChaosFault::kWeightBitflip:
-      return "weight_bitflip";
-    case ChaosFault::kLogitsCorrupt:
-      return "logits_corrupt";
-    case ChaosFault::kLogitsNan:
-      return "logits_nan";
-    case ChaosFault::kTornWrite:
-      return "torn_write";
-    case ChaosFault::kStaleEpoch:
-      return "stale_epoch";
-    case ChaosFault::kSlowStep:
-      return "slow_step";
-  }
-  return "?";
-}
-
-std::optional<ChaosFault> chaosFaultFromName(std::string_view name) {
-  for (ChaosFault f : allChaosFaults())
-    if (chaosFaultName(f) == name) return f;
-  return std::nullopt;
-}
-
 grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext* context,
                                                     const v1::InjectFaultRequest* request,
                                                     v1::InjectFaultResponse* response) {
@@ -295,7 +259,7 @@ grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext*
                                  "--enable-fault-injection"));
     return reactor;
   }
-  const auto fault = chaosFaultFromName(request->fault());
+  const auto fault = faultFromName(request->fault());
   if (!fault) {
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                  "fault: unknown class \"" + request->fault() + "\""));

@@ -53,9 +53,4 @@ class AdminService final : public v1::Admin::CallbackService {
   const bool fault_injection_;
 };
 
-// "worker_kill" -> ChaosFault::kWorkerKill, ...
-std::optional<ChaosFault> chaosFaultFromName(std::string_view name);
-std::string_view chaosFaultName(ChaosFault fault);
-const std::vector<ChaosFault>& allChaosFaults();
-
 }  // namespace bulkhead

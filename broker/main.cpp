@@ -19,6 +19,7 @@
 
 #include "broker/generator_service.h"
 #include "broker/scheduler.h"
+#include "broker/worker_client.h"
 #include "shared/model_config.h"
 
 namespace {
@@ -76,6 +77,9 @@ int main(int argc, char** argv) {
                  "Worker weight bytes verified after each step (0: no scrubbing)");
   app.add_flag("--enable-fault-injection", fault_injection,
                "Start workers that accept fault injection (tests and chaos runs only)");
+  unsigned sampling_threads = 0;
+  app.add_option("--sampling-threads", sampling_threads,
+                 "Threads that verify and sample logits rows (0: one per core)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -123,13 +127,17 @@ int main(int argc, char** argv) {
   spawn.enable_fault_injection = fault_injection;
   spawn.extra_args = {"--log-level", log_level, "--scrub-bytes-per-step",
                       std::to_string(scrub_bytes)};
+  // Verification and sampling of logits rows, spread over the host's cores.
+  RowPool pool(sampling_threads);
   Scheduler scheduler(
-      [spawn](uint64_t incarnation) {
+      [spawn](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
         WorkerClient::SpawnOptions o = spawn;
         o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32);
-        return WorkerClient::spawn(o);
+        auto client = WorkerClient::spawn(o);
+        if (!client.ok()) return client.error();
+        return std::unique_ptr<WorkerConnection>(std::move(*client));
       },
-      model, options);
+      model, options, pool);
 
   GeneratorService generator(scheduler, model);
   AdminService admin(scheduler, fault_injection);

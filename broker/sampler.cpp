@@ -146,3 +146,20 @@ TokenChoice Sampler::sample(std::span<const float> logits, const SamplingConfig&
 }
 
 }  // namespace bulkhead
+// TEMPORARY
+#include "shared/checksum.h"
+namespace bulkhead {
+void verifyAndSample(RowPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out) {
+  pool.parallelFor(rows.size(), [&](size_t i) {
+    const RowCheck c = checkRow(rows[i].logits.data(), rows[i].logits.size());
+    out[i].failed = c.checksum != rows[i].expected_checksum ? IntegrityCheck::kPayloadChecksum
+                    : !c.finite                             ? IntegrityCheck::kNonFinite
+                                                            : IntegrityCheck::kNone;
+    if (out[i].failed == IntegrityCheck::kNone && rows[i].config) {
+      Sampler s;
+      out[i].choice = s.sample(rows[i].logits, *rows[i].config, rows[i].prompt, rows[i].generated,
+                               rows[i].position);
+    }
+  });
+}
+}  // namespace bulkhead

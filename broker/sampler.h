@@ -50,3 +50,20 @@ class Sampler {
 };
 
 }  // namespace bulkhead
+// TEMPORARY
+#include "broker/row_pool.h"
+#include "shared/logits_arena.h"
+namespace bulkhead {
+struct RowToSample {
+  std::span<const float> logits;
+  uint64_t expected_checksum = 0;
+  const SamplingConfig* config = nullptr;
+  std::span<const uint32_t> prompt, generated;
+  uint64_t position = 0;
+};
+struct SampledRow {
+  IntegrityCheck failed = IntegrityCheck::kNone;
+  TokenChoice choice;
+};
+void verifyAndSample(RowPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out);
+}  // namespace bulkhead

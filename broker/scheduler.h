@@ -1,19 +1,14 @@
-// The continuous-batching scheduler: one thread that owns the worker connection and every
-// sequence. Each step packs the decode tokens of running sequences with prefill chunks of new
-// ones under a token budget, admits first come first served by free KV blocks, preempts by
-// recompute when blocks run out, samples from verified rows and streams tokens out.
+// The continuous-batching scheduler: one thread that owns every sequence and drives the worker
+// slot. Each step packs the decode tokens of running sequences with prefill chunks of new ones
+// (broker/batch_planner.h), verifies and samples the rows on the sampling pool, and releases
+// tokens to their streams once the worker vouches for the steps that produced them
+// (broker/release_ledger.h).
 //
 // A sequence is its full token history plus how much of it the worker's KV cache holds. Prefill,
 // decode, recompute after preemption and replay onto a new worker are all the same operation:
 // feed the tokens the cache lacks, sample when the last one is fed.
-//
-// Supervision lives here too, because the scheduler is the one that talks to the worker: a
-// worker that exits, hangs, breaks the protocol or keeps failing verification is replaced and its
-// sequences replayed; a new worker must pass the canary before it takes traffic; tokens are held
-// back until the worker's scrubber vouches for the weights that produced them.
 #pragma once
 
-#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -22,11 +17,14 @@
 #include <mutex>
 #include <thread>
 
+#include "broker/batch_planner.h"
+#include "broker/broker_stats.h"
 #include "broker/canary.h"
-#include "broker/kv_allocator.h"
+#include "broker/fault_injection.h"
+#include "broker/row_pool.h"
 #include "broker/sampler.h"
-#include "broker/sequence.h"
-#include "broker/worker_client.h"
+#include "broker/sequence_queues.h"
+#include "broker/worker_slot.h"
 
 namespace bulkhead {
 
@@ -50,47 +48,6 @@ struct SchedulerOptions {
   std::filesystem::path state_dir;  // canary records; empty: kept in memory only
 };
 
-struct SchedulerStats {
-  uint64_t requests_received = 0, requests_completed = 0, requests_failed = 0,
-           requests_rejected = 0;
-  uint32_t requests_running = 0, requests_waiting = 0;
-  uint64_t tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
-           replayed_sequences = 0, integrity_failures = 0, weight_corruptions = 0, canary_runs = 0,
-           canary_failures = 0;
-};
-
-struct WorkerStatus {
-  std::string state = "starting";  // starting | ready | failed | stopped
-  uint64_t incarnation = 0;
-  int pid = 0;
-  std::string backend;
-  uint32_t kv_blocks_total = 0, kv_blocks_free = 0;
-  uint32_t restarts = 0;
-  std::string last_failure;
-};
-
-// Fault classes an operator (or `bulkhead chaos`) can inject through the broker.
-enum class ChaosFault {
-  kWorkerKill,
-  kWorkerHang,
-  kWeightBitflip,
-  kLogitsCorrupt,
-  kLogitsNan,
-  kTornWrite,
-  kStaleEpoch,
-  kSlowStep,
-};
-
-struct InjectionOutcome {
-  bool detected = false, recovered = false;
-  double detection_ms = 0, recovery_ms = 0;
-  std::string detected_as;
-};
-
-// Starts a worker incarnation.
-using WorkerFactory =
-    std::function<WorkerResult<std::unique_ptr<WorkerClient>>(uint64_t incarnation)>;
-
 struct ModelLimits {
   uint32_t vocab_size = 0;
   uint32_t max_context = 0;
@@ -99,7 +56,8 @@ struct ModelLimits {
 
 class Scheduler {
  public:
-  Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options);
+  // `pool` verifies and samples logits rows; it may be shared with other schedulers.
+  Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options, RowPool& pool);
   ~Scheduler();
 
   // Starts the scheduling thread (which starts the worker).
@@ -118,83 +76,54 @@ class Scheduler {
   Result<std::pair<uint64_t, uint64_t>> restartWorker(std::chrono::milliseconds timeout);
   // Injects one fault (the worker must run with fault injection) and waits until it is detected
   // and service has recovered, or `timeout`. `random` picks rows, bits and offsets.
-  Result<InjectionOutcome> injectFault(ChaosFault fault, uint64_t random,
+  Result<InjectionOutcome> injectFault(Fault fault, uint64_t random,
                                        std::chrono::milliseconds timeout);
 
-  SchedulerStats stats() const;
-  WorkerStatus workerStatus() const;
+  SchedulerStats stats() const { return board_.stats(); }
+  WorkerStatus workerStatus() const { return board_.worker(); }
 
  private:
-  struct Sequence;
   void run();
+  bool serveOnce();
   void notify();
-  void waitForWork(std::chrono::steady_clock::time_point until);
-  bool ensureWorker();
-  bool passesCanary();
-  void replaceWorker(const std::string& why);
-  void recordFailure(const std::string& what);
-  void recordSuccess();
-  void admit();
-  bool stepOnce();
-  void applyScrub(const ScrubStatus& scrub);
-  void rollBack(uint64_t from_step);
-  void release(uint64_t clean_through);
-  void finish(Sequence& seq, FinishReason reason, const Status& status);
-  void preemptLast();
-  void requeueAll();
-  FinishReason stopReason(const Sequence& seq) const;
-  void failAll(const Status& status);
-  void applyInjection();
-  uint32_t blocksFor(uint64_t positions) const;
-  bool growBlocks(Sequence& seq, uint64_t positions);
-  void freeBlocks(Sequence& seq);
+  void sleepUntilWork();
+  void handleRestart();
+  void publishCounts();
+  bool stepOnce(WorkerConnection& worker);
+  bool handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch);
+  void acceptRows(const std::vector<Sequence*>& batch, std::span<const PlannedChunk> chunks,
+                  uint64_t step_id, std::span<const SampledRow> sampled);
+  void applyScrub(const ScrubStatus& scrub, bool scrubbing);
   void setServing(bool serving);
-  bool hasUnreleased() const;
 
-  const WorkerFactory factory_;
   const ModelLimits model_;
   const SchedulerOptions options_;
+  RowPool& pool_;
+  StatsBoard board_;
   CanaryStore canaries_;
+  FaultInjector injector_;
 
-  // Shared with RPC threads.
+  // Shared with RPC threads, under mu_.
   mutable std::mutex mu_;
-  std::condition_variable idle_;  // drains, restarts and injections wait on it
-  std::deque<std::unique_ptr<Sequence>> incoming_;
+  std::condition_variable idle_;  // drains and restarts wait on it
+  std::deque<SequencePtr> incoming_;
   bool stopping_ = false;
   bool draining_ = false;
   bool restart_requested_ = false;
+  bool failed_ = false;  // a crash loop: submissions get UNAVAILABLE
+  std::string failed_why_;
   std::pair<uint64_t, uint64_t> last_restart_{0, 0};
-  SchedulerStats stats_;
-  WorkerStatus worker_status_;
   std::function<void(bool)> serving_callback_;
   bool serving_ = false;
   uint32_t finished_while_draining_ = 0;
-  struct Injection {
-    ChaosFault fault;
-    uint64_t random;
-    bool applied = false;
-    std::chrono::steady_clock::time_point at, detected_at, recovered_at;
-    std::string detected_as;
-  };
-  std::shared_ptr<Injection> injection_;
+  uint64_t next_sequence_id_ = 1;
 
   // Scheduler thread only.
   int wake_fd_ = -1;
   std::thread thread_;
-  std::unique_ptr<WorkerClient> worker_;
-  uint64_t next_incarnation_ = 1;
-  uint64_t next_sequence_id_ = 1;
-  uint64_t next_step_id_ = 1;
-  uint32_t consecutive_failures_ = 0;
-  bool worker_proven_ = false;  // the current worker completed a step
-  std::chrono::steady_clock::time_point next_start_at_{};
-  std::chrono::steady_clock::time_point last_canary_{};
-  std::chrono::steady_clock::time_point last_contact_{};  // last reply from the worker
-  std::deque<std::unique_ptr<Sequence>> waiting_;
-  std::vector<std::unique_ptr<Sequence>> running_;
-  std::vector<std::unique_ptr<Sequence>> finishing_;  // stopped, tokens not all released yet
-  KvBlockAllocator blocks_;
-  Sampler sampler_;
+  SequenceQueues queues_;
+  WorkerSlot slot_;
+  uint64_t blocks_incarnation_ = 0;  // the worker the KV blocks were sized for
   uint32_t step_failures_in_a_row_ = 0;
 };
 

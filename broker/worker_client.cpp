@@ -16,6 +16,7 @@
 
 #include <capnp/serialize.h>
 
+#include "proto/fault_wire.h"
 #include "proto/worker.capnp.h"
 
 namespace bulkhead {
@@ -29,10 +30,7 @@ SteadyTime after(milliseconds timeout) {
 }
 
 WorkerFailure failure(Kind kind, std::string message) {
-  WorkerFailure f;
-  f.kind = kind;
-  f.message = std::move(message);
-  return f;
+  return workerFailure(kind, std::move(message));
 }
 
 int connectUnix(const std::string& path) {
@@ -47,34 +45,6 @@ int connectUnix(const std::string& path) {
     return -1;
   }
   return fd;
-}
-
-wire::FaultKind toWire(FaultKind kind) {
-  switch (kind) {
-    case FaultKind::kCrash:
-      return wire::FaultKind::CRASH;
-    case FaultKind::kHang:
-      return wire::FaultKind::HANG;
-    case FaultKind::kCorruptPayload:
-      return wire::FaultKind::CORRUPT_PAYLOAD;
-    case FaultKind::kTornWrite:
-      return wire::FaultKind::TORN_WRITE;
-    case FaultKind::kStaleIncarnation:
-      return wire::FaultKind::STALE_INCARNATION;
-    case FaultKind::kStaleStep:
-      return wire::FaultKind::STALE_STEP;
-    case FaultKind::kNanRow:
-      return wire::FaultKind::NAN_ROW;
-    case FaultKind::kGarbageReply:
-      return wire::FaultKind::GARBAGE_REPLY;
-    case FaultKind::kTruncatedReply:
-      return wire::FaultKind::TRUNCATED_REPLY;
-    case FaultKind::kSlowStep:
-      return wire::FaultKind::SLOW_STEP;
-    case FaultKind::kWeightBitflip:
-      return wire::FaultKind::WEIGHT_BITFLIP;
-  }
-  return wire::FaultKind::NONE;
 }
 
 // Parses reply_words as a FromWorker and runs `use` on it; malformed content is a protocol
@@ -115,52 +85,6 @@ ScrubStatus readScrub(wire::ScrubReport::Reader report) {
 }
 
 }  // namespace
-
-std::string_view workerFailureKindName(WorkerFailure::Kind kind) {
-  switch (kind) {
-    case Kind::kNone:
-      return "none";
-    case Kind::kExited:
-      return "worker exited";
-    case Kind::kTimedOut:
-      return "timed out";
-    case Kind::kProtocolViolation:
-      return "protocol violation";
-    case Kind::kIntegrityFailure:
-      return "integrity failure";
-    case Kind::kRejected:
-      return "rejected";
-    case Kind::kStartFailed:
-      return "start failed";
-  }
-  return "?";
-}
-
-std::string WorkerFailure::toString() const {
-  if (ok()) return "OK";
-  std::string s(workerFailureKindName(kind));
-  if (kind == Kind::kExited) {
-    s += signal != 0 ? " (signal " + std::to_string(signal) + ")"
-                     : " (status " + std::to_string(exit_code) + ")";
-  }
-  if (kind == Kind::kIntegrityFailure) s += " (" + std::string(integrityCheckName(check)) + ")";
-  return s + ": " + message;
-}
-
-Status WorkerFailure::toStatus() const {
-  switch (kind) {
-    case Kind::kNone:
-      return okStatus();
-    case Kind::kRejected:
-      return Status(code, message);
-    case Kind::kIntegrityFailure:
-      return dataLoss(toString());
-    case Kind::kTimedOut:
-      return Status(Code::kDeadlineExceeded, toString());
-    default:
-      return unavailable(toString());
-  }
-}
 
 WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::spawn(const SpawnOptions& o) {
   std::unique_ptr<WorkerClient> client(new WorkerClient());
@@ -357,8 +281,8 @@ WorkerFailure WorkerClient::roundTrip(capnp::MessageBuilder& request, SteadyTime
   }
 }
 
-WorkerResult<StepRows> WorkerClient::step(uint64_t step_id, std::span<const SequenceStep> batch,
-                                          milliseconds timeout) {
+WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const SequenceStep> batch,
+                                           milliseconds timeout) {
   capnp::MallocMessageBuilder message;
   auto request = message.initRoot<wire::ToWorker>();
   const uint64_t request_id = next_request_id_++;
@@ -383,7 +307,7 @@ WorkerResult<StepRows> WorkerClient::step(uint64_t step_id, std::span<const Sequ
   const SteadyTime deadline = after(timeout);
   if (WorkerFailure f = roundTrip(message, deadline); !f.ok()) return f;
 
-  StepRows result;
+  StepReply result;
   WorkerFailure f = withReply(reply_words_, request_id, [&](wire::FromWorker::Reader reply) {
     if (!reply.isStepDone()) return failure(Kind::kProtocolViolation, "reply is not StepDone");
     auto done = reply.getStepDone();
@@ -411,13 +335,13 @@ WorkerResult<StepRows> WorkerClient::step(uint64_t step_id, std::span<const Sequ
         if (ref.getSequenceId() != s.sequence_id || ref.getTokenIndex() != token_index)
           return failure(Kind::kProtocolViolation, "StepDone rows out of order");
         IntegrityCheck check = IntegrityCheck::kNone;
-        auto row = arena_->verifyRow(expect, &check);
+        auto row = arena_->checkHeader(expect, &check);
         if (!row.ok()) {
           WorkerFailure bad = failure(Kind::kIntegrityFailure, row.status().message());
           bad.check = check;
           return bad;
         }
-        result.rows.push_back(*row);
+        result.rows.push_back({*row, expect.reported_checksum});
       }
     }
     return WorkerFailure{};
@@ -493,7 +417,7 @@ WorkerFailure WorkerClient::injectFault(const FaultSpec& fault, milliseconds tim
   auto request = message.initRoot<wire::ToWorker>();
   request.setRequestId(next_request_id_++);
   auto f = request.initFaultInject();
-  f.setKind(toWire(fault.kind));
+  f.setKind(toWire(fault.fault));
   f.setRow(fault.row);
   f.setDelayMillis(fault.delay_ms);
   f.setByteOffset(fault.byte_offset);

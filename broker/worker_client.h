@@ -1,6 +1,6 @@
-// The broker's handle on one worker incarnation: spawns (or connects to) bulkhead-worker, sends
-// steps, and returns logits rows that passed every integrity check, as zero-copy views into the
-// arena. Every failure comes back typed, so the supervisor can decide what to do with it.
+// The broker's handle on one worker process: spawns (or connects to) bulkhead-worker, sends steps
+// over its socket, and returns the logits rows whose arena headers match what was asked for, as
+// zero-copy views into the arena (payloads are verified where they are sampled).
 #pragma once
 
 #include <sys/types.h>
@@ -14,6 +14,7 @@
 
 #include <capnp/message.h>
 
+#include "broker/worker_connection.h"
 #include "shared/child_process.h"
 #include "shared/ipc_frame.h"
 #include "shared/logits_arena.h"
@@ -22,88 +23,7 @@
 
 namespace bulkhead {
 
-struct WorkerFailure {
-  enum class Kind {
-    kNone,
-    kExited,             // the process is gone: exit_code or signal says how
-    kTimedOut,           // no reply by the deadline (the process may be hung)
-    kProtocolViolation,  // unparseable, out-of-order or inconsistent replies
-    kIntegrityFailure,   // a logits row failed `check`
-    kRejected,           // the worker refused the request: `code` and message say why
-    kStartFailed,        // could not spawn or connect
-  };
-  Kind kind = Kind::kNone;
-  std::string message;
-  int exit_code = -1;  // kExited: exit status when it exited normally
-  int signal = 0;      // kExited: the signal that killed it
-  IntegrityCheck check = IntegrityCheck::kNone;
-  Code code = Code::kOk;  // kRejected: the worker's status code
-
-  bool ok() const { return kind == Kind::kNone; }
-  // The canonical status a client would see for this failure.
-  Status toStatus() const;
-  std::string toString() const;
-};
-std::string_view workerFailureKindName(WorkerFailure::Kind kind);
-
-template <typename T>
-using WorkerResult = Result<T, WorkerFailure>;
-
-struct WorkerHello {
-  int pid = 0;
-  uint64_t incarnation = 0;
-  std::string backend, architecture, model_dir;
-  uint32_t vocab_size = 0, max_context = 0, kv_block_size = 0, kv_block_count = 0;
-  uint32_t max_step_tokens = 0, arena_slots = 0;
-  uint64_t weight_bytes = 0, weight_digest = 0;
-  bool fault_injection = false;
-  std::vector<uint32_t> eos_token_ids;
-  uint64_t model_identity = 0;
-  bool scrubbing = false;
-};
-
-struct WeightCorruptionReport {
-  std::string tensor;
-  uint64_t offset = 0, bytes = 0;
-  uint64_t suspect_from_step = 0;
-};
-
-// What the worker's weight scrubber vouches for (see worker/weight_scrubber.h).
-struct ScrubStatus {
-  uint64_t clean_through = 0;  // steps up to this id computed with verified weights
-  std::vector<WeightCorruptionReport> corruptions;  // found and repaired since the last report
-};
-
-enum class FaultKind {
-  kCrash,
-  kHang,
-  kCorruptPayload,
-  kTornWrite,
-  kStaleIncarnation,
-  kStaleStep,
-  kNanRow,
-  kGarbageReply,
-  kTruncatedReply,
-  kSlowStep,
-  kWeightBitflip,
-};
-
-struct FaultSpec {
-  FaultKind kind = FaultKind::kCrash;
-  uint32_t row = 0;          // which requested row of the next step (row faults)
-  uint32_t delay_ms = 0;     // kSlowStep
-  uint64_t byte_offset = 0;  // kWeightBitflip
-  uint8_t bit = 0;           // kWeightBitflip
-};
-
-struct StepRows {
-  // One verified row per requested logits row, in request order. Valid until the next call.
-  std::vector<std::span<const float>> rows;
-  uint64_t compute_micros = 0;  // as reported by the worker
-  ScrubStatus scrub;
-};
-
-class WorkerClient {
+class WorkerClient final : public WorkerConnection {
  public:
   struct SpawnOptions {
     std::string worker_path;  // the bulkhead-worker executable
@@ -126,24 +46,21 @@ class WorkerClient {
   WorkerClient(const WorkerClient&) = delete;
   WorkerClient& operator=(const WorkerClient&) = delete;
 
-  const WorkerHello& hello() const { return hello_; }
+  const WorkerHello& hello() const override { return hello_; }
   pid_t pid() const { return child_.pid(); }
   // Readable once a spawned worker has exited (-1 when connected to one we did not spawn).
-  int exitFd() const { return child_.exitFd(); }
+  int exitFd() const override { return child_.exitFd(); }
   // After any failure other than kRejected or kIntegrityFailure the connection is unusable;
   // further calls fail fast.
   bool broken() const { return !broken_by_.ok(); }
 
-  WorkerResult<StepRows> step(uint64_t step_id, std::span<const SequenceStep> batch,
-                              std::chrono::milliseconds timeout);
-  // A round trip that also completes a full scrub pass on the worker.
-  WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout);
+  WorkerResult<StepReply> step(uint64_t step_id, std::span<const SequenceStep> batch,
+                               std::chrono::milliseconds timeout) override;
+  WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout) override;
   WorkerFailure release(std::span<const uint64_t> sequence_ids, std::chrono::milliseconds timeout);
-  // A cheap liveness check for an idle worker.
-  WorkerFailure heartbeat(std::chrono::milliseconds timeout);
-  WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout);
-  // Asks the worker to exit cleanly and, for a spawned worker, reaps it.
-  WorkerFailure shutdown(std::chrono::milliseconds timeout);
+  WorkerFailure heartbeat(std::chrono::milliseconds timeout) override;
+  WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout) override;
+  WorkerFailure shutdown(std::chrono::milliseconds timeout) override;
   // Sends a signal to a spawned worker (supervision and fault tests).
   void kill(int signal);
   // Raw bytes onto the socket, bypassing framing (protocol fault tests).

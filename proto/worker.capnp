@@ -5,7 +5,7 @@
 
 $import "/capnp/c++.capnp".namespace("bulkhead::wire");
 
-const protocolVersion :UInt32 = 1;
+const protocolVersion :UInt32 = 2;
 
 struct Hello {
   protocolVersion @0 :UInt32;
@@ -79,19 +79,20 @@ struct StepDone {
   scrub @3 :ScrubReport;
 }
 
+# The fault classes of shared/fault.h, in the same order after `none`.
 enum FaultKind {
   none @0;
-  crash @1;            # SIGKILL itself in the middle of the next step
-  hang @2;             # SIGSTOP itself in the middle of the next step
-  corruptPayload @3;   # flip a byte of a row after its checksum is taken
-  tornWrite @4;        # publish a row's header without writing its payload
-  staleIncarnation @5; # publish a row under an older incarnation id
-  staleStep @6;        # publish a row under the previous step id
-  nanRow @7;           # write a NaN into a row before its checksum is taken
-  garbageReply @8;     # answer the next step with bytes that are not a message
-  truncatedReply @9;   # answer the next step with a cut-off frame
-  slowStep @10;        # delay the next step by delayMillis
-  weightBitflip @11;   # flip one bit of one resident weight
+  workerKill @1;        # SIGKILL itself in the middle of the next step
+  workerHang @2;        # SIGSTOP itself in the middle of the next step
+  slowStep @3;          # delay the next step by delayMillis
+  weightBitflip @4;     # flip one bit of one resident weight
+  logitsCorrupt @5;     # flip a byte of a row after its checksum is taken
+  logitsNan @6;         # write a NaN into a row before its checksum is taken
+  tornWrite @7;         # publish a row's header over a half-written payload
+  staleIncarnation @8;  # publish a row under an older incarnation id
+  staleStep @9;         # publish a row under the previous step id
+  garbageReply @10;     # answer the next step with bytes that are not a message
+  truncatedReply @11;   # answer the next step with a cut-off frame
 }
 
 struct FaultInject {

@@ -215,8 +215,8 @@ void LogitsArena::publishHeader(uint32_t slot, const RowHeaderFields& f) {
   h->step_id.store(f.step_id, std::memory_order_release);
 }
 
-Result<std::span<const float>> LogitsArena::verifyRow(const RowExpectation& e,
-                                                      IntegrityCheck* failed) const {
+Result<std::span<const float>> LogitsArena::checkHeader(const RowExpectation& e,
+                                                        IntegrityCheck* failed) const {
   auto fail = [&](IntegrityCheck check, const std::string& detail) -> Status {
     if (failed != nullptr) *failed = check;
     return dataLoss("logits row in slot " + std::to_string(e.slot) + " failed the " +
@@ -247,12 +247,26 @@ Result<std::span<const float>> LogitsArena::verifyRow(const RowExpectation& e,
     return fail(IntegrityCheck::kRowLength, got(length_and_index >> 32, row_floats_));
   if (checksum != e.reported_checksum)
     return fail(IntegrityCheck::kReportedChecksum, got(checksum, e.reported_checksum));
-  const float* payload = reinterpret_cast<const float*>(s + kHeaderBytes);
-  const RowCheck check = checkRow(payload, row_floats_);
-  if (check.checksum != checksum)
-    return fail(IntegrityCheck::kPayloadChecksum, "payload does not match its header");
-  if (!check.finite) return fail(IntegrityCheck::kNonFinite, "row holds NaN or infinity");
-  return std::span<const float>(payload, row_floats_);
+  return std::span<const float>(reinterpret_cast<const float*>(s + kHeaderBytes), row_floats_);
+}
+
+Result<std::span<const float>> LogitsArena::verifyRow(const RowExpectation& e,
+                                                      IntegrityCheck* failed) const {
+  auto row = checkHeader(e, failed);
+  if (!row.ok()) return row;
+  const RowCheck check = checkRow(row->data(), row->size());
+  IntegrityCheck bad = IntegrityCheck::kNone;
+  if (check.checksum != e.reported_checksum) {
+    bad = IntegrityCheck::kPayloadChecksum;
+  } else if (!check.finite) {
+    bad = IntegrityCheck::kNonFinite;
+  }
+  if (bad == IntegrityCheck::kNone) return row;
+  if (failed != nullptr) *failed = bad;
+  return dataLoss("logits row in slot " + std::to_string(e.slot) + " failed the " +
+                  std::string(integrityCheckName(bad)) + " check: " +
+                  (bad == IntegrityCheck::kNonFinite ? "row holds NaN or infinity"
+                                                     : "payload does not match its header"));
 }
 
 }  // namespace bulkhead

@@ -80,7 +80,12 @@ class LogitsArena {
   // Worker (fault injection): publishes arbitrary header fields.
   void publishHeader(uint32_t slot, const RowHeaderFields& fields);
 
-  // Broker: the row, if it passes every check. On failure `failed` names the check.
+  // Broker: the row's payload if its header matches `expect` (every field but the payload's own
+  // checksum and finiteness, which the sampling pass checks as it reads the row).
+  Result<std::span<const float>> checkHeader(const RowExpectation& expect,
+                                             IntegrityCheck* failed) const;
+  // Broker: the row, if it passes every check, header and payload. On failure `failed` names the
+  // check.
   Result<std::span<const float>> verifyRow(const RowExpectation& expect,
                                            IntegrityCheck* failed) const;
 

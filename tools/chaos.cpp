@@ -162,17 +162,17 @@ int runChaos(const ChaosOptions& o) {
     std::vector<double> detection_ms, recovery_ms;
   };
   std::map<std::string, ClassStats> classes;
-  for (ChaosFault f : allChaosFaults()) classes[std::string(chaosFaultName(f))];
+  for (Fault f : allFaults()) classes[std::string(faultName(f))];
   std::mt19937_64 schedule(o.seed ^ 0xc4a05c4a05ull);
   const auto start = Clock::now();
   for (uint32_t k = 0; k < o.faults; ++k) {
-    const ChaosFault fault = allChaosFaults()[schedule() % allChaosFaults().size()];
+    const Fault fault = allFaults()[schedule() % allFaults().size()];
     const uint64_t random = schedule();
-    ClassStats& c = classes[std::string(chaosFaultName(fault))];
+    ClassStats& c = classes[std::string(faultName(fault))];
     ++c.injected;
     grpc::ClientContext ctx;
     v1::InjectFaultRequest req;
-    req.set_fault(std::string(chaosFaultName(fault)));
+    req.set_fault(std::string(faultName(fault)));
     req.set_random(random);
     req.set_timeout_ms(30'000);
     v1::InjectFaultResponse resp;

@@ -94,6 +94,8 @@ int main(int argc, char** argv) {
   step_bench->add_option("--batches", batches, "Comma-separated batch sizes");
   step_bench->add_option("--iterations", step_opts.iterations, "Measured steps per batch size");
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
+  step_bench->add_option("--sampling-threads", step_opts.sampling_threads,
+                         "Threads verifying and sampling rows (0: one per core)");
   step_bench->add_option("--scrub-bytes-per-step", step_opts.scrub_bytes_per_step,
                          "Worker weight scrubbing per step (default 0: IPC overhead alone)");
 

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "broker/row_pool.h"
+#include "broker/sampler.h"
 #include "broker/worker_client.h"
 #include "tools/percentile.h"
 
@@ -33,11 +35,13 @@ Status runStepBench(const StepBenchOptions& o) {
   if (positions > hello.max_context)
     return invalidArgument("iterations exceed the model's context");
 
+  // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
+  RowPool pool(o.sampling_threads);
   std::printf(
       "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrubbing %llu "
-      "bytes/step\n",
+      "bytes/step, %u sampling threads\n",
       o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations,
-      static_cast<unsigned long long>(o.scrub_bytes_per_step));
+      static_cast<unsigned long long>(o.scrub_bytes_per_step), pool.threads());
   std::printf("%6s %12s %12s %12s %14s %14s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",
               "compute_p50", "overhead_p50", "overhead_p99", "MB/step");
   nlohmann::json report = {{"model", o.model_dir},
@@ -45,6 +49,9 @@ Status runStepBench(const StepBenchOptions& o) {
                            {"vocab", hello.vocab_size},
                            {"iterations", o.iterations},
                            {"results", nlohmann::json::array()}};
+  const SamplingConfig greedy;
+  std::vector<RowToSample> jobs;
+  std::vector<SampledRow> sampled;
   uint64_t step_id = 1, seq_base = 1;
   for (uint32_t batch : o.batches) {
     std::vector<std::vector<uint32_t>> blocks(batch), tokens(batch, std::vector<uint32_t>{1});
@@ -63,10 +70,22 @@ Status runStepBench(const StepBenchOptions& o) {
       }
       const auto start = std::chrono::steady_clock::now();
       auto result = (*client)->step(step_id++, steps, std::chrono::seconds(60));
+      if (!result.ok()) return result.error().toStatus();
+      jobs.clear();
+      for (const PendingRow& row : result->rows)
+        jobs.push_back({.logits = row.payload,
+                        .expected_checksum = row.checksum,
+                        .config = &greedy,
+                        .position = it + 1});
+      sampled.resize(jobs.size());
+      verifyAndSample(pool, jobs, sampled);
       const double us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
               .count();
-      if (!result.ok()) return result.error().toStatus();
+      for (const SampledRow& row : sampled)
+        if (row.failed != IntegrityCheck::kNone)
+          return dataLoss(std::string("a row failed the ") +
+                          std::string(integrityCheckName(row.failed)) + " check");
       if (it < 20) continue;  // warm-up
       rtt.push_back(us);
       compute.push_back(double(result->compute_micros));

@@ -1,6 +1,6 @@
 // step-bench: the cost of a step beyond compute. Spawns a worker, runs decode steps at several
 // batch sizes, and reports round trip minus the worker's own compute time: framing, socket,
-// arena publish and the broker's row verification.
+// arena publish, and the broker's verification and (greedy) sampling of every row on its pool.
 #pragma once
 
 #include <string>
@@ -17,6 +17,7 @@ struct StepBenchOptions {
   std::vector<uint32_t> batches = {1, 32};
   uint32_t iterations = 200;
   uint64_t scrub_bytes_per_step = 0;  // the worker's weight scrubbing, part of the overhead
+  unsigned sampling_threads = 0;      // 0: one per core, as the broker
   std::string json_path;
 };
 

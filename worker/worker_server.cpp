@@ -321,11 +321,11 @@ bool WorkerServer::serveConnection(int fd) {
           }
           // Row faults wait for a step that has rows; they hit the last row if there are fewer.
           PendingFault fault = *fault_;
-          const bool row_fault = fault.kind == wire::FaultKind::CORRUPT_PAYLOAD ||
+          const bool row_fault = fault.kind == wire::FaultKind::LOGITS_CORRUPT ||
                                  fault.kind == wire::FaultKind::TORN_WRITE ||
                                  fault.kind == wire::FaultKind::STALE_INCARNATION ||
                                  fault.kind == wire::FaultKind::STALE_STEP ||
-                                 fault.kind == wire::FaultKind::NAN_ROW;
+                                 fault.kind == wire::FaultKind::LOGITS_NAN;
           if (row_fault && total_rows == 0) {
             fault = PendingFault{};
           } else {
@@ -345,8 +345,8 @@ bool WorkerServer::serveConnection(int fd) {
             setError(reply, s);
             break;
           }
-          if (fault.kind == wire::FaultKind::CRASH) ::raise(SIGKILL);
-          if (fault.kind == wire::FaultKind::HANG) ::raise(SIGSTOP);
+          if (fault.kind == wire::FaultKind::WORKER_KILL) ::raise(SIGKILL);
+          if (fault.kind == wire::FaultKind::WORKER_HANG) ::raise(SIGSTOP);
           if (fault.kind == wire::FaultKind::SLOW_STEP)
             std::this_thread::sleep_for(std::chrono::milliseconds(fault.delay_ms));
           const uint64_t micros = uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -366,7 +366,7 @@ bool WorkerServer::serveConnection(int fd) {
           for (const SequenceStep& seq : batch) {
             for (uint32_t token_index : seq.logits_rows) {
               const bool hit = fault.row == r;
-              if (hit && fault.kind == wire::FaultKind::NAN_ROW) rows[r][7] = std::nanf("");
+              if (hit && fault.kind == wire::FaultKind::LOGITS_NAN) rows[r][7] = std::nanf("");
               uint64_t checksum;
               if (hit && torn) {
                 // Half the payload lands, the header claims all of it.
@@ -384,7 +384,7 @@ bool WorkerServer::serveConnection(int fd) {
               } else if (hit && fault.kind == wire::FaultKind::STALE_STEP) {
                 arena_->publishHeader(r, {options_.incarnation, step_id - 1, seq.sequence_id,
                                           token_index, limits.vocab_size, checksum});
-              } else if (hit && fault.kind == wire::FaultKind::CORRUPT_PAYLOAD) {
+              } else if (hit && fault.kind == wire::FaultKind::LOGITS_CORRUPT) {
                 reinterpret_cast<unsigned char*>(rows[r])[13] ^= 0x40;
               }
               auto ref = refs[r];

@@ -31,7 +31,7 @@ v1::GenerateRequest longRequest(bool seeded) {
   return r;
 }
 
-class FaultClassTest : public ::testing::TestWithParam<ChaosFault> {
+class FaultClassTest : public ::testing::TestWithParam<Fault> {
  protected:
   static void SetUpTestSuite() {
     broker_ = new test::BrokerProcess(test::fixtureDir("tiny-qwen2"),
@@ -47,7 +47,7 @@ class FaultClassTest : public ::testing::TestWithParam<ChaosFault> {
 
 TEST_P(FaultClassTest, IsDetectedRecoveredAndInvisibleToClients) {
   ASSERT_TRUE(broker_ && broker_->ok());
-  const ChaosFault fault = GetParam();
+  const Fault fault = GetParam();
   std::vector<test::Generation> reference;
   for (bool seeded : {false, true}) {
     reference.push_back(generate(*broker_->channel(), longRequest(seeded)));
@@ -59,7 +59,7 @@ TEST_P(FaultClassTest, IsDetectedRecoveredAndInvisibleToClients) {
   auto injected = std::async(std::launch::async, [&] {
     grpc::ClientContext ctx;
     v1::InjectFaultRequest req;
-    req.set_fault(std::string(chaosFaultName(fault)));
+    req.set_fault(std::string(faultName(fault)));
     req.set_random(0x9e3779b97f4a7c15ull * (uint64_t(fault) + 1));
     req.set_timeout_ms(20'000);
     v1::InjectFaultResponse resp;
@@ -76,26 +76,23 @@ TEST_P(FaultClassTest, IsDetectedRecoveredAndInvisibleToClients) {
     }
     for (size_t i = 0; i < running.size(); ++i) {
       test::Generation g = running[i].get();
-      ASSERT_TRUE(g.status.ok()) << chaosFaultName(fault) << ": " << g.status.error_message();
-      EXPECT_EQ(g.tokens, reference[i].tokens) << chaosFaultName(fault) << " changed an output";
+      ASSERT_TRUE(g.status.ok()) << faultName(fault) << ": " << g.status.error_message();
+      EXPECT_EQ(g.tokens, reference[i].tokens) << faultName(fault) << " changed an output";
     }
     ++rounds;
   }
   auto [status, outcome] = injected.get();
   ASSERT_TRUE(status.ok()) << status.error_message();
-  EXPECT_TRUE(outcome.detected()) << chaosFaultName(fault) << " was not detected";
-  EXPECT_TRUE(outcome.recovered()) << chaosFaultName(fault) << " was not recovered from";
+  EXPECT_TRUE(outcome.detected()) << faultName(fault) << " was not detected";
+  EXPECT_TRUE(outcome.recovered()) << faultName(fault) << " was not recovered from";
   RecordProperty("detected_as", outcome.detected_as());
   RecordProperty("detection_ms", std::to_string(outcome.detection_ms()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Classes, FaultClassTest,
-                         ::testing::Values(ChaosFault::kWorkerKill, ChaosFault::kWorkerHang,
-                                           ChaosFault::kWeightBitflip, ChaosFault::kLogitsCorrupt,
-                                           ChaosFault::kLogitsNan, ChaosFault::kTornWrite,
-                                           ChaosFault::kStaleEpoch, ChaosFault::kSlowStep),
-                         [](const ::testing::TestParamInfo<ChaosFault>& info) {
-                           return std::string(chaosFaultName(info.param));
+                         ::testing::ValuesIn(allFaults().begin(), allFaults().end()),
+                         [](const ::testing::TestParamInfo<Fault>& info) {
+                           return std::string(faultName(info.param));
                          });
 
 TEST(FaultInjection, RefusedUnlessEnabled) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "broker/step_rows.h"
 #include "broker/worker_client.h"
 #include "shared/checkpoint.h"
 #include "support/backend_driver.h"
@@ -39,6 +40,15 @@ class WorkerProcessTest : public ::testing::Test {
     auto client = WorkerClient::spawn(o);
     EXPECT_TRUE(client.ok()) << client.error().toString();
     return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  // A step whose rows are then verified on the pool, header and payload, as the broker does.
+  WorkerResult<StepReply> verifiedStep(WorkerClient& client, std::span<const SequenceStep> batch,
+                                       std::chrono::milliseconds timeout = kStepTimeout) {
+    auto reply = client.step(next_step_++, batch, timeout);
+    if (!reply.ok()) return reply;
+    if (WorkerFailure bad = verifyRows(pool_, reply->rows); !bad.ok()) return bad;
+    return reply;
   }
 
   std::unique_ptr<CpuBackend> inProcess() {
@@ -73,7 +83,7 @@ class WorkerProcessTest : public ::testing::Test {
     OneStep s;
     SequenceStep seq = s.step();
     const auto start = std::chrono::steady_clock::now();
-    auto result = client.step(next_step_++, {&seq, 1}, timeout);
+    auto result = verifiedStep(client, {&seq, 1}, timeout);
     last_detection_ = std::chrono::steady_clock::now() - start;
     EXPECT_FALSE(result.ok()) << "the fault went unnoticed";
     return result.ok() ? WorkerFailure{} : result.error();
@@ -82,6 +92,7 @@ class WorkerProcessTest : public ::testing::Test {
   test::TempDir dir_;
   uint64_t next_incarnation_ = 0x1000 + uint64_t(::getpid()) * 1000;
   uint64_t next_step_ = 1;
+  RowPool pool_{2};
   std::chrono::steady_clock::duration last_detection_{};
 };
 
@@ -140,13 +151,13 @@ TEST_F(WorkerProcessTest, LogitsBitIdenticalToInProcessEngineAcrossBatchedSteps)
     }
     if (!work) break;
     auto want = driver.step(chunks);
-    auto got = client->step(next_step_++, batch, kStepTimeout);
+    auto got = verifiedStep(*client, batch);
     ASSERT_TRUE(got.ok()) << got.error().toString();
     size_t r = 0;
     for (const auto& rows : want) {
       for (const auto& row : rows) {
-        ASSERT_EQ(got->rows[r].size(), row.size());
-        ASSERT_EQ(std::memcmp(got->rows[r].data(), row.data(), row.size() * 4), 0)
+        ASSERT_EQ(got->rows[r].payload.size(), row.size());
+        ASSERT_EQ(std::memcmp(got->rows[r].payload.data(), row.data(), row.size() * 4), 0)
             << "step " << steps << " row " << r << " differs from the in-process engine";
         ++r;
       }
@@ -173,11 +184,11 @@ TEST_F(WorkerProcessTest, GoldenFixtureThroughTheWorker) {
                    .tokens = tokens,
                    .kv_blocks = blocks,
                    .logits_rows = rows};
-    auto got = client->step(next_step_++, {&s, 1}, kStepTimeout);
+    auto got = verifiedStep(*client, {&s, 1});
     ASSERT_TRUE(got.ok()) << got.error().toString();
     for (size_t p = 0; p < c.positions; ++p) {
       for (uint32_t v = 0; v < golden.vocab; ++v) {
-        ASSERT_NEAR(got->rows[p][v], golden.row(c, p)[v], 1e-4) << "position " << p;
+        ASSERT_NEAR(got->rows[p].payload[v], golden.row(c, p)[v], 1e-4) << "position " << p;
       }
     }
   }
@@ -214,7 +225,7 @@ TEST_F(WorkerProcessTest, InvalidStepsAreRejectedAndTheWorkerKeepsServing) {
 TEST_F(WorkerProcessTest, FaultInjectionIsRefusedWithoutTheFlag) {
   auto client = spawn(/*fault_injection=*/false);
   ASSERT_TRUE(client);
-  WorkerFailure f = client->injectFault({.kind = FaultKind::kCrash}, 5s);
+  WorkerFailure f = client->injectFault({.fault = Fault::kWorkerKill}, 5s);
   EXPECT_EQ(f.kind, Kind::kRejected);
   EXPECT_EQ(f.code, Code::kPermissionDenied);
   EXPECT_NE(f.message.find("--enable-fault-injection"), std::string::npos);
@@ -226,7 +237,7 @@ TEST_F(WorkerProcessTest, FaultInjectionIsRefusedWithoutTheFlag) {
 TEST_F(WorkerProcessTest, CrashMidStepIsReportedAsExitBySignal) {
   auto client = spawn();
   ASSERT_TRUE(client);
-  WorkerFailure f = faultedStep(*client, {.kind = FaultKind::kCrash});
+  WorkerFailure f = faultedStep(*client, {.fault = Fault::kWorkerKill});
   EXPECT_EQ(f.kind, Kind::kExited) << f.toString();
   EXPECT_EQ(f.signal, SIGKILL);
   EXPECT_LT(last_detection_, 3s);
@@ -238,7 +249,7 @@ TEST_F(WorkerProcessTest, ExternalSigkillIsReportedPromptly) {
   auto client = spawn();
   ASSERT_TRUE(client);
   // Slow step so the kill lands while the worker is mid-step.
-  ASSERT_TRUE(client->injectFault({.kind = FaultKind::kSlowStep, .delay_ms = 5000}, 5s).ok());
+  ASSERT_TRUE(client->injectFault({.fault = Fault::kSlowStep, .delay_ms = 5000}, 5s).ok());
   OneStep s;
   SequenceStep seq = s.step();
   std::thread killer([&] {
@@ -258,7 +269,7 @@ TEST_F(WorkerProcessTest, ExternalSigkillIsReportedPromptly) {
 TEST_F(WorkerProcessTest, HangIsReportedAsTimeoutAtTheDeadline) {
   auto client = spawn();
   ASSERT_TRUE(client);
-  WorkerFailure f = faultedStep(*client, {.kind = FaultKind::kHang}, 500ms);
+  WorkerFailure f = faultedStep(*client, {.fault = Fault::kWorkerHang}, 500ms);
   EXPECT_EQ(f.kind, Kind::kTimedOut) << f.toString();
   EXPECT_GE(last_detection_, 500ms);
   EXPECT_LT(last_detection_, 2s);
@@ -266,7 +277,7 @@ TEST_F(WorkerProcessTest, HangIsReportedAsTimeoutAtTheDeadline) {
 
 struct RowFaultCase {
   const char* name;
-  FaultKind kind;
+  Fault fault;
   Kind expected_kind;
   IntegrityCheck expected_check;
 };
@@ -290,9 +301,9 @@ TEST_P(RowFaultTest, IsDetected) {
   other.tokens = {5, 6, 7, 8};
   other.blocks = {1};
   SequenceStep seq2 = other.step(2);
-  ASSERT_TRUE(client->injectFault({.kind = c.kind}, 5s).ok());
+  ASSERT_TRUE(client->injectFault({.fault = c.fault}, 5s).ok());
   const auto start = std::chrono::steady_clock::now();
-  auto r = client->step(next_step_++, {&seq2, 1}, kStepTimeout);
+  auto r = verifiedStep(*client, {&seq2, 1});
   ASSERT_FALSE(r.ok()) << c.name << " went unnoticed";
   EXPECT_EQ(r.error().kind, c.expected_kind) << r.error().toString();
   EXPECT_EQ(r.error().check, c.expected_check) << r.error().toString();
@@ -304,19 +315,19 @@ TEST_P(RowFaultTest, IsDetected) {
 
 INSTANTIATE_TEST_SUITE_P(
     Faults, RowFaultTest,
-    ::testing::Values(RowFaultCase{"flipped_payload_byte", FaultKind::kCorruptPayload,
+    ::testing::Values(RowFaultCase{"flipped_payload_byte", Fault::kLogitsCorrupt,
                                    Kind::kIntegrityFailure, IntegrityCheck::kPayloadChecksum},
-                      RowFaultCase{"half_written_slot", FaultKind::kTornWrite,
-                                   Kind::kIntegrityFailure, IntegrityCheck::kPayloadChecksum},
-                      RowFaultCase{"old_incarnation", FaultKind::kStaleIncarnation,
+                      RowFaultCase{"half_written_slot", Fault::kTornWrite, Kind::kIntegrityFailure,
+                                   IntegrityCheck::kPayloadChecksum},
+                      RowFaultCase{"old_incarnation", Fault::kStaleIncarnation,
                                    Kind::kIntegrityFailure, IntegrityCheck::kIncarnation},
-                      RowFaultCase{"old_step", FaultKind::kStaleStep, Kind::kIntegrityFailure,
+                      RowFaultCase{"old_step", Fault::kStaleStep, Kind::kIntegrityFailure,
                                    IntegrityCheck::kStepId},
-                      RowFaultCase{"nan_in_row", FaultKind::kNanRow, Kind::kIntegrityFailure,
+                      RowFaultCase{"nan_in_row", Fault::kLogitsNan, Kind::kIntegrityFailure,
                                    IntegrityCheck::kNonFinite},
-                      RowFaultCase{"garbage_reply", FaultKind::kGarbageReply,
-                                   Kind::kProtocolViolation, IntegrityCheck::kNone},
-                      RowFaultCase{"truncated_reply", FaultKind::kTruncatedReply,
+                      RowFaultCase{"garbage_reply", Fault::kGarbageReply, Kind::kProtocolViolation,
+                                   IntegrityCheck::kNone},
+                      RowFaultCase{"truncated_reply", Fault::kTruncatedReply,
                                    Kind::kProtocolViolation, IntegrityCheck::kNone}),
     [](const ::testing::TestParamInfo<RowFaultCase>& info) { return info.param.name; });
 

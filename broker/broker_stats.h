@@ -1,0 +1,53 @@
+// Counters and the worker's status as Admin reports them: written by the scheduler thread, read by
+// RPC threads, behind one small lock that is never held while calling out.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace bulkhead {
+
+struct SchedulerStats {
+  uint64_t requests_received = 0, requests_completed = 0, requests_failed = 0,
+           requests_rejected = 0;
+  uint32_t requests_running = 0, requests_waiting = 0;
+  uint64_t tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
+           replayed_sequences = 0, integrity_failures = 0, weight_corruptions = 0, canary_runs = 0,
+           canary_failures = 0;
+};
+
+struct WorkerStatus {
+  std::string state = "starting";  // starting | ready | failed | stopped
+  uint64_t incarnation = 0;
+  int pid = 0;
+  std::string backend;
+  uint32_t kv_blocks_total = 0, kv_blocks_free = 0;
+  uint32_t restarts = 0;
+  std::string last_failure;
+};
+
+class StatsBoard {
+ public:
+  // Runs `change(stats, worker)` under the lock.
+  template <typename F>
+  void update(F&& change) {
+    std::lock_guard lock(mu_);
+    change(stats_, worker_);
+  }
+  SchedulerStats stats() const {
+    std::lock_guard lock(mu_);
+    return stats_;
+  }
+  WorkerStatus worker() const {
+    std::lock_guard lock(mu_);
+    return worker_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  SchedulerStats stats_;
+  WorkerStatus worker_;
+};
+
+}  // namespace bulkhead

@@ -1,0 +1,112 @@
+// FaultInjector: arming, detection and recovery timing of injected faults.
+#include "broker/fault_injection.h"
+
+#include <algorithm>
+
+namespace bulkhead {
+namespace {
+
+double msBetween(FaultInjector::Clock::time_point a, FaultInjector::Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+FaultSpec faultSpecFor(Fault fault, uint64_t r, const WorkerHello& hello,
+                       std::chrono::milliseconds step_timeout) {
+  FaultSpec spec{.fault = fault};
+  switch (fault) {
+    case Fault::kWeightBitflip:
+      spec.byte_offset = r % std::max<uint64_t>(1, hello.weight_bytes);
+      spec.bit = uint8_t((r >> 56) % 8);
+      break;
+    case Fault::kSlowStep:
+      spec.delay_ms = uint32_t(step_timeout.count() * 3);
+      break;
+    default:
+      spec.row = uint32_t(r % 64);
+      break;
+  }
+  return spec;
+}
+
+Result<InjectionOutcome> FaultInjector::inject(Fault fault, uint64_t random,
+                                               std::chrono::milliseconds timeout,
+                                               const std::function<void()>& wake_scheduler) {
+  auto injection = std::make_shared<Injection>();
+  injection->fault = fault;
+  injection->random = random;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return unavailable("the broker is shutting down");
+    if (current_) return failedPrecondition("another injection is in progress");
+    current_ = injection;
+  }
+  wake_scheduler();
+  std::unique_lock lock(mu_);
+  changed_.wait_for(lock, timeout, [&] {
+    return stopping_ || injection->recovered_at != Clock::time_point{} ||
+           !injection->refused.empty();
+  });
+  current_.reset();
+  if (!injection->refused.empty()) return failedPrecondition(injection->refused);
+  InjectionOutcome out;
+  out.detected = injection->detected_at != Clock::time_point{};
+  out.recovered = injection->recovered_at != Clock::time_point{};
+  out.detected_as = injection->detected_as;
+  if (out.detected) out.detection_ms = msBetween(injection->at, injection->detected_at);
+  if (out.recovered) out.recovery_ms = msBetween(injection->detected_at, injection->recovered_at);
+  return out;
+}
+
+void FaultInjector::stop() {
+  std::lock_guard lock(mu_);
+  stopping_ = true;
+  changed_.notify_all();
+}
+
+std::optional<std::pair<Fault, uint64_t>> FaultInjector::pending() {
+  std::lock_guard lock(mu_);
+  if (!current_ || current_->applied) return std::nullopt;
+  return std::make_pair(current_->fault, current_->random);
+}
+
+void FaultInjector::arm(WorkerConnection& worker, std::chrono::milliseconds step_timeout) {
+  std::shared_ptr<Injection> injection;
+  {
+    std::lock_guard lock(mu_);
+    if (!current_ || current_->applied) return;
+    injection = current_;
+  }
+  const FaultSpec spec =
+      faultSpecFor(injection->fault, injection->random, worker.hello(), step_timeout);
+  const WorkerFailure armed = worker.injectFault(spec, std::chrono::seconds(5));
+  std::lock_guard lock(mu_);
+  injection->applied = true;
+  if (!armed.ok()) {
+    injection->refused = "injection refused: " + armed.toString();
+    changed_.notify_all();
+    return;
+  }
+  injection->at = Clock::now();
+}
+
+void FaultInjector::failureSeen(const std::string& what) {
+  std::lock_guard lock(mu_);
+  if (current_ && current_->applied && current_->refused.empty() &&
+      current_->detected_at == Clock::time_point{}) {
+    current_->detected_at = Clock::now();
+    current_->detected_as = what;
+  }
+}
+
+void FaultInjector::stepCompleted() {
+  std::lock_guard lock(mu_);
+  if (current_ && current_->detected_at != Clock::time_point{} &&
+      current_->recovered_at == Clock::time_point{}) {
+    current_->recovered_at = Clock::now();
+    changed_.notify_all();
+  }
+}
+
+}  // namespace bulkhead

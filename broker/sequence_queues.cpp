@@ -1,0 +1,186 @@
+// SequenceQueues: moves between waiting, running and finishing, and the KV blocks that go with
+// them.
+#include "broker/sequence_queues.h"
+
+#include <algorithm>
+
+#include <spdlog/spdlog.h>
+
+#include "broker/batch_planner.h"
+
+namespace bulkhead {
+
+SequenceQueues::SequenceQueues(uint32_t max_context, std::vector<uint32_t> eos_token_ids,
+                               std::function<void(const Status&)> finished)
+    : max_context_(max_context), eos_(std::move(eos_token_ids)), finished_(std::move(finished)) {}
+
+void SequenceQueues::resetBlocks(uint32_t blocks, uint32_t block_size) {
+  blocks_.reset(blocks);
+  block_size_ = block_size;
+}
+
+bool SequenceQueues::hasUnreleased() const {
+  if (!finishing_.empty()) return true;
+  return std::any_of(running_.begin(), running_.end(),
+                     [](const SequencePtr& s) { return s->ledger.unreleasedCount() != 0; });
+}
+
+void SequenceQueues::admit(size_t max_running) {
+  std::vector<uint32_t> history;
+  for (const auto& s : waiting_) history.push_back(uint32_t(s->ledger.tokens().size()));
+  const auto decisions = planAdmission(history, blocks_.freeCount(), blocks_.total(), block_size_,
+                                       running_.size(), max_running);
+  for (Admit decision : decisions) {
+    SequencePtr seq = std::move(waiting_.front());
+    waiting_.pop_front();
+    const uint32_t need = blocksFor(seq->ledger.tokens().size() + 1, block_size_);
+    if (decision == Admit::kRejectTooLarge) {
+      finish(*seq, FinishReason::kNone,
+             resourceExhausted("the sequence needs " + std::to_string(need) +
+                               " KV blocks, the worker has " + std::to_string(blocks_.total())));
+      continue;
+    }
+    growBlocks(*seq, need);
+    running_.push_back(std::move(seq));
+  }
+}
+
+void SequenceQueues::dropCancelled(std::chrono::steady_clock::time_point now) {
+  auto drop = [&](const SequencePtr& s) -> bool {
+    if (s->sink->cancelled()) {
+      finish(*s, FinishReason::kNone, Status(Code::kCancelled, "cancelled by the client"));
+      return true;
+    }
+    if (s->request.deadline && now >= *s->request.deadline) {
+      finish(*s, FinishReason::kNone,
+             Status(Code::kDeadlineExceeded,
+                    "deadline exceeded after " + std::to_string(s->ledger.released()) + " tokens"));
+      return true;
+    }
+    return false;
+  };
+  std::erase_if(running_, drop);
+  std::erase_if(finishing_, drop);
+  std::erase_if(waiting_, drop);
+}
+
+// Recompute: the newest running sequence gives its blocks back and waits again, keeping its whole
+// history; it is re-prefilled when blocks free up.
+void SequenceQueues::preemptLast() {
+  SequencePtr victim = std::move(running_.back());
+  running_.pop_back();
+  freeBlocks(*victim);
+  waiting_.push_front(std::move(victim));
+  ++counters_.preemptions;
+}
+
+bool SequenceQueues::growBlocks(Sequence& seq, uint32_t blocks) {
+  while (seq.blocks.size() < blocks) {
+    auto b = blocks_.allocate();
+    if (!b) return false;
+    seq.blocks.push_back(*b);
+  }
+  return true;
+}
+
+void SequenceQueues::freeBlocks(Sequence& seq) {
+  for (uint32_t b : seq.blocks) blocks_.release(b);
+  seq.blocks.clear();
+  seq.computed = 0;
+}
+
+void SequenceQueues::retireStopped() {
+  std::erase_if(running_, [&](SequencePtr& s) {
+    if (s->finish_reason == FinishReason::kNone) return false;
+    freeBlocks(*s);
+    finishing_.push_back(std::move(s));
+    return true;
+  });
+}
+
+FinishReason SequenceQueues::stopReason(const Sequence& s) const {
+  const ReleaseLedger& l = s.ledger;
+  if (l.generatedCount() == 0) return FinishReason::kNone;
+  const uint32_t token = l.tokens().back();
+  const auto& stops = s.request.stop_token_ids;
+  if (!s.request.ignore_eos && std::find(eos_.begin(), eos_.end(), token) != eos_.end())
+    return FinishReason::kStop;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) return FinishReason::kStop;
+  if (l.generatedCount() >= s.request.max_tokens) return FinishReason::kLength;
+  if (l.tokens().size() >= max_context_) return FinishReason::kContext;
+  return FinishReason::kNone;
+}
+
+void SequenceQueues::release(uint64_t clean_through) {
+  for (auto* list : {&running_, &finishing_}) {
+    for (auto& s : *list) {
+      const std::vector<TokenChoice> out = s->ledger.takeReleasable(clean_through);
+      if (!out.empty()) s->sink->onTokens(out);
+    }
+  }
+  std::erase_if(finishing_, [&](const SequencePtr& s) {
+    if (s->ledger.unreleasedCount() != 0) return false;
+    finish(*s, s->finish_reason, okStatus());
+    return true;
+  });
+}
+
+size_t SequenceQueues::rollBack(uint64_t from_step) {
+  size_t dropped = 0;
+  for (auto* list : {&running_, &finishing_})
+    for (auto& s : *list) dropped += s->ledger.rollBack(from_step);
+  for (auto& s : waiting_) dropped += s->ledger.rollBack(from_step);
+  const size_t replayed = open();
+  requeueAll();
+  spdlog::warn("rolled back {} unsent tokens from step {} on; replaying {} sequences", dropped,
+               from_step, replayed);
+  return dropped;
+}
+
+void SequenceQueues::workerLost() {
+  for (auto* list : {&running_, &finishing_})
+    for (auto& s : *list) s->ledger.forgetUnreleased();
+  for (auto& s : waiting_) s->ledger.forgetUnreleased();
+  requeueAll();
+}
+
+// Every sequence the worker was computing loses its cache. Those whose history still ends in a
+// stop wait only for their tokens to be released; the rest go back to waiting, in order.
+void SequenceQueues::requeueAll() {
+  counters_.replayed += open();
+  std::vector<SequencePtr> all;
+  for (auto* list : {&running_, &finishing_}) {
+    for (auto& s : *list) all.push_back(std::move(s));
+    list->clear();
+  }
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a->id < b->id; });
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    freeBlocks(**it);
+    (*it)->finish_reason = stopReason(**it);
+    if ((*it)->finish_reason != FinishReason::kNone) {
+      finishing_.push_back(std::move(*it));
+    } else {
+      waiting_.push_front(std::move(*it));
+    }
+  }
+  std::reverse(finishing_.begin(), finishing_.end());
+  for (auto& s : waiting_) freeBlocks(*s);
+}
+
+void SequenceQueues::failAll(const Status& status) {
+  for (auto* list : {&running_, &finishing_}) {
+    for (auto& s : *list) finish(*s, FinishReason::kNone, status);
+    list->clear();
+  }
+  for (auto& s : waiting_) finish(*s, FinishReason::kNone, status);
+  waiting_.clear();
+}
+
+void SequenceQueues::finish(Sequence& seq, FinishReason reason, const Status& status) {
+  freeBlocks(seq);
+  const Usage usage{seq.ledger.promptLength(), seq.ledger.released(), seq.request.sampling.seed};
+  if (finished_) finished_(status);  // counted before the client can see the end
+  seq.sink->onFinish(reason, usage, status);
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,89 @@
+// The scheduler's sequences and their KV blocks: waiting (in arrival order, preempted ones at the
+// front), running (holding blocks, being computed) and finishing (stopped, waiting for their last
+// tokens to be released). Every move between the queues — admission, preemption, release, rollback
+// and requeueing after a worker is lost — happens here. Scheduler thread only.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "broker/kv_allocator.h"
+#include "broker/release_ledger.h"
+#include "broker/sequence.h"
+
+namespace bulkhead {
+
+struct Sequence {
+  uint64_t id = 0;
+  GenerationRequest request;
+  std::shared_ptr<TokenSink> sink;
+  ReleaseLedger ledger;
+  uint32_t computed = 0;  // tokens whose KV the current worker holds
+  std::vector<uint32_t> blocks;
+  FinishReason finish_reason = FinishReason::kNone;
+
+  Sequence(GenerationRequest r, std::shared_ptr<TokenSink> s)
+      : request(std::move(r)), sink(std::move(s)), ledger(request.prompt) {}
+};
+using SequencePtr = std::unique_ptr<Sequence>;
+
+struct QueueCounters {
+  uint64_t preemptions = 0, replayed = 0;
+};
+
+class SequenceQueues {
+ public:
+  // `finished` is told about every request that ends, just before its sink is.
+  SequenceQueues(uint32_t max_context, std::vector<uint32_t> eos_token_ids,
+                 std::function<void(const Status&)> finished);
+
+  std::deque<SequencePtr>& waiting() { return waiting_; }
+  std::vector<SequencePtr>& running() { return running_; }
+  size_t open() const { return running_.size() + finishing_.size(); }
+  bool empty() const { return waiting_.empty() && running_.empty() && finishing_.empty(); }
+  bool hasUnreleased() const;
+  const QueueCounters& counters() const { return counters_; }
+  KvBlockAllocator& blocks() { return blocks_; }
+
+  // A new worker with `blocks` KV blocks of `block_size` positions; all sequences must be waiting.
+  void resetBlocks(uint32_t blocks, uint32_t block_size);
+  uint32_t blockSize() const { return block_size_; }
+
+  // Starts what the batch planner admits, first come first served.
+  void admit(size_t max_running);
+  // Ends cancelled requests and those past their deadline.
+  void dropCancelled(std::chrono::steady_clock::time_point now);
+  void preemptLast();
+  bool growBlocks(Sequence& seq, uint32_t blocks);
+  // After a step: sequences that stopped give their blocks back and wait for their last tokens.
+  void retireStopped();
+  FinishReason stopReason(const Sequence& seq) const;
+
+  // Sends the tokens of steps up to `clean_through`; ends requests with nothing left to send.
+  void release(uint64_t clean_through);
+  // Drops unsent tokens from `from_step` on and replays everything. Returns tokens dropped.
+  size_t rollBack(uint64_t from_step);
+  // The worker is gone: unsent tokens are dropped and every sequence is replayed.
+  void workerLost();
+  void failAll(const Status& status);
+  void finish(Sequence& seq, FinishReason reason, const Status& status);
+
+ private:
+  void requeueAll();
+  void freeBlocks(Sequence& seq);
+
+  const uint32_t max_context_;
+  const std::vector<uint32_t> eos_;
+  const std::function<void(const Status&)> finished_;
+  std::deque<SequencePtr> waiting_;
+  std::vector<SequencePtr> running_;
+  std::vector<SequencePtr> finishing_;
+  KvBlockAllocator blocks_;
+  uint32_t block_size_ = 16;
+  QueueCounters counters_;
+};
+
+}  // namespace bulkhead

@@ -1,0 +1,109 @@
+// What the scheduler needs from a worker incarnation, as an interface: WorkerClient speaks to a
+// real bulkhead-worker process; tests/support/fake_worker.h is an in-process fake, so scheduling,
+// release, rollback and replay can be tested without processes. Every failure comes back typed.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shared/fault.h"
+#include "shared/logits_arena.h"
+#include "shared/status.h"
+#include "shared/step_types.h"
+
+namespace bulkhead {
+
+struct WorkerFailure {
+  enum class Kind {
+    kNone,
+    kExited,             // the process is gone: exit_code or signal says how
+    kTimedOut,           // no reply by the deadline (the process may be hung)
+    kProtocolViolation,  // unparseable, out-of-order or inconsistent replies
+    kIntegrityFailure,   // a logits row failed `check`
+    kRejected,           // the worker refused the request: `code` and message say why
+    kStartFailed,        // could not spawn or connect
+  };
+  Kind kind = Kind::kNone;
+  std::string message;
+  int exit_code = -1;  // kExited: exit status when it exited normally
+  int signal = 0;      // kExited: the signal that killed it
+  IntegrityCheck check = IntegrityCheck::kNone;
+  Code code = Code::kOk;  // kRejected: the worker's status code
+
+  bool ok() const { return kind == Kind::kNone; }
+  // The canonical status a client would see for this failure.
+  Status toStatus() const;
+  std::string toString() const;
+};
+std::string_view workerFailureKindName(WorkerFailure::Kind kind);
+WorkerFailure workerFailure(WorkerFailure::Kind kind, std::string message);
+
+template <typename T>
+using WorkerResult = Result<T, WorkerFailure>;
+
+struct WorkerHello {
+  int pid = 0;
+  uint64_t incarnation = 0;
+  std::string backend, architecture, model_dir;
+  uint32_t vocab_size = 0, max_context = 0, kv_block_size = 0, kv_block_count = 0;
+  uint32_t max_step_tokens = 0, arena_slots = 0;
+  uint64_t weight_bytes = 0, weight_digest = 0;
+  bool fault_injection = false;
+  std::vector<uint32_t> eos_token_ids;
+  uint64_t model_identity = 0;
+  bool scrubbing = false;
+};
+
+struct WeightCorruptionReport {
+  std::string tensor;
+  uint64_t offset = 0, bytes = 0;
+  uint64_t suspect_from_step = 0;
+};
+
+// What the worker's weight scrubber vouches for (see worker/weight_scrubber.h).
+struct ScrubStatus {
+  uint64_t clean_through = 0;  // steps up to this id computed with verified weights
+  std::vector<WeightCorruptionReport> corruptions;  // found and repaired since the last report
+};
+
+// A logits row whose header matched what was asked for. Its payload is not verified yet: the
+// broker's sampling pool checks the checksum and finiteness in the same pass that samples it
+// (broker/sampler.h), so each row is read from shared memory once.
+struct PendingRow {
+  std::span<const float> payload;
+  uint64_t checksum = 0;  // the header's, equal to the one StepDone reported
+};
+
+struct StepReply {
+  // One per requested logits row, in request order. Valid until the next call.
+  std::vector<PendingRow> rows;
+  uint64_t compute_micros = 0;  // as reported by the worker
+  ScrubStatus scrub;
+};
+
+class WorkerConnection {
+ public:
+  virtual ~WorkerConnection() = default;
+
+  virtual const WorkerHello& hello() const = 0;
+  // Readable once the worker process has exited; -1 when that cannot be observed.
+  virtual int exitFd() const = 0;
+
+  // One step. Rows failing a header check come back as kIntegrityFailure; the connection stays
+  // usable after kRejected and kIntegrityFailure, and is broken after anything else.
+  virtual WorkerResult<StepReply> step(uint64_t step_id, std::span<const SequenceStep> batch,
+                                       std::chrono::milliseconds timeout) = 0;
+  // A round trip that also completes a full scrub pass on the worker.
+  virtual WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout) = 0;
+  // A cheap liveness check for an idle worker.
+  virtual WorkerFailure heartbeat(std::chrono::milliseconds timeout) = 0;
+  virtual WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout) = 0;
+  // Asks the worker to exit cleanly (and reaps it when it is a child).
+  virtual WorkerFailure shutdown(std::chrono::milliseconds timeout) = 0;
+};
+
+}  // namespace bulkhead

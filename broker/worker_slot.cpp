@@ -1,0 +1,211 @@
+// WorkerSlot: start, canary, heartbeat, replacement and fault arming of one worker.
+#include "broker/worker_slot.h"
+
+#include <poll.h>
+
+#include <spdlog/spdlog.h>
+
+#include "broker/batch_planner.h"
+#include "broker/sampler.h"
+#include "broker/step_rows.h"
+
+namespace bulkhead {
+
+WorkerSlot::WorkerSlot(WorkerFactory factory, WorkerSlotOptions options, CanaryStore& canaries,
+                       RowPool& pool, FaultInjector& injector, StatsBoard& board,
+                       Callbacks callbacks)
+    : factory_(std::move(factory)),
+      options_(std::move(options)),
+      canaries_(canaries),
+      pool_(pool),
+      injector_(injector),
+      board_(board),
+      callbacks_(std::move(callbacks)),
+      supervision_(options_.supervision) {}
+
+WorkerSlot::~WorkerSlot() = default;
+
+WorkerConnection* WorkerSlot::ensure() {
+  if (ready_) return worker_.get();
+  if (!supervision_.mayStart(Clock::now())) return nullptr;
+  return start() ? worker_.get() : nullptr;
+}
+
+bool WorkerSlot::start() {
+  const uint64_t incarnation = next_incarnation_++;
+  supervision_.onStarting();
+  board_.update([&](SchedulerStats&, WorkerStatus& w) {
+    w.state = std::string(workerStateName(supervision_.state()));
+  });
+  auto started = factory_(incarnation);
+  if (!started.ok()) {
+    const std::string why = "start failed: " + started.error().toString();
+    spdlog::error("worker start {} failed: {}", incarnation, started.error().toString());
+    failed(why);
+    replace(why);
+    return false;
+  }
+  worker_ = std::move(*started);
+  const WorkerHello& h = worker_->hello();
+  if (h.vocab_size != options_.vocab_size) {
+    replace("worker reports vocabulary " + std::to_string(h.vocab_size) + ", the model has " +
+            std::to_string(options_.vocab_size));
+    return false;
+  }
+  last_contact_ = Clock::now();
+  if (!passesCanary()) return false;
+  ready_ = true;
+  supervision_.onReady();
+  board_.update([&](SchedulerStats&, WorkerStatus& w) {
+    w.state = std::string(workerStateName(supervision_.state()));
+    w.incarnation = h.incarnation;
+    w.pid = h.pid;
+    w.backend = h.backend;
+    w.kv_blocks_total = h.kv_block_count;
+  });
+  spdlog::info("worker incarnation {} ready (pid {}, {} backend, {} KV blocks)", h.incarnation,
+               h.pid, h.backend, h.kv_block_count);
+  callbacks_.serving(true);
+  return true;
+}
+
+bool WorkerSlot::passesCanary() {
+  const WorkerHello& h = worker_->hello();
+  const std::vector<uint32_t> tokens = canaryTokens(h.vocab_size);
+  std::vector<uint32_t> blocks;
+  for (uint32_t b = 0; b < blocksFor(tokens.size(), h.kv_block_size); ++b) blocks.push_back(b);
+  // The last row only: it depends on every token and layer, and on no broker setting.
+  const std::vector<uint32_t> rows = {uint32_t(tokens.size() - 1)};
+  if (blocks.size() > h.kv_block_count || h.max_step_tokens < tokens.size()) {
+    spdlog::warn("the worker is too small for the canary; serving without it");
+    return true;
+  }
+  const SequenceStep step{.sequence_id = 0,
+                          .start_position = 0,
+                          .tokens = tokens,
+                          .kv_blocks = blocks,
+                          .logits_rows = rows};
+  auto result = worker_->step(nextStepId(), {&step, 1}, options_.request_timeout);
+  last_canary_ = last_contact_ = Clock::now();
+  board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
+  std::string why;
+  if (!result.ok()) {
+    why = "canary step failed: " + result.error().toString();
+  } else if (!result->scrub.corruptions.empty()) {
+    why = "canary: worker found corrupted weights in " + result->scrub.corruptions[0].tensor;
+  } else if (WorkerFailure bad = verifyRows(pool_, result->rows); !bad.ok()) {
+    why = "canary row: " + bad.toString();
+  } else {
+    const std::span<const float> row = result->rows[0].payload;
+    Status s = canaries_.check(h.model_identity, h.backend, h.weight_digest,
+                               canaryDigest(std::span(&row, 1)));
+    if (s.ok()) return true;
+    why = s.message();
+  }
+  spdlog::error("worker incarnation {} quarantined: {}", h.incarnation, why);
+  board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_failures; });
+  failed(why);
+  replace(why);
+  return false;
+}
+
+void WorkerSlot::checkExited() {
+  if (!worker_ || worker_->exitFd() < 0) return;
+  pollfd p{worker_->exitFd(), POLLIN, 0};
+  if (::poll(&p, 1, 0) > 0) {
+    failed("worker exited");
+    replace("worker process exited while idle");
+  }
+}
+
+void WorkerSlot::idle() {
+  if (!ready_) return;
+  const auto now = Clock::now();
+  if (options_.canary_interval.count() > 0 && now - last_canary_ >= options_.canary_interval) {
+    if (passesCanary()) last_contact_ = Clock::now();
+    return;
+  }
+  if (now - last_contact_ < options_.heartbeat_interval) return;
+  const WorkerFailure beat = worker_->heartbeat(options_.request_timeout);
+  if (beat.ok()) {
+    last_contact_ = Clock::now();
+    return;
+  }
+  failed(std::string(workerFailureKindName(beat.kind)));
+  replace("heartbeat: " + beat.toString());
+}
+
+WorkerSlot::Clock::time_point WorkerSlot::nextDuty() const {
+  if (!worker_) return supervision_.nextStartAt();
+  auto at = last_contact_ + options_.heartbeat_interval;
+  if (options_.canary_interval.count() > 0)
+    at = std::min(at, last_canary_ + options_.canary_interval);
+  return at;
+}
+
+void WorkerSlot::stepCompleted() {
+  last_contact_ = Clock::now();
+  supervision_.onStepCompleted();
+  injector_.stepCompleted();
+}
+
+void WorkerSlot::failed(const std::string& what) {
+  injector_.failureSeen(what);
+}
+
+void WorkerSlot::replace(const std::string& why, bool operator_request) {
+  const bool had_worker = worker_ != nullptr;
+  if (had_worker)
+    spdlog::warn("replacing worker incarnation {}: {}", worker_->hello().incarnation, why);
+  worker_.reset();  // SIGKILLs a worker that is still running
+  ready_ = false;
+  bool crash_loop = false;
+  if (operator_request) {
+    supervision_.onOperatorRestart(Clock::now());
+  } else {
+    crash_loop = supervision_.onFailure(Clock::now());
+  }
+  board_.update([&](SchedulerStats& s, WorkerStatus& w) {
+    if (had_worker) {
+      ++s.worker_restarts;
+      ++w.restarts;
+    }
+    w.last_failure = why;
+    w.state = std::string(workerStateName(supervision_.state()));
+  });
+  if (had_worker) callbacks_.lost(why);
+  if (crash_loop) {
+    spdlog::error("worker failed {} times in a row; failing requests until a start succeeds",
+                  supervision_.consecutiveFailures());
+    callbacks_.serving(false);
+    callbacks_.crash_loop(why);
+  }
+}
+
+void WorkerSlot::armPendingFault(std::chrono::milliseconds step_timeout) {
+  if (ready_ && injector_.pending()) injector_.arm(*worker_, step_timeout);
+}
+
+std::optional<ScrubStatus> WorkerSlot::vouch() {
+  if (!ready_) return std::nullopt;
+  auto scrub = worker_->ping(options_.request_timeout);
+  if (scrub.ok()) {
+    last_contact_ = Clock::now();
+    return std::move(*scrub);
+  }
+  failed(std::string(workerFailureKindName(scrub.error().kind)));
+  replace(scrub.error().toString());
+  return std::nullopt;
+}
+
+void WorkerSlot::shutdown() {
+  supervision_.onStopped();
+  board_.update([](SchedulerStats&, WorkerStatus& w) { w.state = "stopped"; });
+  if (worker_) {
+    (void)worker_->shutdown(std::chrono::seconds(10));
+    worker_.reset();
+  }
+  ready_ = false;
+}
+
+}  // namespace bulkhead

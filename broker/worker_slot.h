@@ -1,0 +1,93 @@
+// One worker slot: the current worker connection and everything about its life — starting it with
+// backoff, qualifying it with the canary, heartbeats and idle canaries, arming injected faults,
+// and replacing it when it fails. The scheduler owns the sequences; the slot tells it, through
+// callbacks, when a worker is lost (its sequences must be replayed) or the slot enters a crash
+// loop (requests fail until a start succeeds). Runs on the scheduler thread only.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "broker/broker_stats.h"
+#include "broker/canary.h"
+#include "broker/fault_injection.h"
+#include "broker/row_pool.h"
+#include "broker/supervision.h"
+#include "broker/worker_connection.h"
+
+namespace bulkhead {
+
+// Starts a worker incarnation.
+using WorkerFactory =
+    std::function<WorkerResult<std::unique_ptr<WorkerConnection>>(uint64_t incarnation)>;
+
+struct WorkerSlotOptions {
+  SupervisionOptions supervision;
+  std::chrono::milliseconds request_timeout{10'000};  // canary, ping and heartbeat deadlines
+  std::chrono::milliseconds canary_interval{60'000};  // 0: only at start
+  std::chrono::milliseconds heartbeat_interval{2'000};
+  uint32_t vocab_size = 0;  // the model's; a worker reporting another is refused
+};
+
+class WorkerSlot {
+ public:
+  using Clock = std::chrono::steady_clock;
+  struct Callbacks {
+    std::function<void(const std::string& why)> lost;        // the worker's sequences must replay
+    std::function<void(const std::string& why)> crash_loop;  // fail what waits
+    std::function<void(bool serving)> serving;
+  };
+
+  WorkerSlot(WorkerFactory factory, WorkerSlotOptions options, CanaryStore& canaries, RowPool& pool,
+             FaultInjector& injector, StatsBoard& board, Callbacks callbacks);
+  ~WorkerSlot();
+
+  // The ready worker, starting one (and qualifying it with the canary) when there is none and the
+  // backoff allows. Null while none is ready.
+  WorkerConnection* ensure();
+  WorkerConnection* worker() const { return ready_ ? worker_.get() : nullptr; }
+  WorkerState state() const { return supervision_.state(); }
+  uint64_t nextStepId() { return next_step_id_++; }
+
+  // Notices a worker process that exited while idle.
+  void checkExited();
+  // Idle duties: a canary when one is due, else a heartbeat when one is due.
+  void idle();
+  // The earliest time idle() or ensure() has something to do.
+  Clock::time_point nextDuty() const;
+  int exitFd() const { return worker_ ? worker_->exitFd() : -1; }
+
+  // Step outcomes, as the scheduler saw them.
+  void stepCompleted();
+  void failed(const std::string& what);  // detection only (injection timing)
+  // Replaces the worker: kills it, tells the scheduler its sequences are lost, counts the
+  // failure towards a crash loop unless an operator asked for it.
+  void replace(const std::string& why, bool operator_request = false);
+  // Arms a fault an operator asked for on the current worker.
+  void armPendingFault(std::chrono::milliseconds step_timeout);
+  // Asks the worker for a full scrub pass; replaces it when that fails.
+  std::optional<ScrubStatus> vouch();
+  void shutdown();
+
+ private:
+  bool start();
+  bool passesCanary();
+
+  const WorkerFactory factory_;
+  const WorkerSlotOptions options_;
+  CanaryStore& canaries_;
+  RowPool& pool_;
+  FaultInjector& injector_;
+  StatsBoard& board_;
+  const Callbacks callbacks_;
+  Supervision supervision_;
+  std::unique_ptr<WorkerConnection> worker_;
+  bool ready_ = false;
+  uint64_t next_incarnation_ = 1;
+  uint64_t next_step_id_ = 1;
+  Clock::time_point last_canary_{}, last_contact_{};
+};
+
+}  // namespace bulkhead

@@ -1,0 +1,89 @@
+// An in-process WorkerConnection for scheduler tests. It keeps a real paged "KV cache" of token
+// ids, and a row's logits are a fixed function of every token the block table maps at positions
+// 0..p, so a sequence replayed with a wrong history, position or block table gets other logits.
+// A shared FakeWorkerControl scripts faults and records every step, so tests can assert that
+// sequences were in fact replayed on a new incarnation.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "broker/worker_connection.h"
+#include "broker/worker_slot.h"
+
+namespace bulkhead::test {
+
+// The logits of the row that follows `history` (its last token at position history.size() - 1).
+std::vector<float> fakeLogits(std::span<const uint32_t> history, uint32_t vocab);
+
+struct FakeStepRecord {
+  uint64_t incarnation = 0, step_id = 0;
+  uint64_t sequence_id = 0;
+  uint32_t start_position = 0;
+  std::vector<uint32_t> tokens;
+};
+
+struct FakeFault {
+  enum class Kind {
+    kFailStep,          // the step fails with `failure` (kExited breaks the connection)
+    kCorruptRow,        // the first row's payload no longer matches its checksum
+    kReportCorruption,  // the scrub report names a corrupted tensor, suspect from a past step
+  };
+  Kind kind = Kind::kFailStep;
+  WorkerFailure::Kind failure = WorkerFailure::Kind::kExited;
+  uint64_t suspect_steps_back = 0;  // kReportCorruption: suspect from (this step - n)
+};
+
+class FakeWorkerControl {
+ public:
+  uint32_t vocab = 64, block_size = 4, blocks = 256, max_step_tokens = 64, arena_slots = 64;
+  // StepDone vouches for steps up to (this step - lag); 0: every step at once.
+  uint64_t scrub_lag = 0;
+
+  // The fault fires on the `after_steps`-th step from now that carries logits rows.
+  void scheduleFault(uint32_t after_steps, FakeFault fault);
+  // The next `count` starts fail.
+  void failStarts(uint32_t count);
+
+  std::vector<FakeStepRecord> steps() const;
+  uint32_t starts() const;
+  // A factory for Scheduler / WorkerSlot.
+  WorkerFactory factory(std::shared_ptr<FakeWorkerControl> self);
+
+ private:
+  friend class FakeWorker;
+  mutable std::mutex mu_;
+  std::vector<FakeStepRecord> steps_;
+  std::deque<std::pair<uint32_t, FakeFault>> faults_;
+  uint32_t failing_starts_ = 0;
+  uint32_t starts_ = 0;
+};
+
+class FakeWorker final : public WorkerConnection {
+ public:
+  FakeWorker(std::shared_ptr<FakeWorkerControl> control, uint64_t incarnation);
+
+  const WorkerHello& hello() const override { return hello_; }
+  int exitFd() const override { return -1; }
+  WorkerResult<StepReply> step(uint64_t step_id, std::span<const SequenceStep> batch,
+                               std::chrono::milliseconds timeout) override;
+  WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout) override;
+  WorkerFailure heartbeat(std::chrono::milliseconds timeout) override;
+  WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout) override;
+  WorkerFailure shutdown(std::chrono::milliseconds timeout) override;
+
+ private:
+  std::optional<FakeFault> takeFault();
+  std::shared_ptr<FakeWorkerControl> control_;
+  WorkerHello hello_;
+  std::vector<uint32_t> kv_;  // [block][slot] token ids
+  std::vector<std::vector<float>> rows_;
+  uint64_t last_step_ = 0;
+  WorkerFailure broken_;
+};
+
+}  // namespace bulkhead::test

@@ -1,0 +1,80 @@
+// The batch planner's pure decisions: admission and step packing with preemption.
+#include "broker/batch_planner.h"
+
+#include <gtest/gtest.h>
+
+namespace bulkhead {
+namespace {
+
+TEST(PlanAdmission, FirstComeFirstServedWithoutOvertaking) {
+  // Block size 4: histories of 3, 10 and 1 need 1, 3 and 1 blocks (history + 1 token).
+  const std::vector<uint32_t> waiting = {3, 10, 1};
+  auto d = planAdmission(waiting, /*free=*/3, /*total=*/8, 4, /*running=*/0, /*max_running=*/8);
+  ASSERT_EQ(d.size(), 1u);  // the second needs 3 with 2 left: it waits, and so does the third
+  EXPECT_EQ(d[0], Admit::kStart);
+  d = planAdmission(waiting, 4, 8, 4, 0, 8);
+  EXPECT_EQ(d, (std::vector<Admit>{Admit::kStart, Admit::kStart}));
+}
+
+TEST(PlanAdmission, RejectsWhatCouldNeverFitAndGoesOn) {
+  const std::vector<uint32_t> waiting = {100, 2};
+  auto d = planAdmission(waiting, 8, 8, 4, 0, 8);
+  EXPECT_EQ(d, (std::vector<Admit>{Admit::kRejectTooLarge, Admit::kStart}));
+}
+
+TEST(PlanAdmission, StopsAtTheRunningLimit) {
+  const std::vector<uint32_t> waiting = {1, 1, 1};
+  EXPECT_EQ(planAdmission(waiting, 8, 8, 4, 6, 8).size(), 2u);
+}
+
+TEST(PlanStep, SharesTheTokenBudgetOldestFirst) {
+  // A decode (history 9, 8 computed) and two prefills of 20 tokens; budget 16.
+  const std::vector<RunningSequence> running = {{9, 8, 3}, {20, 0, 6}, {20, 0, 6}};
+  const StepPlan p =
+      planStep(running, {.token_budget = 16, .max_rows = 64, .block_size = 4, .free_blocks = 10});
+  ASSERT_EQ(p.chunks.size(), 2u);
+  EXPECT_EQ(p.chunks[0].chunk, 1u);
+  EXPECT_TRUE(p.chunks[0].wants_row);
+  EXPECT_EQ(p.chunks[1].index, 1u);
+  EXPECT_EQ(p.chunks[1].chunk, 15u);
+  EXPECT_FALSE(p.chunks[1].wants_row);  // the chunk does not end its history
+  EXPECT_EQ(p.preempt, 0u);
+}
+
+TEST(PlanStep, CapsRowsPerStep) {
+  const std::vector<RunningSequence> running = {{5, 4, 2}, {5, 4, 2}, {5, 4, 2}};
+  const StepPlan p =
+      planStep(running, {.token_budget = 64, .max_rows = 2, .block_size = 4, .free_blocks = 0});
+  EXPECT_EQ(p.chunks.size(), 2u);
+}
+
+TEST(PlanStep, PreemptsTheNewestToMakeBlocks) {
+  // The first sequence crosses into a new block with none free: the newest gives its 2 back.
+  const std::vector<RunningSequence> running = {{9, 8, 2}, {5, 4, 2}, {5, 4, 2}};
+  const StepPlan p =
+      planStep(running, {.token_budget = 64, .max_rows = 64, .block_size = 4, .free_blocks = 0});
+  EXPECT_EQ(p.preempt, 1u);
+  ASSERT_EQ(p.chunks.size(), 2u);
+  EXPECT_EQ(p.chunks[0].blocks_needed, 3u);
+  EXPECT_EQ(p.chunks[1].index, 1u);
+}
+
+TEST(PlanStep, TheNewestThatCannotFitWaitsItself) {
+  const std::vector<RunningSequence> running = {{5, 4, 2}, {9, 8, 2}};
+  const StepPlan p =
+      planStep(running, {.token_budget = 64, .max_rows = 64, .block_size = 4, .free_blocks = 0});
+  EXPECT_EQ(p.preempt, 1u);
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].index, 0u);
+}
+
+TEST(PlanStep, NothingToComputeGivesAnEmptyPlan) {
+  const std::vector<RunningSequence> running = {{5, 5, 2}};
+  const StepPlan p =
+      planStep(running, {.token_budget = 64, .max_rows = 64, .block_size = 4, .free_blocks = 0});
+  EXPECT_TRUE(p.chunks.empty());
+  EXPECT_EQ(p.preempt, 0u);
+}
+
+}  // namespace
+}  // namespace bulkhead
