@@ -10,6 +10,7 @@
 #include "tools/commands.h"
 #include "tools/make_model.h"
 #include "tools/remote.h"
+#include "tools/serve_bench.h"
 #include "tools/step_bench.h"
 
 namespace {
@@ -82,6 +83,25 @@ int main(int argc, char** argv) {
   bench->add_option("--gen-len", bench_cmd.gen_len, "Generated tokens per request");
   bench->add_option("--requests", bench_cmd.requests, "Requests in all (default 4 x concurrency)");
   bench->add_option("--json", bench_cmd.json_path, "Also write the results as JSON");
+  bench->add_option("--temperature", bench_cmd.temperature, "0 = greedy");
+  bench->add_option("--top-p", bench_cmd.top_p, "Nucleus sampling mass (with --temperature)");
+
+  ServeBenchOptions serve_opts;
+  std::string serve_concurrency = "1,32,64";
+  auto* serve_bench = app.add_subcommand(
+      "serve-bench", "End-to-end tokens/s through a broker against the worker's compute ceiling");
+  serve_bench->add_option("--model", serve_opts.model_dir, "Checkpoint directory")->required();
+  serve_bench->add_option("--backend", serve_opts.backend, "cpu | cuda | auto");
+  serve_bench->add_option("--concurrency", serve_concurrency, "Comma-separated stream counts");
+  serve_bench->add_option("--prompt-len", serve_opts.prompt_len, "Prompt tokens per request");
+  serve_bench->add_option("--gen-len", serve_opts.gen_len, "Generated tokens per request");
+  serve_bench->add_option("--requests-per-stream", serve_opts.requests_per_stream,
+                          "Requests each stream sends");
+  serve_bench
+      ->add_option("--broker-arg", serve_opts.broker_args,
+                   "Extra broker flag (repeatable; default: the broker's defaults)")
+      ->allow_extra_args(false);
+  serve_bench->add_option("--json", serve_opts.json_path, "Also write the results as JSON");
 
   StepBenchOptions step_opts;
   std::string batches = "1,32";
@@ -163,6 +183,17 @@ int main(int argc, char** argv) {
     std::printf("%s\n", ids.c_str());
     std::fprintf(stderr, "finish %s; prefill %.1f ms, decode %.2f ms/token\n",
                  result->finish_reason.c_str(), result->prefill_ms, result->decode_ms_per_token);
+  } else if (*serve_bench) {
+    auto parsed = parseTokenList(serve_concurrency);
+    if (!parsed.ok())
+      return fail("serve-bench", invalidArgument("--concurrency: expected e.g. 1,32,64"));
+    serve_opts.concurrency = *parsed;
+    std::error_code ec;
+    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
+    serve_opts.broker_path = (self / "bulkhead-broker").string();
+    serve_opts.worker_path = (self / "bulkhead-worker").string();
+    Status s = runServeBench(serve_opts);
+    if (!s.ok()) return fail("serve-bench", s);
   } else if (*bench) {
     Status s = runBench(bench_cmd);
     if (!s.ok()) return fail("bench", s);
@@ -182,8 +213,8 @@ int main(int argc, char** argv) {
       auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
       step_opts.worker_path = (self.parent_path() / "bulkhead-worker").string();
     }
-    Status s = runStepBench(step_opts);
-    if (!s.ok()) return fail("step-bench", s);
+    auto s = runStepBench(step_opts);
+    if (!s.ok()) return fail("step-bench", s.status());
   }
   return 0;
 }

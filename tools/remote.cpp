@@ -99,17 +99,13 @@ Status runRemoteGenerate(const RemoteGenerateCommand& c) {
   return okStatus();
 }
 
-Status runBench(const BenchCommand& c) {
-  if (c.concurrency == 0 || c.prompt_len == 0 || c.gen_len == 0)
-    return invalidArgument("--concurrency, --prompt-len and --gen-len must be positive");
+BenchResult measureBench(const BenchCommand& c) {
   auto channel = channelTo(c.server);
-  const uint32_t total = c.requests != 0 ? c.requests : 4 * c.concurrency;
+  BenchResult result;
+  result.requests = c.requests != 0 ? c.requests : 4 * c.concurrency;
   std::atomic<uint32_t> next{0};
   std::mutex mu;
   std::vector<double> ttft, itl;
-  uint64_t tokens = 0;
-  uint32_t failures = 0;
-  std::string first_error;
   const auto start = Clock::now();
   std::vector<std::thread> threads;
   for (uint32_t w = 0; w < c.concurrency; ++w) {
@@ -118,12 +114,17 @@ Status runBench(const BenchCommand& c) {
       std::mt19937 rng(uint32_t(c.seed * 7919 + w));
       while (true) {
         const uint32_t i = next++;
-        if (i >= total) break;
+        if (i >= result.requests) break;
         v1::GenerateRequest request;
         // Token ids in 3..258 are valid for every model bulkhead serves, the tiny ones included.
         for (uint32_t k = 0; k < c.prompt_len; ++k) request.add_prompt_token_ids(3 + rng() % 256);
         request.set_max_tokens(c.gen_len);
         request.set_ignore_eos(true);
+        if (c.temperature > 0) {
+          request.mutable_sampling()->set_temperature(c.temperature);
+          request.mutable_sampling()->set_top_p(c.top_p);
+          request.mutable_sampling()->set_seed(c.seed + i);
+        }
         grpc::ClientContext context;
         const auto sent = Clock::now();
         auto reader = stub->Generate(&context, request);
@@ -136,44 +137,56 @@ Status runBench(const BenchCommand& c) {
         grpc::Status status = reader->Finish();
         std::lock_guard lock(mu);
         if (!status.ok()) {
-          if (failures++ == 0) first_error = status.error_message();
+          if (result.failed++ == 0) result.first_error = status.error_message();
           continue;
         }
-        tokens += arrivals.size();
+        result.tokens += arrivals.size();
         if (!arrivals.empty()) ttft.push_back(arrivals[0]);
         for (size_t k = 1; k < arrivals.size(); ++k) itl.push_back(arrivals[k] - arrivals[k - 1]);
       }
     });
   }
   for (auto& t : threads) t.join();
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  const double tok_s = double(tokens) / seconds;
+  result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  result.tokens_per_s = double(result.tokens) / result.wall_s;
+  result.ttft_ms_p50 = percentile(ttft, 50);
+  result.ttft_ms_p99 = percentile(ttft, 99);
+  result.itl_ms_p50 = percentile(itl, 50);
+  result.itl_ms_p99 = percentile(itl, 99);
+  return result;
+}
+
+Status runBench(const BenchCommand& c) {
+  if (c.concurrency == 0 || c.prompt_len == 0 || c.gen_len == 0)
+    return invalidArgument("--concurrency, --prompt-len and --gen-len must be positive");
+  const BenchResult r = measureBench(c);
   std::printf("bench: %s, concurrency %u, prompt %u, gen %u, %u requests (%u failed)\n",
-              c.server.c_str(), c.concurrency, c.prompt_len, c.gen_len, total, failures);
+              c.server.c_str(), c.concurrency, c.prompt_len, c.gen_len, r.requests, r.failed);
   std::printf("%12s %10s %10s %10s %10s %10s\n", "tokens/s", "ttft_p50", "ttft_p99", "itl_p50",
               "itl_p99", "wall_s");
-  std::printf("%12.1f %10.2f %10.2f %10.3f %10.3f %10.2f   (latencies in ms)\n", tok_s,
-              percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99),
-              seconds);
+  std::printf("%12.1f %10.2f %10.2f %10.3f %10.3f %10.2f   (latencies in ms)\n", r.tokens_per_s,
+              r.ttft_ms_p50, r.ttft_ms_p99, r.itl_ms_p50, r.itl_ms_p99, r.wall_s);
   if (!c.json_path.empty()) {
     nlohmann::json j = {{"server", c.server},
                         {"concurrency", c.concurrency},
                         {"prompt_len", c.prompt_len},
                         {"gen_len", c.gen_len},
-                        {"requests", total},
-                        {"failed", failures},
-                        {"tokens", tokens},
-                        {"tokens_per_s", tok_s},
-                        {"ttft_ms_p50", percentile(ttft, 50)},
-                        {"ttft_ms_p99", percentile(ttft, 99)},
-                        {"itl_ms_p50", percentile(itl, 50)},
-                        {"itl_ms_p99", percentile(itl, 99)},
-                        {"wall_s", seconds}};
+                        {"temperature", c.temperature},
+                        {"top_p", c.top_p},
+                        {"requests", r.requests},
+                        {"failed", r.failed},
+                        {"tokens", r.tokens},
+                        {"tokens_per_s", r.tokens_per_s},
+                        {"ttft_ms_p50", r.ttft_ms_p50},
+                        {"ttft_ms_p99", r.ttft_ms_p99},
+                        {"itl_ms_p50", r.itl_ms_p50},
+                        {"itl_ms_p99", r.itl_ms_p99},
+                        {"wall_s", r.wall_s}};
     std::ofstream out(c.json_path);
     out << j.dump(2) << "\n";
   }
-  if (failures > 0)
-    return unavailable(std::to_string(failures) + " requests failed: " + first_error);
+  if (r.failed > 0)
+    return unavailable(std::to_string(r.failed) + " requests failed: " + r.first_error);
   return okStatus();
 }
 

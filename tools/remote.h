@@ -29,6 +29,8 @@ Status runRemoteGenerate(const RemoteGenerateCommand& command);
 
 struct BenchCommand {
   std::string server;
+  float temperature = 0;  // 0: greedy
+  float top_p = 1;
   uint32_t concurrency = 1;
   uint32_t prompt_len = 32;
   uint32_t gen_len = 64;
@@ -37,6 +39,16 @@ struct BenchCommand {
   std::string json_path;
 };
 
+struct BenchResult {
+  uint64_t tokens = 0;
+  uint32_t requests = 0, failed = 0;
+  double tokens_per_s = 0, wall_s = 0;
+  double ttft_ms_p50 = 0, ttft_ms_p99 = 0, itl_ms_p50 = 0, itl_ms_p99 = 0;
+  std::string first_error;
+};
+
+// Runs the load and measures it; prints nothing.
+BenchResult measureBench(const BenchCommand& command);
 // Prints throughput, time to first token and inter-token latency (p50/p99).
 Status runBench(const BenchCommand& command);
 

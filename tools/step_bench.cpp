@@ -16,7 +16,7 @@
 namespace bulkhead {
 namespace {}  // namespace
 
-Status runStepBench(const StepBenchOptions& o) {
+Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
   WorkerClient::SpawnOptions spawn;
   spawn.worker_path = o.worker_path;
@@ -52,6 +52,7 @@ Status runStepBench(const StepBenchOptions& o) {
   const SamplingConfig greedy;
   std::vector<RowToSample> jobs;
   std::vector<SampledRow> sampled;
+  std::vector<StepBenchRow> rows_out;
   uint64_t step_id = 1, seq_base = 1;
   for (uint32_t batch : o.batches) {
     std::vector<std::vector<uint32_t>> blocks(batch), tokens(batch, std::vector<uint32_t>{1});
@@ -96,6 +97,8 @@ Status runStepBench(const StepBenchOptions& o) {
     std::printf("%6u %12.1f %12.1f %12.1f %14.1f %14.1f %12.2f\n", batch, percentile(rtt, 50),
                 percentile(rtt, 99), percentile(compute, 50), percentile(overhead, 50),
                 percentile(overhead, 99), mb);
+    rows_out.push_back({batch, percentile(rtt, 50), percentile(rtt, 99), percentile(compute, 50),
+                        percentile(overhead, 50), percentile(overhead, 99)});
     report["results"].push_back({{"batch", batch},
                                  {"rtt_p50_us", percentile(rtt, 50)},
                                  {"rtt_p99_us", percentile(rtt, 99)},
@@ -110,7 +113,7 @@ Status runStepBench(const StepBenchOptions& o) {
     out << report.dump(2) << "\n";
     if (!out) return internalError(o.json_path + ": write failed");
   }
-  return okStatus();
+  return rows_out;
 }
 
 }  // namespace bulkhead

@@ -21,7 +21,13 @@ struct StepBenchOptions {
   std::string json_path;
 };
 
+struct StepBenchRow {
+  uint32_t batch = 0;
+  double rtt_p50_us = 0, rtt_p99_us = 0, compute_p50_us = 0, overhead_p50_us = 0,
+         overhead_p99_us = 0;
+};
+
 // Prints the table to stdout; writes JSON when asked.
-Status runStepBench(const StepBenchOptions& options);
+Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& options);
 
 }  // namespace bulkhead

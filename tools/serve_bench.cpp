@@ -1,0 +1,100 @@
+// serve-bench implementation: step-bench for the ceiling, then bench through a spawned broker.
+#include "tools/serve_bench.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "shared/child_process.h"
+#include "tools/remote.h"
+#include "tools/step_bench.h"
+
+namespace bulkhead {
+
+Status runServeBench(const ServeBenchOptions& o) {
+  StepBenchOptions step;
+  step.model_dir = o.model_dir;
+  step.worker_path = o.worker_path;
+  step.backend = o.backend;
+  step.batches = o.concurrency;
+  step.iterations = 100;
+  std::printf("== worker compute per decode step (step-bench) ==\n");
+  BULKHEAD_ASSIGN_OR_RETURN(const std::vector<StepBenchRow> ceiling, runStepBench(step));
+
+  char state_template[] = "/tmp/bulkhead-serve-bench-XXXXXX";
+  if (::mkdtemp(state_template) == nullptr) return internalError("cannot create a state directory");
+  const std::string state_dir = state_template;
+  std::vector<std::string> args = {
+      o.broker_path, "--model", o.model_dir,   "--listen", "127.0.0.1:0", "--backend", o.backend,
+      "--ready-fd",  "3",       "--state-dir", state_dir,  "--log-level", "warn"};
+  args.insert(args.end(), o.broker_args.begin(), o.broker_args.end());
+  BULKHEAD_ASSIGN_OR_RETURN(ChildProcess broker, ChildProcess::spawn(args));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+  auto listening = broker.readReadyLine(deadline);
+  auto serving = broker.readReadyLine(deadline);
+  if (!listening.ok() || !serving.ok() || *serving != "serving")
+    return unavailable("the broker did not start serving");
+  const std::string address = listening->substr(listening->find(' ') + 1);
+
+  struct Mode {
+    const char* name;
+    float temperature, top_p;
+  };
+  const Mode modes[] = {{"greedy", 0, 1}, {"t0.8-p0.9", 0.8f, 0.9f}};
+  std::printf("\n== end to end through the broker (%s, prompt %u, gen %u) ==\n", address.c_str(),
+              o.prompt_len, o.gen_len);
+  std::printf("%11s %10s %12s %12s %8s %10s %10s\n", "concurrency", "sampling", "tokens/s",
+              "ceiling", "ratio", "ttft_p50", "itl_p50");
+  nlohmann::json report = {{"model", o.model_dir},
+                           {"backend", o.backend},
+                           {"prompt_len", o.prompt_len},
+                           {"gen_len", o.gen_len},
+                           {"results", nlohmann::json::array()}};
+  Status status;
+  for (size_t i = 0; i < o.concurrency.size(); ++i) {
+    const double ceiling_tok_s = ceiling[i].batch / (ceiling[i].compute_p50_us * 1e-6);
+    for (const Mode& m : modes) {
+      BenchCommand c{.server = address,
+                     .temperature = m.temperature,
+                     .top_p = m.top_p,
+                     .concurrency = o.concurrency[i],
+                     .prompt_len = o.prompt_len,
+                     .gen_len = o.gen_len,
+                     .requests = o.concurrency[i] * o.requests_per_stream};
+      const BenchResult r = measureBench(c);
+      const double ratio = r.tokens_per_s / ceiling_tok_s;
+      std::printf("%11u %10s %12.1f %12.1f %7.1f%% %8.2f ms %8.3f ms\n", o.concurrency[i], m.name,
+                  r.tokens_per_s, ceiling_tok_s, 100 * ratio, r.ttft_ms_p50, r.itl_ms_p50);
+      report["results"].push_back({{"concurrency", o.concurrency[i]},
+                                   {"sampling", m.name},
+                                   {"tokens_per_s", r.tokens_per_s},
+                                   {"compute_p50_us", ceiling[i].compute_p50_us},
+                                   {"ceiling_tokens_per_s", ceiling_tok_s},
+                                   {"ratio", ratio},
+                                   {"ttft_ms_p50", r.ttft_ms_p50},
+                                   {"itl_ms_p50", r.itl_ms_p50},
+                                   {"failed", r.failed}});
+      if (r.failed > 0 && status.ok())
+        status = unavailable(std::to_string(r.failed) + " requests failed: " + r.first_error);
+    }
+  }
+  broker.signal(SIGTERM);
+  ExitInfo exit_info;
+  broker.waitExit(std::chrono::steady_clock::now() + std::chrono::seconds(30), &exit_info);
+  std::error_code ec;
+  std::filesystem::remove_all(state_dir, ec);
+  if (!o.json_path.empty()) {
+    std::ofstream out(o.json_path);
+    out << report.dump(2) << "\n";
+    if (!out) return internalError(o.json_path + ": write failed");
+  }
+  return status;
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,29 @@
+// serve-bench: end-to-end tokens/s through a real broker against the worker's own compute ceiling,
+// in one run. The ceiling at concurrency C is C / (the worker's compute time of a decode step at
+// batch C), measured by step-bench first; then a broker with default flags serves `bench` load at
+// each concurrency, greedy and with temperature 0.8 + top-p 0.9, and the ratio is printed.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "shared/status.h"
+
+namespace bulkhead {
+
+struct ServeBenchOptions {
+  std::string model_dir;
+  std::string broker_path;  // default: next to this executable
+  std::string worker_path;
+  std::string backend = "cpu";
+  std::vector<uint32_t> concurrency = {1, 32, 64};
+  uint32_t prompt_len = 32;
+  uint32_t gen_len = 128;
+  uint32_t requests_per_stream = 4;
+  std::vector<std::string> broker_args;  // extra flags for the broker (default: none)
+  std::string json_path;
+};
+
+Status runServeBench(const ServeBenchOptions& options);
+
+}  // namespace bulkhead
