@@ -67,6 +67,8 @@ void Scheduler::stop() {
     std::lock_guard lock(mu_);
     stopping_ = true;
   }
+  // Admin calls waiting on idle_ return now, even if the scheduling thread never ran.
+  idle_.notify_all();
   notify();
   if (thread_.joinable()) thread_.join();
 }

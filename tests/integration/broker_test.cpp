@@ -1,5 +1,6 @@
 // bulkhead-broker end to end through real gRPC on the golden fixture: greedy output equals the
-// golden tokens; 32 concurrent streams each identical to the same request alone; seeded sampling
+// golden tokens; 32 concurrent streams each identical to the same request alone; 64 concurrent
+// streams each get all their tokens in order and their finish reason; seeded sampling
 // identical across runs and batch mixes; cancel, deadline, validation, queue full, health, Admin.
 #include <gtest/gtest.h>
 
@@ -102,6 +103,51 @@ TEST_F(BrokerTest, ConcurrentStreamsMatchTheSameRequestAlone) {
     EXPECT_EQ(together[i].tokens, alone[i].tokens) << "stream " << i;
     EXPECT_EQ(together[i].logprobs, alone[i].logprobs) << "stream " << i;
     EXPECT_EQ(together[i].tokens.size(), mixedRequest(i).max_tokens());
+  }
+  expectAllBlocksFree();
+}
+
+TEST_F(BrokerTest, ManyConcurrentStreamsEachGetAllTheirTokensInOrder) {
+  // Tokens reach clients through the stream writers, batched while a write is in flight: with
+  // 64 streams at once every stream must still get exactly its own tokens, in order, then its
+  // finish reason. Greedy golden cases give the expected tokens; every third stream stops early
+  // on a stop token.
+  const test::Golden golden = test::loadGolden(test::fixtureDir("tiny-qwen2"));
+  ASSERT_FALSE(golden.cases.empty());
+  constexpr int kStreams = 64;
+  struct Expected {
+    v1::GenerateRequest request;
+    std::vector<uint32_t> tokens;
+    v1::FinishReason finish;
+  };
+  std::vector<Expected> expected;
+  for (int i = 0; i < kStreams; ++i) {
+    const test::GoldenCase& c = golden.cases[size_t(i) % golden.cases.size()];
+    Expected e{request(c.prompt, uint32_t(c.greedy.size())), c.greedy, v1::FINISH_REASON_LENGTH};
+    e.request.set_ignore_eos(true);
+    e.request.set_request_id("stream-" + std::to_string(i));
+    if (i % 3 == 2 && c.greedy.size() > 2) {
+      const uint32_t stop = c.greedy[c.greedy.size() / 2];
+      e.request.add_stop_token_ids(stop);
+      e.tokens.erase(std::find(e.tokens.begin(), e.tokens.end(), stop) + 1, e.tokens.end());
+      e.finish = v1::FINISH_REASON_STOP;
+    }
+    expected.push_back(std::move(e));
+  }
+  std::vector<test::Generation> got(kStreams);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i)
+    threads.emplace_back([&, i] { got[i] = generate(*broker_->channel(), expected[i].request); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    SCOPED_TRACE("stream " + std::to_string(i));
+    ASSERT_TRUE(got[i].status.ok()) << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, expected[i].tokens);
+    EXPECT_EQ(got[i].finish, expected[i].finish);
+    EXPECT_EQ(got[i].usage.completion_tokens(), expected[i].tokens.size());
+    EXPECT_EQ(got[i].logprobs.size(), got[i].tokens.size());
+    EXPECT_GE(got[i].messages, 1u);
+    EXPECT_LE(got[i].messages, got[i].tokens.size() + 1);
   }
   expectAllBlocksFree();
 }
