@@ -1,7 +1,8 @@
 // bulkhead-broker end to end through real gRPC on the golden fixture: greedy output equals the
 // golden tokens; 32 concurrent streams each identical to the same request alone; 64 concurrent
 // streams each get all their tokens in order and their finish reason; seeded sampling
-// identical across runs and batch mixes; cancel, deadline, validation, queue full, health, Admin.
+// identical across runs and batch mixes; cancel, deadline, validation, queue full, health, Admin;
+// SIGTERM answers an admin call still waiting.
 #include <gtest/gtest.h>
 
 #include <future>
@@ -446,6 +447,37 @@ TEST(BrokerPreemptionTest, RecomputeAfterPreemptionGivesTheSameTokens) {
   v1::Stats stats;
   ASSERT_TRUE(admin->GetStats(&ctx, {}, &stats).ok());
   EXPECT_GT(stats.preemptions(), 0u) << "the test did not exercise preemption";
+}
+
+}  // namespace
+}  // namespace bulkhead
+
+namespace bulkhead {
+namespace {
+
+TEST(BrokerShutdownTest, SigtermAnswersAnAdminCallThatIsStillWaiting) {
+  // No worker can start, so a RestartWorker waits (up to two minutes) for one. SIGTERM must end
+  // that wait, answer the call and let the broker exit cleanly: the admin threads are joined
+  // before the scheduler they wait on is gone.
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--worker", "/bin/false"},
+                             /*wait_serving=*/false);
+  auto channel = grpc::CreateChannel(broker.address(), grpc::InsecureChannelCredentials());
+  auto admin = v1::Admin::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  v1::RestartWorkerResponse restarted;
+  auto call =
+      std::async(std::launch::async, [&] { return admin->RestartWorker(&ctx, {}, &restarted); });
+  // ListWorkers is answered inline, whatever the admin threads are doing.
+  EXPECT_NE(test::workerInfo(*channel).state(), "ready");
+  broker.process().signal(SIGTERM);
+  ASSERT_EQ(call.wait_for(30s), std::future_status::ready);
+  const grpc::Status status = call.get();
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  ExitInfo info;
+  ASSERT_TRUE(broker.process().waitExit(std::chrono::steady_clock::now() + 30s, &info));
+  EXPECT_EQ(info.exit_code, 0) << info.describe();
 }
 
 }  // namespace
