@@ -1,9 +1,15 @@
-// CanaryStore: JSON records under the state directory, written atomically.
+// CanaryStore: JSON records under the state directory, written atomically. Reading a record never
+// throws: it runs on the scheduler thread, and a damaged state directory must not end the broker.
 #include "broker/canary.h"
 
+#include <cerrno>
+#include <charconv>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
-#include <sstream>
+#include <iterator>
+#include <string_view>
 
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
@@ -13,10 +19,108 @@
 namespace bulkhead {
 namespace {
 
+// A record is four short fields; anything much larger is not one of ours.
+constexpr std::uintmax_t kMaxRecordBytes = 64 << 10;
+
 std::string hex(uint64_t v) {
   char buf[24];
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
   return buf;
+}
+
+// 1 to 16 hex digits and nothing else (no sign, prefix or space): what hex() writes, give or take
+// leading zeros.
+std::optional<uint64_t> parseHex64(std::string_view text) noexcept {
+  if (text.empty() || text.size() > 16) return std::nullopt;
+  uint64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value, 16);
+  if (ec != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+// A field's value as it goes into an error message: quoted and cut short.
+std::string shown(const nlohmann::json& value) {
+  std::string s = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (s.size() > 40) s = s.substr(0, 40) + "...";
+  return s;
+}
+
+// The hex field `name` of `record`, or what is wrong with it in `why`.
+std::optional<uint64_t> hexField(const nlohmann::json& record, const char* name,
+                                 std::string& why) noexcept {
+  const auto it = record.find(name);
+  if (it == record.end()) {
+    why = std::string(name) + ": missing";
+    return std::nullopt;
+  }
+  if (!it->is_string()) {
+    why = std::string(name) + ": " + shown(*it) + " is a " + it->type_name() + ", not a string";
+    return std::nullopt;
+  }
+  auto value = parseHex64(it->get_ref<const std::string&>());
+  if (!value) why = std::string(name) + ": " + shown(*it) + " is not 1 to 16 hex digits";
+  return value;
+}
+
+// The record's text, or what is wrong with the file in `why`. nullopt with an empty `why`: there
+// is no record.
+std::optional<std::string> readRecordFile(const std::filesystem::path& path,
+                                          std::string& why) noexcept {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (status.type() == std::filesystem::file_type::not_found) return std::nullopt;
+  if (ec) {
+    why = "cannot inspect it: " + ec.message();
+    return std::nullopt;
+  }
+  if (status.type() != std::filesystem::file_type::regular) {
+    why = status.type() == std::filesystem::file_type::directory ? "is a directory, not a file"
+                                                                 : "is not a regular file";
+    return std::nullopt;
+  }
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) {
+    why = "cannot read its size: " + ec.message();
+    return std::nullopt;
+  }
+  if (size > kMaxRecordBytes) {
+    why = std::to_string(size) + " bytes, more than a record's " + std::to_string(kMaxRecordBytes);
+    return std::nullopt;
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    why = std::string("cannot be opened: ") + std::strerror(errno);
+    return std::nullopt;
+  }
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) {
+    why = "read failed";
+    return std::nullopt;
+  }
+  return text;
+}
+
+// Renames a corrupt record out of the way, never over anything: "<name>.corrupt-<unix seconds>",
+// with a counter when that is taken. Returns the new path, or nullopt if it stayed where it was.
+std::optional<std::filesystem::path> moveAside(const std::filesystem::path& path) noexcept {
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+  const std::string base = path.string() + ".corrupt-" + std::to_string(seconds);
+  for (int n = 0; n < 100; ++n) {
+    const std::filesystem::path target = n == 0 ? base : base + "-" + std::to_string(n);
+    std::error_code ec;
+    if (std::filesystem::symlink_status(target, ec).type() != std::filesystem::file_type::not_found)
+      continue;
+    std::filesystem::rename(path, target, ec);
+    if (!ec) return target;
+    spdlog::error("cannot move corrupt canary record {} aside to {}: {}", path.string(),
+                  target.string(), ec.message());
+    return std::nullopt;
+  }
+  spdlog::error("cannot move corrupt canary record {} aside: {}.* are all taken", path.string(),
+                base);
+  return std::nullopt;
 }
 
 }  // namespace
@@ -41,40 +145,96 @@ std::filesystem::path CanaryStore::pathFor(uint64_t identity, const std::string&
                  ".json");
 }
 
-Status CanaryStore::check(uint64_t identity, const std::string& backend, uint64_t weight_digest,
-                          uint64_t logits_digest) {
-  const auto key = std::make_pair(identity, backend);
+std::optional<CanaryStore::Record> CanaryStore::load(const std::filesystem::path& path,
+                                                     uint64_t identity, const std::string& backend,
+                                                     bool& keep_out) const noexcept {
+  keep_out = false;
+  std::string why;
   std::optional<Record> record;
-  if (auto it = memory_.find(key); it != memory_.end()) record = it->second;
-  if (!record && !dir_.empty()) {
-    std::ifstream in(pathFor(identity, backend));
-    if (in) {
-      std::stringstream text;
-      text << in.rdbuf();
-      auto j = nlohmann::json::parse(text.str(), nullptr, false);
-      if (j.is_object() && j.contains("weight_digest") && j.contains("logits_digest")) {
-        record = Record{std::stoull(j["weight_digest"].get<std::string>(), nullptr, 16),
-                        std::stoull(j["logits_digest"].get<std::string>(), nullptr, 16)};
+  if (auto text = readRecordFile(path, why)) {
+    const auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) {
+      why = "not valid JSON (" + std::to_string(text->size()) + " bytes)";
+    } else if (!j.is_object()) {
+      why = std::string("a JSON ") + j.type_name() + ", not an object";
+    } else {
+      const auto model = hexField(j, "model_identity", why);
+      const auto weights = model ? hexField(j, "weight_digest", why) : std::nullopt;
+      const auto logits = weights ? hexField(j, "logits_digest", why) : std::nullopt;
+      const auto b = j.find("backend");
+      if (!logits) {
+        // `why` says which field
+      } else if (*model != identity) {
+        why = "model_identity: " + hex(*model) + " is not the " + hex(identity) + " it is filed as";
+      } else if (b == j.end() || !b->is_string()) {
+        why = b == j.end() ? "backend: missing" : "backend: " + shown(*b) + " is not a string";
+      } else if (b->get_ref<const std::string&>() != backend) {
+        why = "backend: " + shown(*b) + " is not the \"" + backend + "\" it is filed as";
       } else {
-        spdlog::error("ignoring unreadable canary record {}", pathFor(identity, backend).string());
+        record = Record{*weights, *logits};
       }
     }
   }
-  if (!record) {
-    memory_[key] = {weight_digest, logits_digest};
-    if (!dir_.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(dir_, ec);
-      const auto path = pathFor(identity, backend);
-      const auto tmp = path.string() + ".tmp";
-      nlohmann::json j = {{"model_identity", hex(identity)},
-                          {"backend", backend},
-                          {"weight_digest", hex(weight_digest)},
-                          {"logits_digest", hex(logits_digest)}};
-      std::ofstream(tmp) << j.dump(2) << "\n";
-      std::filesystem::rename(tmp, path, ec);
-      if (ec) spdlog::error("cannot record canary at {}: {}", path.string(), ec.message());
+  if (record || why.empty()) return record;
+  // Corrupt. Keep the bytes for whoever investigates, and re-qualify with this worker's canary.
+  if (auto aside = moveAside(path)) {
+    spdlog::error(
+        "canary record {} is corrupt ({}); moved it aside to {} and treating the record as "
+        "absent: this worker's canary will be recorded in its place",
+        path.string(), why, aside->string());
+  } else {
+    keep_out = true;
+    spdlog::error(
+        "canary record {} is corrupt ({}) and could not be moved aside; treating the record as "
+        "absent and keeping this worker's canary in memory only",
+        path.string(), why);
+  }
+  return std::nullopt;
+}
+
+void CanaryStore::store(const std::filesystem::path& path, uint64_t identity,
+                        const std::string& backend, const Record& record) const noexcept {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) {
+    spdlog::error("cannot record canary at {}: cannot create {}: {}", path.string(), dir_.string(),
+                  ec.message());
+    return;
+  }
+  const nlohmann::json j = {{"model_identity", hex(identity)},
+                            {"backend", backend},
+                            {"weight_digest", hex(record.weight_digest)},
+                            {"logits_digest", hex(record.logits_digest)}};
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    out.close();
+    if (!out) {
+      spdlog::error("cannot record canary at {}: writing {} failed", path.string(), tmp.string());
+      std::filesystem::remove(tmp, ec);
+      return;
     }
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    spdlog::error("cannot record canary at {}: {}", path.string(), ec.message());
+    std::filesystem::remove(tmp, ec);
+  }
+}
+
+Status CanaryStore::check(uint64_t identity, const std::string& backend, uint64_t weight_digest,
+                          uint64_t logits_digest) noexcept {
+  const auto key = std::make_pair(identity, backend);
+  std::optional<Record> record;
+  bool keep_out = false;
+  if (auto it = memory_.find(key); it != memory_.end()) record = it->second;
+  if (!record && !dir_.empty())
+    record = load(pathFor(identity, backend), identity, backend, keep_out);
+  if (!record) {
+    const Record fresh{weight_digest, logits_digest};
+    memory_[key] = fresh;
+    if (!dir_.empty() && !keep_out) store(pathFor(identity, backend), identity, backend, fresh);
     spdlog::info("canary recorded for model {} on {}: {}", hex(identity), backend,
                  hex(logits_digest));
     return okStatus();

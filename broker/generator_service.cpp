@@ -1,26 +1,67 @@
-// Generator and Admin services. A stream's reactor and the scheduler meet in a StreamChannel:
-// the scheduler pushes responses through it; the reactor detaches from it in OnDone, after which
-// pushes are dropped, so neither side can outlive the other's memory.
+// Generator and Admin services.
+//
+// Threads, what each owns and how they meet:
+// - The scheduler thread produces tokens and verdicts. Through GrpcSink it only appends them to
+//   the stream's StreamChannel queue (StreamChannel::queue_mu, held for the append) and, when the
+//   stream is not already waiting for a writer, posts the channel to the StreamWriters queue. It
+//   never builds a protobuf, touches a reactor or waits on the network.
+// - The writer threads (StreamWriters, owned by GeneratorService, joined by its stop()) take a
+//   posted channel, swap its queue out, build GenerateResponse messages into the reactor and
+//   start the write, or Finish, under StreamChannel::mu. One writer at a time per stream (the
+//   channel stays "scheduled" until its queue is seen empty), so tokens keep their order.
+// - gRPC's callback threads run Generate (validation, submit), OnWriteDone (starts the message
+//   the writers batched meanwhile, or Finish), OnCancel and OnDone. OnDone detaches the reactor
+//   from the channel under StreamChannel::mu; later hand-offs are dropped, so neither side
+//   outlives the other's memory.
+// - AdminService's executor runs Drain, RestartWorker and InjectFault, one owned thread each
+//   (AdminExecutor), joined by AdminService::stop() once Scheduler::stop() has ended their waits.
+// Locks: StreamChannel::queue_mu and StreamChannel::mu are never held together; the writers'
+// queue lock is taken with neither held. StreamChannel::mu is recursive because gRPC may run a
+// reaction (OnWriteDone) inline from StartWrite.
 #include "broker/generator_service.h"
 
+#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
 #include "broker/request_validation.h"
 
 namespace bulkhead {
-namespace {
 
 class GenerateReactor;
 
-struct StreamChannel {
-  std::recursive_mutex mu;  // gRPC may run a reaction inline from StartWrite
-  GenerateReactor* reactor = nullptr;
-  std::atomic<bool> cancelled{false};
+// How a stream ends: the scheduler's onFinish, kept until a writer delivers it.
+struct Verdict {
+  FinishReason reason = FinishReason::kNone;
+  Usage usage;
+  Status status;
 };
+
+struct StreamChannel {
+  explicit StreamChannel(std::string id) : request_id(std::move(id)) {}
+
+  const std::string request_id;
+  // Set by OnCancel or a failed write; the scheduler reads it and frees the sequence.
+  std::atomic<bool> cancelled{false};
+
+  // The hand-off from the scheduler thread.
+  std::mutex queue_mu;
+  std::vector<TokenChoice> queued;  // GUARDED_BY(queue_mu)
+  std::optional<Verdict> verdict;   // GUARDED_BY(queue_mu)
+  // Posted to the writers or being written by one; cleared by the writer that finds the queue
+  // empty. GUARDED_BY(queue_mu)
+  bool scheduled = false;
+
+  // The reactor side.
+  std::recursive_mutex mu;
+  GenerateReactor* reactor = nullptr;  // GUARDED_BY(mu); null once the RPC is done
+};
+
+namespace {
 
 v1::FinishReason toProto(FinishReason reason) {
   switch (reason) {
@@ -36,13 +77,15 @@ v1::FinishReason toProto(FinishReason reason) {
   return v1::FINISH_REASON_UNSPECIFIED;
 }
 
+}  // namespace
+
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
   explicit GenerateReactor(std::shared_ptr<StreamChannel> channel) : channel_(std::move(channel)) {
     channel_->reactor = this;
   }
 
-  // With channel->mu held.
+  // With channel->mu held, on a writer thread.
   void push(std::span<const TokenChoice> tokens) {
     // While a write is in flight, new tokens join the last queued message.
     if (pending_.size() < 2) pending_.emplace_back();
@@ -60,19 +103,19 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     startNext();
   }
 
-  // With channel->mu held.
-  void finishWith(FinishReason reason, const Usage& usage, const std::string& request_id,
-                  const Status& status) {
-    if (status.ok()) {
+  // With channel->mu held: on a writer thread, or in Generate for a request never scheduled.
+  void finishWith(const Verdict& verdict) {
+    if (finish_pending_) return;  // exactly once
+    if (verdict.status.ok()) {
       if (pending_.size() < 2) pending_.emplace_back();
       v1::GenerateResponse& r = pending_.back();
-      r.set_finish_reason(toProto(reason));
-      r.mutable_usage()->set_prompt_tokens(usage.prompt_tokens);
-      r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
-      r.mutable_usage()->set_seed(usage.seed);
-      r.set_request_id(request_id);
+      r.set_finish_reason(toProto(verdict.reason));
+      r.mutable_usage()->set_prompt_tokens(verdict.usage.prompt_tokens);
+      r.mutable_usage()->set_completion_tokens(verdict.usage.completion_tokens);
+      r.mutable_usage()->set_seed(verdict.usage.seed);
+      r.set_request_id(channel_->request_id);
     }
-    final_status_ = toGrpcStatus(status);
+    final_status_ = toGrpcStatus(verdict.status);
     finish_pending_ = true;
     startNext();
   }
@@ -100,6 +143,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   }
 
  private:
+  // Starts writing the front message, or finishes once everything is written. With channel->mu.
   void startNext() {
     if (writing_ || finished_) return;
     if (!pending_.empty() && !channel_->cancelled) {
@@ -107,11 +151,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
       StartWrite(&pending_.front());
       return;
     }
-    if (finish_pending_ || channel_->cancelled) {
-      if (!finish_pending_) return;  // cancelled: Finish comes with the scheduler's verdict
-      finished_ = true;
-      Finish(final_status_);
-    }
+    // Cancelled: Finish still waits for the scheduler's verdict, which frees the sequence first.
+    if (!finish_pending_) return;
+    finished_ = true;
+    Finish(final_status_);
   }
 
   std::shared_ptr<StreamChannel> channel_;
@@ -122,24 +165,116 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   grpc::Status final_status_;
 };
 
+class StreamWriters {
+ public:
+  explicit StreamWriters(size_t threads) {
+    for (size_t i = 0; i < std::max<size_t>(threads, 1); ++i)
+      threads_.emplace_back([this] { run(); });
+  }
+  ~StreamWriters() { stop(); }
+
+  // Queues `channel`, whose `scheduled` flag the caller has just set, for a writer.
+  void post(std::shared_ptr<StreamChannel> channel) {
+    {
+      std::lock_guard lock(mu_);
+      if (!stopping_) {
+        ready_.push_back(std::move(channel));
+        ready_cv_.notify_one();
+        return;
+      }
+    }
+    // Only after stop(), when the scheduler has stopped too: nothing else would write it.
+    std::vector<TokenChoice> buffer;
+    pump(*channel, buffer);
+  }
+
+  // Writes everything posted so far, then joins the threads.
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    ready_cv_.notify_all();
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+
+ private:
+  void run() {
+    std::vector<TokenChoice> buffer;  // reused, so a steady stream allocates little
+    std::unique_lock lock(mu_);
+    for (;;) {
+      ready_cv_.wait(lock, [&] { return !ready_.empty() || stopping_; });
+      if (ready_.empty()) return;  // stopping, and nothing left to write
+      std::shared_ptr<StreamChannel> channel = std::move(ready_.front());
+      ready_.pop_front();
+      lock.unlock();
+      pump(*channel, buffer);
+      channel.reset();
+      lock.lock();
+    }
+  }
+
+  // Hands everything queued on `channel` to its reactor, until the queue is found empty.
+  static void pump(StreamChannel& channel, std::vector<TokenChoice>& buffer) {
+    for (;;) {
+      std::optional<Verdict> verdict;
+      buffer.clear();
+      {
+        std::lock_guard lock(channel.queue_mu);
+        if (channel.queued.empty() && !channel.verdict) {
+          channel.scheduled = false;
+          return;
+        }
+        std::swap(buffer, channel.queued);
+        verdict.swap(channel.verdict);
+      }
+      std::lock_guard lock(channel.mu);
+      if (!channel.reactor) continue;  // the RPC is over: drop
+      if (!buffer.empty()) channel.reactor->push(buffer);
+      if (verdict) channel.reactor->finishWith(*verdict);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable ready_cv_;
+  std::deque<std::shared_ptr<StreamChannel>> ready_;  // GUARDED_BY(mu_)
+  bool stopping_ = false;                             // GUARDED_BY(mu_)
+  std::vector<std::thread> threads_;
+};
+
+namespace {
+
 class GrpcSink final : public TokenSink {
  public:
-  GrpcSink(std::shared_ptr<StreamChannel> channel, std::string request_id)
-      : channel_(std::move(channel)), request_id_(std::move(request_id)) {}
+  GrpcSink(std::shared_ptr<StreamChannel> channel, StreamWriters& writers)
+      : channel_(std::move(channel)), writers_(writers) {}
 
+  // On the scheduler thread: append and signal, nothing more.
   void onTokens(std::span<const TokenChoice> tokens) override {
-    std::lock_guard lock(channel_->mu);
-    if (channel_->reactor) channel_->reactor->push(tokens);
+    if (channel_->cancelled) return;  // nobody will read them
+    bool post;
+    {
+      std::lock_guard lock(channel_->queue_mu);
+      channel_->queued.insert(channel_->queued.end(), tokens.begin(), tokens.end());
+      post = !std::exchange(channel_->scheduled, true);
+    }
+    if (post) writers_.post(channel_);
   }
   void onFinish(FinishReason reason, const Usage& usage, const Status& status) override {
-    std::lock_guard lock(channel_->mu);
-    if (channel_->reactor) channel_->reactor->finishWith(reason, usage, request_id_, status);
+    bool post;
+    {
+      std::lock_guard lock(channel_->queue_mu);
+      channel_->verdict = Verdict{reason, usage, status};
+      post = !std::exchange(channel_->scheduled, true);
+    }
+    if (post) writers_.post(channel_);
   }
   bool cancelled() const override { return channel_->cancelled; }
 
  private:
   std::shared_ptr<StreamChannel> channel_;
-  std::string request_id_;
+  StreamWriters& writers_;
 };
 
 }  // namespace
@@ -148,14 +283,31 @@ grpc::Status toGrpcStatus(const Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
 }
 
+GeneratorService::GeneratorService(Scheduler& scheduler, ModelLimits model, size_t writer_threads)
+    : scheduler_(scheduler),
+      model_(std::move(model)),
+      writers_(std::make_unique<StreamWriters>(writer_threads)) {}
+
+GeneratorService::~GeneratorService() {
+  stop();
+}
+
+void GeneratorService::stop() {
+  writers_->stop();
+}
+
 grpc::ServerWriteReactor<v1::GenerateResponse>* GeneratorService::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  auto channel = std::make_shared<StreamChannel>();
+  auto channel = std::make_shared<StreamChannel>(request->request_id());
   auto* reactor = new GenerateReactor(channel);
+  // Requests that never reach the scheduler are answered here, on gRPC's thread.
+  auto reject = [&](const Status& status) {
+    std::lock_guard lock(channel->mu);
+    reactor->finishWith(Verdict{FinishReason::kNone, {}, status});
+  };
   auto valid = validateRequest(*request, model_);
   if (!valid.ok()) {
-    std::lock_guard lock(channel->mu);
-    reactor->finishWith(FinishReason::kNone, {}, request->request_id(), valid.status());
+    reject(valid.status());
     return reactor;
   }
   const auto deadline = context->deadline();
@@ -164,12 +316,9 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GeneratorService::Generate(
                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                           deadline - std::chrono::system_clock::now());
   }
-  Status submitted = scheduler_.submit(std::move(*valid),
-                                       std::make_shared<GrpcSink>(channel, request->request_id()));
-  if (!submitted.ok()) {
-    std::lock_guard lock(channel->mu);
-    reactor->finishWith(FinishReason::kNone, {}, request->request_id(), submitted);
-  }
+  Status submitted =
+      scheduler_.submit(std::move(*valid), std::make_shared<GrpcSink>(channel, *writers_));
+  if (!submitted.ok()) reject(submitted);
   return reactor;
 }
 
@@ -225,14 +374,15 @@ grpc::ServerUnaryReactor* AdminService::RestartWorker(grpc::CallbackServerContex
     return reactor;
   }
   // Restarting waits for a new worker: off the callback thread.
-  std::thread([this, reactor, response] {
+  Status started = executor_.submit([this, reactor, response] {
     auto r = scheduler_.restartWorker(std::chrono::minutes(2));
     if (r.ok()) {
       response->set_old_incarnation(r->first);
       response->set_new_incarnation(r->second);
     }
     reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
-  }).detach();
+  });
+  if (!started.ok()) reactor->Finish(toGrpcStatus(started));
   return reactor;
 }
 
@@ -240,11 +390,13 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* conte
                                               const v1::DrainRequest*,
                                               v1::DrainResponse* response) {
   auto* reactor = context->DefaultReactor();
-  std::thread([this, reactor, response] {
+  // Draining waits for running requests to end: off the callback thread.
+  Status started = executor_.submit([this, reactor, response] {
     auto r = scheduler_.drain(std::chrono::minutes(10));
     if (r.ok()) response->set_drained(*r);
     reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
-  }).detach();
+  });
+  if (!started.ok()) reactor->Finish(toGrpcStatus(started));
   return reactor;
 }
 
@@ -268,7 +420,8 @@ grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext*
   const auto timeout =
       std::chrono::milliseconds(request->timeout_ms() != 0 ? request->timeout_ms() : 30'000);
   const uint64_t random = request->random();
-  std::thread([this, reactor, response, f = *fault, random, timeout] {
+  // The injection waits for detection and recovery: off the callback thread.
+  Status started = executor_.submit([this, reactor, response, f = *fault, random, timeout] {
     auto r = scheduler_.injectFault(f, random, timeout);
     if (r.ok()) {
       response->set_detected(r->detected);
@@ -278,7 +431,8 @@ grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext*
       response->set_detected_as(r->detected_as);
     }
     reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
-  }).detach();
+  });
+  if (!started.ok()) reactor->Finish(toGrpcStatus(started));
   return reactor;
 }
 

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "broker/admin_executor.h"
 #include "broker/scheduler.h"
 #include "bulkhead/v1/generator.grpc.pb.h"
 
@@ -14,23 +15,40 @@ namespace bulkhead {
 
 grpc::Status toGrpcStatus(const Status& status);
 
+// The threads that build and start the writes of streamed responses (generator_service.cpp).
+class StreamWriters;
+
 class GeneratorService final : public v1::Generator::CallbackService {
  public:
-  GeneratorService(Scheduler& scheduler, ModelLimits model)
-      : scheduler_(scheduler), model_(std::move(model)) {}
+  static constexpr size_t kDefaultWriterThreads = 2;
+
+  GeneratorService(Scheduler& scheduler, ModelLimits model,
+                   size_t writer_threads = kDefaultWriterThreads);
+  ~GeneratorService() override;
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
 
+  // Writes out what the scheduler has handed over, then joins the writer threads. Call after
+  // Scheduler::stop(), which finishes every stream, and before grpc::Server::Shutdown(), which
+  // waits for every stream's Finish. Idempotent; the destructor calls it.
+  void stop();
+
  private:
   Scheduler& scheduler_;
   const ModelLimits model_;
+  std::unique_ptr<StreamWriters> writers_;
 };
 
 class AdminService final : public v1::Admin::CallbackService {
  public:
   AdminService(Scheduler& scheduler, bool fault_injection)
       : scheduler_(scheduler), fault_injection_(fault_injection) {}
+  ~AdminService() override { stop(); }
+
+  // Refuses new Drain, RestartWorker and InjectFault calls (UNAVAILABLE) and joins those in
+  // flight. Call after Scheduler::stop(), which ends their waits. Idempotent.
+  void stop() noexcept { executor_.stop(); }
 
   grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,
                                         const v1::ListWorkersRequest* request,
@@ -51,6 +69,8 @@ class AdminService final : public v1::Admin::CallbackService {
  private:
   Scheduler& scheduler_;
   const bool fault_injection_;
+  // The RPCs that wait on the scheduler run here, off gRPC's callback threads.
+  AdminExecutor executor_;
 };
 
 }  // namespace bulkhead

@@ -190,7 +190,13 @@ int main(int argc, char** argv) {
   }
   spdlog::info("signal {} received; shutting down", info.ssi_signo);
   health->SetServingStatus(false);
+  // Order matters. Stopping the scheduler finishes every stream and ends the waits of admin
+  // calls; their threads are then joined while the scheduler they call still exists; the stream
+  // writers then deliver every Finish, which the server's shutdown waits for. Destruction (in
+  // reverse order of declaration) finds all of them stopped.
   scheduler.stop();
+  admin.stop();
+  generator.stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   if (!ready_file.empty()) std::remove(ready_file.c_str());
   return 0;

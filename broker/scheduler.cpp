@@ -71,6 +71,8 @@ void Scheduler::stop() {
     stopping_ = true;
   }
   injector_.stop();
+  // Admin calls waiting on idle_ return now, even if the scheduling thread never ran.
+  idle_.notify_all();
   notify();
   if (thread_.joinable()) thread_.join();
 }

@@ -5,6 +5,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 shift || true
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" > "$build.configure.log" 2>&1 ||
-  { cat "$build.configure.log"; exit 1; }
+# The configure log lives inside the build directory, so no build leaves files beside it.
+mkdir -p "$build"
+log="$build/configure.log"
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" > "$log" 2>&1 ||
+  { cat "$log"; exit 1; }
 cmake --build "$build" -j "$(nproc)"

@@ -1,6 +1,8 @@
 // bulkhead-broker end to end through real gRPC on the golden fixture: greedy output equals the
-// golden tokens; 32 concurrent streams each identical to the same request alone; seeded sampling
-// identical across runs and batch mixes; cancel, deadline, validation, queue full, health, Admin.
+// golden tokens; 32 concurrent streams each identical to the same request alone; 64 concurrent
+// streams each get all their tokens in order and their finish reason; seeded sampling
+// identical across runs and batch mixes; cancel, deadline, validation, queue full, health, Admin;
+// SIGTERM answers an admin call still waiting.
 #include <gtest/gtest.h>
 
 #include <future>
@@ -102,6 +104,51 @@ TEST_F(BrokerTest, ConcurrentStreamsMatchTheSameRequestAlone) {
     EXPECT_EQ(together[i].tokens, alone[i].tokens) << "stream " << i;
     EXPECT_EQ(together[i].logprobs, alone[i].logprobs) << "stream " << i;
     EXPECT_EQ(together[i].tokens.size(), mixedRequest(i).max_tokens());
+  }
+  expectAllBlocksFree();
+}
+
+TEST_F(BrokerTest, ManyConcurrentStreamsEachGetAllTheirTokensInOrder) {
+  // Tokens reach clients through the stream writers, batched while a write is in flight: with
+  // 64 streams at once every stream must still get exactly its own tokens, in order, then its
+  // finish reason. Greedy golden cases give the expected tokens; every third stream stops early
+  // on a stop token.
+  const test::Golden golden = test::loadGolden(test::fixtureDir("tiny-qwen2"));
+  ASSERT_FALSE(golden.cases.empty());
+  constexpr int kStreams = 64;
+  struct Expected {
+    v1::GenerateRequest request;
+    std::vector<uint32_t> tokens;
+    v1::FinishReason finish;
+  };
+  std::vector<Expected> expected;
+  for (int i = 0; i < kStreams; ++i) {
+    const test::GoldenCase& c = golden.cases[size_t(i) % golden.cases.size()];
+    Expected e{request(c.prompt, uint32_t(c.greedy.size())), c.greedy, v1::FINISH_REASON_LENGTH};
+    e.request.set_ignore_eos(true);
+    e.request.set_request_id("stream-" + std::to_string(i));
+    if (i % 3 == 2 && c.greedy.size() > 2) {
+      const uint32_t stop = c.greedy[c.greedy.size() / 2];
+      e.request.add_stop_token_ids(stop);
+      e.tokens.erase(std::find(e.tokens.begin(), e.tokens.end(), stop) + 1, e.tokens.end());
+      e.finish = v1::FINISH_REASON_STOP;
+    }
+    expected.push_back(std::move(e));
+  }
+  std::vector<test::Generation> got(kStreams);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i)
+    threads.emplace_back([&, i] { got[i] = generate(*broker_->channel(), expected[i].request); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    SCOPED_TRACE("stream " + std::to_string(i));
+    ASSERT_TRUE(got[i].status.ok()) << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, expected[i].tokens);
+    EXPECT_EQ(got[i].finish, expected[i].finish);
+    EXPECT_EQ(got[i].usage.completion_tokens(), expected[i].tokens.size());
+    EXPECT_EQ(got[i].logprobs.size(), got[i].tokens.size());
+    EXPECT_GE(got[i].messages, 1u);
+    EXPECT_LE(got[i].messages, got[i].tokens.size() + 1);
   }
   expectAllBlocksFree();
 }
@@ -400,6 +447,37 @@ TEST(BrokerPreemptionTest, RecomputeAfterPreemptionGivesTheSameTokens) {
   v1::Stats stats;
   ASSERT_TRUE(admin->GetStats(&ctx, {}, &stats).ok());
   EXPECT_GT(stats.preemptions(), 0u) << "the test did not exercise preemption";
+}
+
+}  // namespace
+}  // namespace bulkhead
+
+namespace bulkhead {
+namespace {
+
+TEST(BrokerShutdownTest, SigtermAnswersAnAdminCallThatIsStillWaiting) {
+  // No worker can start, so a RestartWorker waits (up to two minutes) for one. SIGTERM must end
+  // that wait, answer the call and let the broker exit cleanly: the admin threads are joined
+  // before the scheduler they wait on is gone.
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--worker", "/bin/false"},
+                             /*wait_serving=*/false);
+  auto channel = grpc::CreateChannel(broker.address(), grpc::InsecureChannelCredentials());
+  auto admin = v1::Admin::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  v1::RestartWorkerResponse restarted;
+  auto call =
+      std::async(std::launch::async, [&] { return admin->RestartWorker(&ctx, {}, &restarted); });
+  // ListWorkers is answered inline, whatever the admin threads are doing.
+  EXPECT_NE(test::workerInfo(*channel).state(), "ready");
+  broker.process().signal(SIGTERM);
+  ASSERT_EQ(call.wait_for(30s), std::future_status::ready);
+  const grpc::Status status = call.get();
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  ExitInfo info;
+  ASSERT_TRUE(broker.process().waitExit(std::chrono::steady_clock::now() + 30s, &info));
+  EXPECT_EQ(info.exit_code, 0) << info.describe();
 }
 
 }  // namespace

@@ -1,8 +1,12 @@
 // CanaryStore: the first digest is recorded and persisted; later ones must match it, for the same
-// weights; each model and backend has its own record.
+// weights; each model and backend has its own record; a corrupt record is moved aside, never
+// thrown over.
 #include "broker/canary.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "support/test_support.h"
 
@@ -33,6 +37,117 @@ TEST(CanaryStore, WithoutADirectoryItRemembersInMemory) {
   CanaryStore store("");
   EXPECT_TRUE(store.check(1, "cpu", 1, 2).ok());
   EXPECT_FALSE(store.check(1, "cpu", 1, 3).ok());
+}
+
+// The file CanaryStore uses for model 1 on "cpu"; the name is part of the on-disk format.
+std::filesystem::path recordPath(const test::TempDir& dir) {
+  return std::filesystem::path(dir.path()) / "canary-v2-0000000000000001-cpu.json";
+}
+
+// Files in `dir` whose name starts with the record's and carries ".corrupt-".
+std::vector<std::filesystem::path> movedAside(const test::TempDir& dir) {
+  std::vector<std::filesystem::path> out;
+  const std::string prefix = recordPath(dir).filename().string() + ".corrupt-";
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path());
+  return out;
+}
+
+std::string validRecord(const std::string& weights, const std::string& logits) {
+  return R"({"model_identity": "0000000000000001", "backend": "cpu", "weight_digest": ")" +
+         weights + R"(", "logits_digest": ")" + logits + "\"}\n";
+}
+
+TEST(CanaryStore, CorruptRecordIsMovedAsideAndRequalified) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"non-hex weight digest", validRecord("zz", "000000000000022b")},
+      {"non-hex logits digest", validRecord("0000000000000064", "0x22b")},
+      {"overlong digest", validRecord("10000000000000064", "000000000000022b")},
+      {"empty digest", validRecord("", "000000000000022b")},
+      {"signed digest", validRecord("-64", "000000000000022b")},
+      {"digest with a space", validRecord(" 64", "000000000000022b")},
+      {"digest is a number", R"({"model_identity": "1", "backend": "cpu", "weight_digest": 100,)"
+                             R"( "logits_digest": "22b"})"},
+      {"digest is null", R"({"model_identity": "1", "backend": "cpu", "weight_digest": null,)"
+                         R"( "logits_digest": "22b"})"},
+      {"missing field", R"({"model_identity": "1", "backend": "cpu", "weight_digest": "64"})"},
+      {"missing backend",
+       R"({"model_identity": "1", "weight_digest": "64", "logits_digest": "1"})"},
+      {"other model", R"({"model_identity": "2", "backend": "cpu", "weight_digest": "64",)"
+                      R"( "logits_digest": "22b"})"},
+      {"other backend", R"({"model_identity": "1", "backend": "cuda", "weight_digest": "64",)"
+                        R"( "logits_digest": "22b"})"},
+      {"truncated", validRecord("0000000000000064", "000000000000022b").substr(0, 50)},
+      {"array", R"(["0000000000000064", "000000000000022b"])"},
+      {"string", R"("0000000000000064")"},
+      {"empty file", ""},
+      {"binary", std::string("\x00\xff\xfe{\x01", 5)},
+      {"huge", std::string(100 << 10, ' ')},
+  };
+  for (const auto& [what, bytes] : cases) {
+    SCOPED_TRACE(what);
+    test::TempDir dir;
+    test::writeFile(recordPath(dir).string(), bytes);
+    CanaryStore store(dir.path());
+    Status status;
+    // The digests differ from the corrupt record's: had it been believed, this would fail.
+    EXPECT_NO_THROW(status = store.check(1, "cpu", 7, 8));
+    EXPECT_TRUE(status.ok()) << status.toString();
+    const auto aside = movedAside(dir);
+    ASSERT_EQ(aside.size(), 1u);
+    EXPECT_EQ(test::readFile(aside[0].string()), bytes);
+    // A fresh, valid record took its place: a new process checks against it.
+    CanaryStore reopened(dir.path());
+    EXPECT_TRUE(reopened.check(1, "cpu", 7, 8).ok());
+    EXPECT_EQ(reopened.check(1, "cpu", 7, 9).code(), Code::kDataLoss);
+    EXPECT_EQ(movedAside(dir).size(), 1u);
+  }
+}
+
+TEST(CanaryStore, DirectoryInPlaceOfTheRecordIsMovedAside) {
+  test::TempDir dir;
+  std::filesystem::create_directory(recordPath(dir));
+  test::writeFile((recordPath(dir) / "inside").string(), "kept");
+  CanaryStore store(dir.path());
+  Status status;
+  EXPECT_NO_THROW(status = store.check(1, "cpu", 7, 8));
+  EXPECT_TRUE(status.ok()) << status.toString();
+  const auto aside = movedAside(dir);
+  ASSERT_EQ(aside.size(), 1u);
+  EXPECT_TRUE(std::filesystem::is_directory(aside[0]));
+  EXPECT_EQ(test::readFile((aside[0] / "inside").string()), "kept");
+  EXPECT_TRUE(std::filesystem::is_regular_file(recordPath(dir)));
+  CanaryStore reopened(dir.path());
+  EXPECT_EQ(reopened.check(1, "cpu", 7, 9).code(), Code::kDataLoss);
+}
+
+TEST(CanaryStore, UnreadableRecordIsMovedAside) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root reads files whatever their mode";
+  test::TempDir dir;
+  test::writeFile(recordPath(dir).string(), validRecord("0000000000000064", "000000000000022b"));
+  std::filesystem::permissions(recordPath(dir), std::filesystem::perms::none);
+  CanaryStore store(dir.path());
+  Status status;
+  EXPECT_NO_THROW(status = store.check(1, "cpu", 7, 8));
+  EXPECT_TRUE(status.ok()) << status.toString();
+  ASSERT_EQ(movedAside(dir).size(), 1u);
+  CanaryStore reopened(dir.path());
+  EXPECT_EQ(reopened.check(1, "cpu", 7, 9).code(), Code::kDataLoss);
+}
+
+TEST(CanaryStore, ValidRecordWrittenByHandStillDetectsAMismatch) {
+  test::TempDir dir;
+  // Upper case and without leading zeros: still the digests 0x64 and 0x22b.
+  test::writeFile(recordPath(dir).string(), validRecord("64", "22B"));
+  CanaryStore store(dir.path());
+  Status status;
+  EXPECT_NO_THROW(status = store.check(1, "cpu", 0x64, 0x22c));
+  EXPECT_EQ(status.code(), Code::kDataLoss);
+  EXPECT_NE(status.message().find("canary mismatch"), std::string::npos);
+  EXPECT_TRUE(store.check(1, "cpu", 0x64, 0x22b).ok());
+  EXPECT_TRUE(movedAside(dir).empty());
+  CanaryStore other_weights(dir.path());
+  EXPECT_EQ(other_weights.check(1, "cpu", 0x65, 0x22b).code(), Code::kDataLoss);
 }
 
 TEST(Canary, PromptIsFixedAndInVocabulary) {
