@@ -25,35 +25,40 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
       pool_(pool),
       canaries_(options_.state_dir),
       queues_(model_.max_context, model_.eos_token_ids,
-              [this](const Status& status) {
-                board_.update([&](SchedulerStats& s, WorkerStatus&) {
-                  ++(status.ok() ? s.requests_completed : s.requests_failed);
-                });
-                std::lock_guard lock(mu_);
-                if (draining_) ++finished_while_draining_;
-              }),
-      slot_(std::move(factory),
-            WorkerSlotOptions{
-                .supervision = {.max_consecutive_failures = options_.max_consecutive_failures,
-                                .backoff_initial = options_.restart_backoff_initial,
-                                .backoff_max = options_.restart_backoff_max},
-                .request_timeout = options_.step_timeout_base,
-                .canary_interval = options_.canary_interval,
-                .heartbeat_interval = options_.heartbeat_interval,
-                .vocab_size = model_.vocab_size},
-            canaries_, pool, injector_, board_,
-            WorkerSlot::Callbacks{.lost = [this](const std::string&) { queues_.workerLost(); },
-                                  .crash_loop =
-                                      [this](const std::string& why) {
-                                        {
-                                          std::lock_guard lock(mu_);
-                                          failed_ = true;
-                                          failed_why_ = why;
-                                        }
-                                        queues_.failAll(unavailable("no healthy worker: " + why));
-                                      },
-                                  .serving = [this](bool serving) { setServing(serving); }}) {
+              [this](const Status& status) { onFinished(status); }),
+      slot_(
+          std::move(factory), slotOptions(options_, model_), canaries_, pool, injector_, board_,
+          WorkerSlot::Callbacks{.lost = [this](const std::string&) { queues_.workerLost(); },
+                                .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
+                                .serving = [this](bool serving) { setServing(serving); }}) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+}
+
+WorkerSlotOptions Scheduler::slotOptions(const SchedulerOptions& o, const ModelLimits& model) {
+  return {.supervision = {.max_consecutive_failures = o.max_consecutive_failures,
+                          .backoff_initial = o.restart_backoff_initial,
+                          .backoff_max = o.restart_backoff_max},
+          .request_timeout = o.step_timeout_base,
+          .canary_interval = o.canary_interval,
+          .heartbeat_interval = o.heartbeat_interval,
+          .vocab_size = model.vocab_size};
+}
+
+void Scheduler::onFinished(const Status& status) {
+  board_.update([&](SchedulerStats& s, WorkerStatus&) {
+    ++(status.ok() ? s.requests_completed : s.requests_failed);
+  });
+  std::lock_guard lock(mu_);
+  if (draining_) ++finished_while_draining_;
+}
+
+void Scheduler::onCrashLoop(const std::string& why) {
+  {
+    std::lock_guard lock(mu_);
+    failed_ = true;
+    failed_why_ = why;
+  }
+  queues_.failAll(unavailable("no healthy worker: " + why));
 }
 
 Scheduler::~Scheduler() {
@@ -338,7 +343,10 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
     applyScrub(reply->scrub, hello.scrubbing);  // rolls back: this step's tokens are not kept
     return true;
   }
-  acceptRows(batch, plan.chunks, step_id, sampled);
+  std::vector<const TokenChoice*> chosen;
+  for (const SampledRow& row : sampled) chosen.push_back(&row.choice);
+  const size_t generated = queues_.accept(batch, plan.chunks, step_id, chosen);
+  board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += generated; });
   applyScrub(reply->scrub, hello.scrubbing);
   return true;
 }
@@ -351,12 +359,7 @@ bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequ
   if (f.kind == WorkerFailure::Kind::kRejected) {
     // The worker refused input the broker validated: a broker bug, not the client's.
     spdlog::error("worker rejected a step: {}", f.toString());
-    std::erase_if(queues_.running(), [&](const SequencePtr& s) {
-      if (std::find(batch.begin(), batch.end(), s.get()) == batch.end()) return false;
-      queues_.finish(*s, FinishReason::kNone,
-                     internalError("worker rejected the step: " + f.message));
-      return true;
-    });
+    queues_.failRunning(batch, internalError("worker rejected the step: " + f.message));
     return true;
   }
   if (f.kind == WorkerFailure::Kind::kIntegrityFailure) {
@@ -370,23 +373,6 @@ bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequ
   step_failures_in_a_row_ = 0;
   slot_.replace(f.toString());
   return true;
-}
-
-// Appends the sampled tokens; stopped sequences give their blocks back now and wait for their
-// last tokens to be released.
-void Scheduler::acceptRows(const std::vector<Sequence*>& batch,
-                           std::span<const PlannedChunk> chunks, uint64_t step_id,
-                           std::span<const SampledRow> sampled) {
-  size_t r = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    Sequence& s = *batch[i];
-    s.computed += chunks[i].chunk;
-    if (!chunks[i].wants_row) continue;
-    s.ledger.append(step_id, sampled[r++].choice);
-    s.finish_reason = queues_.stopReason(s);
-  }
-  queues_.retireStopped();
-  board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += r; });
 }
 
 void Scheduler::applyScrub(const ScrubStatus& scrub, bool scrubbing) {

@@ -91,10 +91,11 @@ class Scheduler {
   void publishCounts();
   bool stepOnce(WorkerConnection& worker);
   bool handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch);
-  void acceptRows(const std::vector<Sequence*>& batch, std::span<const PlannedChunk> chunks,
-                  uint64_t step_id, std::span<const SampledRow> sampled);
   void applyScrub(const ScrubStatus& scrub, bool scrubbing);
   void setServing(bool serving);
+  void onFinished(const Status& status);
+  void onCrashLoop(const std::string& why);
+  static WorkerSlotOptions slotOptions(const SchedulerOptions& o, const ModelLimits& model);
 
   const ModelLimits model_;
   const SchedulerOptions options_;

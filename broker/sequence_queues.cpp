@@ -89,11 +89,30 @@ void SequenceQueues::freeBlocks(Sequence& seq) {
   seq.computed = 0;
 }
 
-void SequenceQueues::retireStopped() {
+size_t SequenceQueues::accept(std::span<Sequence* const> batch,
+                              std::span<const PlannedChunk> chunks, uint64_t step_id,
+                              std::span<const TokenChoice* const> chosen) {
+  size_t r = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence& s = *batch[i];
+    s.computed += chunks[i].chunk;
+    if (!chunks[i].wants_row) continue;
+    s.ledger.append(step_id, *chosen[r++]);
+    s.finish_reason = stopReason(s);
+  }
   std::erase_if(running_, [&](SequencePtr& s) {
     if (s->finish_reason == FinishReason::kNone) return false;
     freeBlocks(*s);
     finishing_.push_back(std::move(s));
+    return true;
+  });
+  return r;
+}
+
+void SequenceQueues::failRunning(std::span<Sequence* const> batch, const Status& status) {
+  std::erase_if(running_, [&](const SequencePtr& s) {
+    if (std::find(batch.begin(), batch.end(), s.get()) == batch.end()) return false;
+    finish(*s, FinishReason::kNone, status);
     return true;
   });
 }

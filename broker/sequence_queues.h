@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "broker/batch_planner.h"
 #include "broker/kv_allocator.h"
 #include "broker/release_ledger.h"
 #include "broker/sequence.h"
@@ -58,8 +59,13 @@ class SequenceQueues {
   void dropCancelled(std::chrono::steady_clock::time_point now);
   void preemptLast();
   bool growBlocks(Sequence& seq, uint32_t blocks);
-  // After a step: sequences that stopped give their blocks back and wait for their last tokens.
-  void retireStopped();
+  // After a step: each sequence of `batch` advances by its chunk and, when the chunk asked for a
+  // row, takes the next token of `chosen` (in order); sequences that stopped give their blocks back
+  // and wait for their last tokens. Returns the tokens appended.
+  size_t accept(std::span<Sequence* const> batch, std::span<const PlannedChunk> chunks,
+                uint64_t step_id, std::span<const TokenChoice* const> chosen);
+  // Ends these running sequences with `status`.
+  void failRunning(std::span<Sequence* const> batch, const Status& status);
   FinishReason stopReason(const Sequence& seq) const;
 
   // Sends the tokens of steps up to `clean_through`; ends requests with nothing left to send.
