@@ -394,21 +394,48 @@ TEST(BrokerDrainTest, DrainFinishesRunningRequestsThenReportsNotServing) {
 TEST(BrokerRestartTest, AdminRestartReplaysInFlightSequencesLosslessly) {
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"));
   ASSERT_TRUE(broker.ok());
-  auto r = request({11, 12, 13}, 240);
-  r.set_ignore_eos(true);
-  r.mutable_sampling()->set_temperature(0.9f);
-  r.mutable_sampling()->set_seed(99);
-  const test::Generation reference = generate(*broker.channel(), r);
-  ASSERT_TRUE(reference.status.ok());
-  auto during = std::async(std::launch::async, [&] { return generate(*broker.channel(), r); });
+  // Sixteen long seeded generations, so the restart lands while they are all mid-generation.
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<test::Generation> reference;
+  for (uint32_t i = 0; i < 16; ++i) {
+    auto r = request({11, 12, 13 + i}, 240);
+    r.set_ignore_eos(true);
+    r.mutable_sampling()->set_temperature(0.9f);
+    r.mutable_sampling()->set_seed(99 + i);
+    requests.push_back(r);
+    reference.push_back(generate(*broker.channel(), r));
+    ASSERT_TRUE(reference.back().status.ok());
+  }
+  auto stub = v1::Generator::NewStub(broker.channel());
+  grpc::ClientContext first_ctx;
+  auto first = stub->Generate(&first_ctx, requests[0]);
+  std::vector<std::future<test::Generation>> others;
+  for (size_t i = 1; i < requests.size(); ++i)
+    others.push_back(std::async(std::launch::async,
+                                [&, i] { return generate(*broker.channel(), requests[i]); }));
+  // The first stream has tokens: generation is under way when the restart is asked for.
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(first->Read(&resp));
+  std::vector<uint32_t> first_tokens(resp.token_ids().begin(), resp.token_ids().end());
   auto admin = v1::Admin::NewStub(broker.channel());
   grpc::ClientContext ctx;
   v1::RestartWorkerResponse restarted;
   ASSERT_TRUE(admin->RestartWorker(&ctx, {}, &restarted).ok());
   EXPECT_NE(restarted.old_incarnation(), restarted.new_incarnation());
-  const test::Generation g = during.get();
-  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
-  EXPECT_EQ(g.tokens, reference.tokens);
+  while (first->Read(&resp))
+    first_tokens.insert(first_tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
+  ASSERT_TRUE(first->Finish().ok());
+  EXPECT_EQ(first_tokens, reference[0].tokens);
+  for (size_t i = 1; i < requests.size(); ++i) {
+    const test::Generation g = others[i - 1].get();
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.tokens, reference[i].tokens) << "request " << i;
+  }
+  grpc::ClientContext stats_ctx;
+  v1::Stats stats;
+  ASSERT_TRUE(admin->GetStats(&stats_ctx, {}, &stats).ok());
+  EXPECT_GE(stats.replayed_sequences(), 1u) << "the restart replayed no sequence";
+  EXPECT_EQ(stats.worker_restarts(), 1u);
 }
 
 }  // namespace
