@@ -21,8 +21,7 @@ Status runStepBench(const StepBenchOptions& o) {
   spawn.model_dir = o.model_dir;
   spawn.backend = o.backend;
   spawn.arena_slots = max_batch;
-  spawn.extra_args = {"--log-level", "warn", "--scrub-bytes-per-step",
-                      std::to_string(o.scrub_bytes_per_step)};
+  spawn.extra_args = {"--log-level", "warn", "--scrub-share", std::to_string(o.scrub_share)};
   auto client = WorkerClient::spawn(spawn);
   if (!client.ok()) return client.error().toStatus();
   const WorkerHello& hello = (*client)->hello();
@@ -33,11 +32,9 @@ Status runStepBench(const StepBenchOptions& o) {
   if (positions > hello.max_context)
     return invalidArgument("iterations exceed the model's context");
 
-  std::printf(
-      "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrubbing %llu "
-      "bytes/step\n",
-      o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations,
-      static_cast<unsigned long long>(o.scrub_bytes_per_step));
+  std::printf("step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g\n",
+              o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations,
+              o.scrub_share);
   std::printf("%6s %12s %12s %12s %14s %14s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",
               "compute_p50", "overhead_p50", "overhead_p99", "MB/step");
   nlohmann::json report = {{"model", o.model_dir},

@@ -16,7 +16,8 @@ struct StepBenchOptions {
   std::string backend = "cpu";
   std::vector<uint32_t> batches = {1, 32};
   uint32_t iterations = 200;
-  uint64_t scrub_bytes_per_step = 0;  // the worker's weight scrubbing, part of the overhead
+  // The worker's background weight scrubbing (its share of one core); it competes with compute.
+  double scrub_share = 0.0;
   std::string json_path;
 };
 

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include <spdlog/spdlog.h>
@@ -29,8 +30,17 @@ int main(int argc, char** argv) {
   app.add_option("--ready-fd", options.ready_fd, "Descriptor to signal readiness on");
   app.add_flag("--enable-fault-injection", options.enable_fault_injection,
                "Accept FaultInject messages (tests and chaos runs only)");
-  app.add_option("--scrub-bytes-per-step", options.scrub_bytes_per_step,
-                 "Resident weight bytes verified after each step (0: no scrubbing)");
+  app.add_option("--scrub-share", options.scrub_share,
+                 "Share of one core's time the background weight scrubber may be busy (0: no "
+                 "scrubbing)")
+      ->check(CLI::Range(0.0, 1.0));
+  // Scrubbing used to run on the step path, so many bytes per step. Brokers built before
+  // --scrub-share still pass it: 0 keeps meaning "no scrubbing", any other value now means the
+  // background scrubber at --scrub-share.
+  std::optional<uint64_t> scrub_bytes_per_step;
+  app.add_option("--scrub-bytes-per-step", scrub_bytes_per_step,
+                 "Replaced by --scrub-share (0 still turns scrubbing off; other values are "
+                 "ignored)");
   std::string perturb;
   app.add_option("--perturb-weight", perturb,
                  "BYTE:BIT to flip in the resident weights at start (needs "
@@ -40,6 +50,14 @@ int main(int argc, char** argv) {
 
   spdlog::set_level(spdlog::level::from_str(log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [worker %P] %l: %v");
+  if (scrub_bytes_per_step == 0u) {
+    options.scrub_share = 0.0;
+  } else if (scrub_bytes_per_step) {
+    spdlog::info(
+        "--scrub-bytes-per-step is replaced by --scrub-share; scrubbing in the "
+        "background at a share of {}",
+        options.scrub_share);
+  }
   while (options.incarnation == 0) {
     if (::getrandom(&options.incarnation, sizeof(options.incarnation), 0) !=
         ssize_t(sizeof(options.incarnation))) {
@@ -82,6 +100,7 @@ int main(int argc, char** argv) {
     spdlog::critical("{}", server.status().toString());
     return 1;
   }
+  // A backend failure ends serve() with an error: crash-only, the broker replaces this worker.
   Status served = (*server)->serve();
   if (!served.ok()) {
     spdlog::critical("{}", served.toString());
