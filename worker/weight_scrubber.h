@@ -19,14 +19,17 @@
 
 namespace bulkhead {
 
-// Busy at most this share of one core's wall time. A pass over a model of B bytes takes
-// B / (T * share) at a single-core checksum throughput of T; the step pays about the share of the
-// cores the scrubber takes from it. Measured T: ~3.5-4 GB/s on this project's 2-core build host,
-// 6-8 GB/s on a current server core; so 0.25 passes an 80 MB model in ~40-55 ms on a server
-// (the broker holds tokens until a pass vouches for them, so this is release latency) while
-// costing a 16-core step ~1.6% of its cores. Granules are small (kScrubGranuleBytes) so that
-// each burst of work is short enough (~0.1 ms) not to stall an OpenMP step behind it.
-constexpr double kDefaultScrubShare = 0.25;
+// Busy at most this share of one core's wall time. A pass over B bytes takes B / (T * share) at a
+// single-core checksum throughput T. Measured on the 2-core build host: T = 3.9 GB/s; step-bench
+// on tiny-v152k (19.6 MB) with CPU-backend compute at batch 1 / 64: share 0 -> 0.55 / 32 ms,
+// 0.05 -> 0.65 / 34 ms, 0.25 -> 2.55 / 41 ms. The cost is about the share, not share / cores:
+// a burst preempts one thread of a statically scheduled OpenMP region and the whole region waits.
+// So the default keeps the step cost small; its price is pass length, i.e. token release latency
+// during generation: ~100 ms here for 19.6 MB, ~230 ms for 80 MB at an estimated 7 GB/s server
+// core. Deployments that need faster release raise --scrub-share (0.25 passes 80 MB in ~45 ms);
+// an idle broker's Ping runs a parallel full pass and is not paced. Granules are small
+// (kScrubGranuleBytes, ~0.13 ms of work) so each burst is short.
+constexpr double kDefaultScrubShare = 0.05;
 constexpr uint64_t kScrubGranuleBytes = uint64_t(512) << 10;
 
 struct WeightCorruption {
