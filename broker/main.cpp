@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -72,9 +73,11 @@ int main(int argc, char** argv) {
                  "Run the canary between generations this often (0: only at worker start)");
   uint32_t heartbeat_ms = 2'000;
   app.add_option("--heartbeat-ms", heartbeat_ms, "Heartbeat an idle worker this often");
-  uint64_t scrub_bytes = 256ull << 20;
-  app.add_option("--scrub-bytes-per-step", scrub_bytes,
-                 "Worker weight bytes verified after each step (0: no scrubbing)");
+  std::optional<double> scrub_share;
+  app.add_option("--scrub-share", scrub_share,
+                 "Workers re-verify their weights in the background, busy at most this share of "
+                 "one core (0: no scrubbing; default: the worker's)")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--enable-fault-injection", fault_injection,
                "Start workers that accept fault injection (tests and chaos runs only)");
   unsigned sampling_threads = 0;
@@ -125,8 +128,11 @@ int main(int argc, char** argv) {
   spawn.kv_blocks = kv_blocks;
   spawn.arena_slots = arena_slots != 0 ? arena_slots : options.max_running;
   spawn.enable_fault_injection = fault_injection;
-  spawn.extra_args = {"--log-level", log_level, "--scrub-bytes-per-step",
-                      std::to_string(scrub_bytes)};
+  spawn.extra_args = {"--log-level", log_level};
+  if (scrub_share) {
+    spawn.extra_args.push_back("--scrub-share");
+    spawn.extra_args.push_back(std::to_string(*scrub_share));
+  }
   // Verification and sampling of logits rows, spread over the host's cores.
   RowPool pool(sampling_threads);
   Scheduler scheduler(

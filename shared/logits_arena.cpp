@@ -196,13 +196,9 @@ float* LogitsArena::beginRow(uint32_t slot) {
   return reinterpret_cast<float*>(s + kHeaderBytes);
 }
 
-uint64_t LogitsArena::publishRow(uint32_t slot, uint64_t step_id, uint64_t sequence_id,
-                                 uint32_t token_index) {
-  const float* payload = reinterpret_cast<const float*>(base_ + kHeaderBytes +
-                                                        size_t(slot) * slot_stride_ + kHeaderBytes);
-  const uint64_t checksum = checkRow(payload, row_floats_).checksum;
+void LogitsArena::publishRow(uint32_t slot, uint64_t step_id, uint64_t sequence_id,
+                             uint32_t token_index, uint64_t checksum) {
   publishHeader(slot, {incarnation_, step_id, sequence_id, token_index, row_floats_, checksum});
-  return checksum;
 }
 
 void LogitsArena::publishHeader(uint32_t slot, const RowHeaderFields& f) {

@@ -75,8 +75,10 @@ class LogitsArena {
 
   // Worker: where slot's payload goes. Marks the slot unpublished first.
   float* beginRow(uint32_t slot);
-  // Worker: checksums the payload and publishes the header; returns the checksum.
-  uint64_t publishRow(uint32_t slot, uint64_t step_id, uint64_t sequence_id, uint32_t token_index);
+  // Worker: publishes the header of a payload already in place, with the checksum its producer
+  // computed while writing it (Backend's RowCheck); the payload is not read again.
+  void publishRow(uint32_t slot, uint64_t step_id, uint64_t sequence_id, uint32_t token_index,
+                  uint64_t checksum);
   // Worker (fault injection): publishes arbitrary header fields.
   void publishHeader(uint32_t slot, const RowHeaderFields& fields);
 

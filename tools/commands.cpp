@@ -94,7 +94,7 @@ Result<std::string> runLogits(const LogitsCommand& command) {
                      .tokens = std::span(command.tokens).subspan(begin, len),
                      .kv_blocks = blocks,
                      .logits_rows = rows};
-    BULKHEAD_RETURN_IF_ERROR(backend->step({&seq, 1}, dst));
+    BULKHEAD_RETURN_IF_ERROR(runStep(*backend, {&seq, 1}, dst));
   }
   const double ms = msSince(start);
 
@@ -147,7 +147,7 @@ Result<LocalGeneration> runLocalGenerate(const LocalGenerateCommand& command) {
                      .tokens = input,
                      .kv_blocks = blocks,
                      .logits_rows = last_row};
-    BULKHEAD_RETURN_IF_ERROR(backend->step({&seq, 1}, dst));
+    BULKHEAD_RETURN_IF_ERROR(runStep(*backend, {&seq, 1}, dst));
     if (position == 0) {
       gen.prefill_ms = msSince(start);
       start = Clock::now();

@@ -116,8 +116,11 @@ int main(int argc, char** argv) {
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
   step_bench->add_option("--sampling-threads", step_opts.sampling_threads,
                          "Threads verifying and sampling rows (0: one per core)");
-  step_bench->add_option("--scrub-bytes-per-step", step_opts.scrub_bytes_per_step,
-                         "Worker weight scrubbing per step (default 0: IPC overhead alone)");
+  step_bench
+      ->add_option("--scrub-share", step_opts.scrub_share,
+                   "The worker's background scrubbing, a share of one core (default 0: "
+                   "IPC overhead alone)")
+      ->check(CLI::Range(0.0, 1.0));
 
   ChaosOptions chaos_opts;
   auto* chaos = app.add_subcommand("chaos", "Fault-injection run against its own broker");

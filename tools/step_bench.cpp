@@ -23,8 +23,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   spawn.model_dir = o.model_dir;
   spawn.backend = o.backend;
   spawn.arena_slots = max_batch;
-  spawn.extra_args = {"--log-level", "warn", "--scrub-bytes-per-step",
-                      std::to_string(o.scrub_bytes_per_step)};
+  spawn.extra_args = {"--log-level", "warn", "--scrub-share", std::to_string(o.scrub_share)};
   auto client = WorkerClient::spawn(spawn);
   if (!client.ok()) return client.error().toStatus();
   const WorkerHello& hello = (*client)->hello();
@@ -38,10 +37,10 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
   RowPool pool(o.sampling_threads);
   std::printf(
-      "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrubbing %llu "
-      "bytes/step, %u sampling threads\n",
-      o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations,
-      static_cast<unsigned long long>(o.scrub_bytes_per_step), pool.threads());
+      "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g, "
+      "%u sampling threads\n",
+      o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations, o.scrub_share,
+      pool.threads());
   std::printf("%6s %12s %12s %12s %14s %14s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",
               "compute_p50", "overhead_p50", "overhead_p99", "MB/step");
   nlohmann::json report = {{"model", o.model_dir},

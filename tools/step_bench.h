@@ -16,8 +16,9 @@ struct StepBenchOptions {
   std::string backend = "cpu";
   std::vector<uint32_t> batches = {1, 32};
   uint32_t iterations = 200;
-  uint64_t scrub_bytes_per_step = 0;  // the worker's weight scrubbing, part of the overhead
-  unsigned sampling_threads = 0;      // 0: one per core, as the broker
+  // The worker's background weight scrubbing (its share of one core); it competes with compute.
+  double scrub_share = 0.0;
+  unsigned sampling_threads = 0;  // 0: one per core, as the broker
   std::string json_path;
 };
 

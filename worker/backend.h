@@ -1,12 +1,14 @@
 // The Backend interface: what a worker runs a step on. The CPU reference engine and the CUDA
 // engine both implement it, and both must give a sequence the same logits however it is batched
-// or chunked (see DESIGN.md, "Determinism").
+// or chunked (see DESIGN.md, "Determinism"). The contract below is what the worker relies on.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
+#include "shared/checksum.h"
 #include "shared/model_config.h"
 #include "shared/status.h"
 #include "shared/step_types.h"
@@ -19,36 +21,87 @@ struct BackendLimits {
   uint32_t kv_block_size = 0;
   uint32_t kv_block_count = 0;
   uint32_t max_step_tokens = 0;  // tokens across all sequences of one step
+  // Batch sizes (sequences per step) the backend has captured CUDA graphs for, ascending; a step
+  // of another size runs uncaptured. Empty on CPU.
+  std::vector<uint32_t> graph_batch_buckets;
+  // Memory figures. Resident weights live in the backend's own memory for its whole life;
+  // streamed ones are copied in every step (DESIGN.md, "Residency"). On CPU every weight is
+  // resident and nothing is streamed.
+  uint64_t resident_weight_bytes = 0;
+  uint64_t streamed_weight_bytes = 0;
+  uint64_t kv_cache_bytes = 0;
 };
 
+// Where one requested logits row goes: vocab_size floats at `payload` (an arena slot, so the
+// row reaches the reader with no host copy) and the producer's check of exactly those bytes.
+struct RowOutput {
+  float* payload = nullptr;
+  RowCheck* check = nullptr;
+};
+
+// A byte range of one weight tensor. Tensors are numbered as Checkpoint::usedTensors().
+struct WeightRange {
+  uint32_t tensor = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// Contract (CPU now, CUDA next):
+//
+// Steps. enqueueStep() validates the step (validateStep) and copies whatever it needs from
+// `batch`: the caller may free the batch as soon as it returns. On OK exactly one waitStep() must
+// follow before the next enqueueStep(); waitStep() returns once every requested row is in place.
+// Row r (counting requested rows sequence by sequence in batch order) is written to
+// rows[r].payload, and rows[r].check gets checkRow() of those bytes (shared/checksum.h: the
+// order-independent sum of each 32-bit word's term keyed by its index in the row, and whether
+// every value is finite), computed by the producer AS IT WRITES the row, never by a second pass.
+// Payloads and checks belong to the backend from enqueueStep() until waitStep() returns.
+//   CPU: enqueueStep() validates and copies; the forward pass runs in waitStep().
+//   CUDA: enqueueStep() launches the step (graph or stream) into mapped arena memory;
+//   waitStep() synchronises on its event.
+//
+// Errors. INVALID_ARGUMENT means the input was bad and nothing changed: no KV state, no row, no
+// pending step; the worker answers Error and keeps serving. Any other error, from any method, is
+// fatal: the worker logs it and exits non-zero (crash-only), since the backend's state is then
+// unknown.
+//
+// Threads. A step, repairResident() and flipWeightBit() run on one thread at a time and never
+// overlap one another (the worker orders them with a shared_mutex: steps shared, repairs and
+// flips exclusive). residentChecksums() only reads and may run on another thread while a step is
+// in flight; it must not slow the step down more than its memory traffic does.
 class Backend {
  public:
   virtual ~Backend() = default;
 
   virtual std::string_view name() const = 0;
   virtual const ModelConfig& config() const = 0;
-  virtual BackendLimits limits() const = 0;
+  virtual const BackendLimits& limits() const = 0;
 
-  // Appends each sequence's tokens to its KV cache and writes the requested logits rows:
-  // `logits[r]` receives vocab_size floats for the r-th requested row, counting sequence by
-  // sequence in batch order. Invalid input is rejected with INVALID_ARGUMENT before any state
-  // changes.
-  virtual Status step(std::span<const SequenceStep> batch, std::span<float* const> logits) = 0;
+  virtual Status enqueueStep(std::span<const SequenceStep> batch,
+                             std::span<const RowOutput> rows) = 0;
+  virtual Status waitStep() = 0;
 
   // Fault injection: flips one bit of the weights the backend computes from (its own copy, not
-  // the checkpoint), so integrity checks can be proven against a real corruption.
+  // the checkpoint), so integrity checks can be proven against a real corruption. Offsets count
+  // resident_weight_bytes, tensor after tensor in usedTensors() order, with no padding.
   virtual Status flipWeightBit(uint64_t byte_offset, uint8_t bit) = 0;
-  virtual uint64_t residentWeightBytes() const = 0;
 
-  // Scrubbing. Tensors are numbered as Checkpoint::usedTensors(); ranges are byte ranges of one
-  // tensor. The checksum is shared/checksum.h's checksumBytes of the resident copy.
-  virtual Result<uint64_t> residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) = 0;
-  // Rewrites the resident range from the checkpoint's (host) bytes.
-  virtual Status repairResident(size_t tensor, uint64_t offset, uint64_t bytes) = 0;
+  // Scrubbing. out[i] = checksumBytes() of ranges[i] as the compute path reads it (the resident
+  // copy). All ranges in one call, so a device runs them as one kernel on a side stream and the
+  // host runs them in parallel; returns when `out` is filled.
+  virtual Status residentChecksums(std::span<const WeightRange> ranges,
+                                   std::span<uint64_t> out) = 0;
+  // Rewrites one resident range from the checkpoint's (host) bytes.
+  virtual Status repairResident(const WeightRange& range) = 0;
 };
 
 // Checks a step against the backend's limits: token ids, positions, block tables, logits rows.
-Status validateStep(std::span<const SequenceStep> batch, std::span<float* const> logits,
+Status validateStep(std::span<const SequenceStep> batch, std::span<const RowOutput> rows,
                     const BackendLimits& limits);
+
+// enqueueStep() then waitStep(), for callers that want the logits and nothing to overlap (tools,
+// tests). The rows' checks are computed and dropped.
+Status runStep(Backend& backend, std::span<const SequenceStep> batch,
+               std::span<float* const> payloads);
 
 }  // namespace bulkhead

@@ -1,4 +1,5 @@
-// CpuBackend: weight copy, paged KV cache and the forward pass.
+// CpuBackend: weight copy, paged KV cache and the forward pass. enqueueStep() validates and copies
+// the step; the forward pass runs in waitStep().
 #include "worker/cpu_backend.h"
 
 #include <algorithm>
@@ -9,7 +10,6 @@
 #include "shared/checksum.h"
 
 namespace bulkhead {
-namespace {}  // namespace
 
 Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Checkpoint> checkpoint,
                                                        const Options& options) {
@@ -30,18 +30,21 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   }
   if (blocks == 0 || blocks > UINT32_MAX)
     return resourceExhausted("KV cache of " + std::to_string(blocks) + " blocks is unusable");
+  const size_t kv_floats = size_t(blocks) * options.kv_block_size * c.num_layers * c.kvDim();
   b->limits_ = {.vocab_size = uint32_t(c.vocab_size),
                 .max_context = uint32_t(c.max_context),
                 .kv_block_size = options.kv_block_size,
                 .kv_block_count = uint32_t(blocks),
-                .max_step_tokens = options.max_step_tokens};
-  const size_t kv_floats = size_t(blocks) * options.kv_block_size * c.num_layers * c.kvDim();
+                .max_step_tokens = options.max_step_tokens,
+                .graph_batch_buckets = {},
+                .resident_weight_bytes = checkpoint->weightBytes(),
+                .streamed_weight_bytes = 0,
+                .kv_cache_bytes = uint64_t(kv_floats) * 2 * sizeof(float)};
   b->k_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
   b->v_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
 
   // One owned copy of every tensor the model uses, each 64-byte aligned.
   b->used_ = checkpoint->usedTensors();
-  b->weight_bytes_total_ = checkpoint->weightBytes();
   const std::vector<const TensorView*>& used = b->used_;
   auto aligned = [](size_t n) { return (n + 63) & ~size_t(63); };
   size_t total = 0;
@@ -85,20 +88,32 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   return b;
 }
 
-Result<uint64_t> CpuBackend::residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) {
-  const auto& used = used_;
-  if (tensor >= used.size() || offset > used[tensor]->data.size() ||
-      bytes > used[tensor]->data.size() - offset)
-    return invalidArgument("resident range outside tensor " + std::to_string(tensor));
-  return checksumBytes(std::span(resident_[tensor] + offset, bytes));
+Status CpuBackend::checkRange(const WeightRange& r) const {
+  if (r.tensor >= used_.size() || r.offset > used_[r.tensor]->data.size() ||
+      r.bytes > used_[r.tensor]->data.size() - r.offset)
+    return invalidArgument("resident range " + std::to_string(r.offset) + "+" +
+                           std::to_string(r.bytes) + " outside tensor " + std::to_string(r.tensor));
+  return okStatus();
 }
 
-Status CpuBackend::repairResident(size_t tensor, uint64_t offset, uint64_t bytes) {
-  const auto& used = used_;
-  if (tensor >= used.size() || offset > used[tensor]->data.size() ||
-      bytes > used[tensor]->data.size() - offset)
-    return invalidArgument("resident range outside tensor " + std::to_string(tensor));
-  std::memcpy(resident_[tensor] + offset, used[tensor]->data.data() + offset, bytes);
+Status CpuBackend::residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) {
+  if (out.size() != ranges.size())
+    return invalidArgument(std::to_string(ranges.size()) + " ranges but " +
+                           std::to_string(out.size()) + " checksum destinations");
+  for (const WeightRange& r : ranges) BULKHEAD_RETURN_IF_ERROR(checkRange(r));
+    // One range per task: a batch (a full pass) spreads over every core, a single range stays on
+    // the calling thread.
+#pragma omp parallel for schedule(dynamic, 1) if (ranges.size() > 1)
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const WeightRange& r = ranges[i];
+    out[i] = checksumBytes(std::span(resident_[r.tensor] + r.offset, r.bytes));
+  }
+  return okStatus();
+}
+
+Status CpuBackend::repairResident(const WeightRange& r) {
+  BULKHEAD_RETURN_IF_ERROR(checkRange(r));
+  std::memcpy(resident_[r.tensor] + r.offset, used_[r.tensor]->data.data() + r.offset, r.bytes);
   return okStatus();
 }
 
@@ -115,7 +130,7 @@ Status CpuBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
     offset -= used[t]->data.size();
   }
   return invalidArgument("weight byte " + std::to_string(byte_offset) + " outside " +
-                         std::to_string(residentWeightBytes()) + " bytes");
+                         std::to_string(limits_.resident_weight_bytes) + " bytes");
 }
 
 float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, uint32_t slot) const {
@@ -126,8 +141,48 @@ float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, ui
   return cache + index;
 }
 
-Status CpuBackend::step(std::span<const SequenceStep> batch, std::span<float* const> logits) {
-  BULKHEAD_RETURN_IF_ERROR(validateStep(batch, logits, limits_));
+Status CpuBackend::enqueueStep(std::span<const SequenceStep> batch,
+                               std::span<const RowOutput> rows) {
+  if (pending_.queued)
+    return failedPrecondition("enqueueStep while a step is pending (waitStep not called)");
+  BULKHEAD_RETURN_IF_ERROR(validateStep(batch, rows, limits_));
+  // One buffer for every list, filled before any span into it is taken.
+  std::vector<uint32_t>& lists = pending_.lists;
+  lists.clear();
+  for (const SequenceStep& s : batch) {
+    lists.insert(lists.end(), s.tokens.begin(), s.tokens.end());
+    lists.insert(lists.end(), s.kv_blocks.begin(), s.kv_blocks.end());
+    lists.insert(lists.end(), s.logits_rows.begin(), s.logits_rows.end());
+  }
+  pending_.batch.clear();
+  std::span<const uint32_t> rest = lists;
+  auto take = [&rest](size_t n) {
+    auto part = rest.first(n);
+    rest = rest.subspan(n);
+    return part;
+  };
+  for (const SequenceStep& s : batch) {
+    const auto tokens = take(s.tokens.size());
+    const auto blocks = take(s.kv_blocks.size());
+    pending_.batch.push_back({.sequence_id = s.sequence_id,
+                              .start_position = s.start_position,
+                              .tokens = tokens,
+                              .kv_blocks = blocks,
+                              .logits_rows = take(s.logits_rows.size())});
+  }
+  pending_.rows.assign(rows.begin(), rows.end());
+  pending_.queued = true;
+  return okStatus();
+}
+
+Status CpuBackend::waitStep() {
+  if (!pending_.queued) return failedPrecondition("waitStep without an enqueued step");
+  pending_.queued = false;
+  forward(pending_.batch, pending_.rows);
+  return okStatus();
+}
+
+void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits) {
   const ModelConfig& c = config();
   const int hidden = c.hidden_size, head_dim = c.head_dim, heads = c.num_heads;
   const int kv_heads = c.num_kv_heads, q_dim = c.qDim(), kv_dim = c.kvDim();
@@ -278,16 +333,15 @@ Status CpuBackend::step(std::span<const SequenceStep> batch, std::span<float* co
     }
     row_base += int(s.tokens.size());
   }
-  const int vocab = c.vocab_size;
-  std::vector<float> out(logits.size() * size_t(vocab));
+  // lm_head writes straight into the destinations and checks each row as it writes it.
   if (!logits.empty()) {
-    cpu::matmul(selected.data(), int(logits.size()), lm_head_, nullptr, out.data(), false,
-                parallel_macs_);
-    for (size_t i = 0; i < logits.size(); ++i) {
-      std::memcpy(logits[i], out.data() + i * vocab, sizeof(float) * vocab);
-    }
+    std::vector<float*> payloads(logits.size());
+    std::vector<RowCheck> checks(logits.size());
+    for (size_t i = 0; i < logits.size(); ++i) payloads[i] = logits[i].payload;
+    cpu::matmulCheckedRows(selected.data(), int(logits.size()), lm_head_, payloads.data(),
+                           checks.data(), parallel_macs_);
+    for (size_t i = 0; i < logits.size(); ++i) *logits[i].check = checks[i];
   }
-  return okStatus();
 }
 
 }  // namespace bulkhead

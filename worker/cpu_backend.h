@@ -30,12 +30,12 @@ class CpuBackend final : public Backend {
 
   std::string_view name() const override { return "cpu"; }
   const ModelConfig& config() const override { return checkpoint_->config(); }
-  BackendLimits limits() const override { return limits_; }
-  Status step(std::span<const SequenceStep> batch, std::span<float* const> logits) override;
+  const BackendLimits& limits() const override { return limits_; }
+  Status enqueueStep(std::span<const SequenceStep> batch, std::span<const RowOutput> rows) override;
+  Status waitStep() override;
   Status flipWeightBit(uint64_t byte_offset, uint8_t bit) override;
-  uint64_t residentWeightBytes() const override { return weight_bytes_total_; }
-  Result<uint64_t> residentChecksum(size_t tensor, uint64_t offset, uint64_t bytes) override;
-  Status repairResident(size_t tensor, uint64_t offset, uint64_t bytes) override;
+  Status residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) override;
+  Status repairResident(const WeightRange& range) override;
 
  private:
   // A norm weight or bias kept in its checkpoint dtype, converted when a step uses it, so every
@@ -50,7 +50,18 @@ class CpuBackend final : public Backend {
     Vector input_norm, post_norm, q_bias, k_bias, v_bias, o_bias;
   };
 
+  // The step between enqueueStep() and waitStep(), with its own copy of every list.
+  struct PendingStep {
+    bool queued = false;
+    std::vector<uint32_t> lists;
+    std::vector<SequenceStep> batch;  // spans into `lists`
+    std::vector<RowOutput> rows;
+  };
+
   CpuBackend() = default;
+  // The forward pass of a validated step.
+  void forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits);
+  Status checkRange(const WeightRange& range) const;
   float* kvAt(float* cache, int layer, uint32_t block, int kv_head, uint32_t slot) const;
 
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -60,7 +71,6 @@ class CpuBackend final : public Backend {
   // checkpoint_->usedTensors(), and the resident copy of each, in that order.
   std::vector<const TensorView*> used_;
   std::vector<std::byte*> resident_;
-  uint64_t weight_bytes_total_ = 0;
   cpu::WeightMatrix embed_, lm_head_;
   Vector final_norm_;
   std::vector<Layer> layers_;
@@ -68,6 +78,7 @@ class CpuBackend final : public Backend {
   // [layer][block][kv_head][slot][head_dim]
   // Left uninitialised: a slot is always written before it is read.
   std::unique_ptr<float[]> k_cache_, v_cache_;
+  PendingStep pending_;
 };
 
 }  // namespace bulkhead

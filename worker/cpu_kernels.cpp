@@ -1,9 +1,13 @@
 // CPU kernels: AVX2/FMA dot products over bf16/f16/f32 weights, with a portable fallback.
 #include "worker/cpu_kernels.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "shared/mix.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -98,41 +102,107 @@ inline void dotRows(const float* const* x, const std::byte* w, int n, float* out
 // row streams past it.
 constexpr int kRowBlock = 16;
 
-template <DType D>
-void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
-                 bool accumulate, int64_t parallel_macs) {
+// Where matmulTyped's outputs go. A sink makes one Local per thread; the Local receives every
+// (token, column, value) that thread produces, and finish() runs once per thread at the end.
+struct AddToMatrix {
+  struct Local {
+    const AddToMatrix& sink;
+    void emit(int tok, int j, float v) {
+      if (sink.bias != nullptr) v += sink.bias[j];
+      float& dst = sink.y[size_t(tok) * sink.rows + j];
+      dst = sink.accumulate ? dst + v : v;
+    }
+    void finish() {}
+  };
+  float* y;
+  const float* bias;
+  int rows;
+  bool accumulate;
+  Local local() const { return {*this}; }
+};
+
+// Writes token t's outputs into rows[t] and folds each value into that row's checksum as it is
+// written. Each thread sums the terms of the columns it produced; the partial sums are added at
+// the end, which gives exactly checkRow() because the checksum is an order-independent sum.
+struct WriteCheckedRows {
+  struct Local {
+    const WriteCheckedRows& sink;
+    std::vector<uint64_t> sums;
+    std::vector<uint32_t> non_finite;
+    void emit(int tok, int j, float v) {
+      sink.rows[tok][j] = v;
+      const uint32_t word = std::bit_cast<uint32_t>(v);
+      sums[size_t(tok)] += checksumTerm(word, uint32_t(j));
+      non_finite[size_t(tok)] |= uint32_t((word & 0x7f800000u) == 0x7f800000u);
+    }
+    void finish() {
+      for (size_t t = 0; t < sums.size(); ++t) {
+#pragma omp atomic
+        sink.checks[t].checksum += sums[t];
+        if (non_finite[t] != 0) {
+#pragma omp atomic write
+          sink.non_finite[t] = 1u;
+        }
+      }
+    }
+  };
+  float* const* rows;
+  RowCheck* checks;
+  uint32_t* non_finite;
+  int tokens;
+  Local local() const {
+    return {*this, std::vector<uint64_t>(size_t(tokens)), std::vector<uint32_t>(size_t(tokens))};
+  }
+};
+
+template <DType D, class Sink>
+void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& sink,
+                 int64_t parallel_macs) {
   const int rows = w.rows, cols = w.cols;
   const size_t row_bytes = size_t(cols) * dtypeSize(D);
   const int blocks = (rows + kRowBlock - 1) / kRowBlock;
   // Threads only where the work pays for waking them: small products run on the caller.
   const bool parallel = int64_t(rows) * cols * tokens >= parallel_macs;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int b = 0; b < blocks; ++b) {
-    const int j0 = b * kRowBlock;
-    const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
-    int t = 0;
-    auto emit = [&](int tok, int j, float v) {
-      if (bias != nullptr) v += bias[j];
-      float& dst = y[size_t(tok) * rows + j];
-      dst = accumulate ? dst + v : v;
-    };
-    for (; t + 4 <= tokens; t += 4) {
-      const float* xs[4] = {x + size_t(t) * cols, x + size_t(t + 1) * cols,
-                            x + size_t(t + 2) * cols, x + size_t(t + 3) * cols};
-      for (int j = j0; j < j1; ++j) {
-        float out[4];
-        dotRows<D, 4>(xs, w.data + size_t(j) * row_bytes, cols, out);
-        for (int r = 0; r < 4; ++r) emit(t + r, j, out[r]);
+#pragma omp parallel if (parallel)
+  {
+    auto out = sink.local();
+#pragma omp for schedule(static)
+    for (int b = 0; b < blocks; ++b) {
+      const int j0 = b * kRowBlock;
+      const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
+      int t = 0;
+      for (; t + 4 <= tokens; t += 4) {
+        const float* xs[4] = {x + size_t(t) * cols, x + size_t(t + 1) * cols,
+                              x + size_t(t + 2) * cols, x + size_t(t + 3) * cols};
+        for (int j = j0; j < j1; ++j) {
+          float dots[4];
+          dotRows<D, 4>(xs, w.data + size_t(j) * row_bytes, cols, dots);
+          for (int r = 0; r < 4; ++r) out.emit(t + r, j, dots[r]);
+        }
+      }
+      for (; t < tokens; ++t) {
+        const float* xs[1] = {x + size_t(t) * cols};
+        for (int j = j0; j < j1; ++j) {
+          float dots[1];
+          dotRows<D, 1>(xs, w.data + size_t(j) * row_bytes, cols, dots);
+          out.emit(t, j, dots[0]);
+        }
       }
     }
-    for (; t < tokens; ++t) {
-      const float* xs[1] = {x + size_t(t) * cols};
-      for (int j = j0; j < j1; ++j) {
-        float out[1];
-        dotRows<D, 1>(xs, w.data + size_t(j) * row_bytes, cols, out);
-        emit(t, j, out[0]);
-      }
-    }
+    out.finish();
+  }
+}
+
+template <class Sink>
+void matmulTo(const float* x, int tokens, const WeightMatrix& w, const Sink& sink,
+              int64_t parallel_macs) {
+  switch (w.dtype) {
+    case DType::kF32:
+      return matmulTyped<DType::kF32>(x, tokens, w, sink, parallel_macs);
+    case DType::kF16:
+      return matmulTyped<DType::kF16>(x, tokens, w, sink, parallel_macs);
+    case DType::kBF16:
+      return matmulTyped<DType::kBF16>(x, tokens, w, sink, parallel_macs);
   }
 }
 
@@ -140,14 +210,15 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const float*
 
 void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
             bool accumulate, int64_t parallel_macs) {
-  switch (w.dtype) {
-    case DType::kF32:
-      return matmulTyped<DType::kF32>(x, tokens, w, bias, y, accumulate, parallel_macs);
-    case DType::kF16:
-      return matmulTyped<DType::kF16>(x, tokens, w, bias, y, accumulate, parallel_macs);
-    case DType::kBF16:
-      return matmulTyped<DType::kBF16>(x, tokens, w, bias, y, accumulate, parallel_macs);
-  }
+  matmulTo(x, tokens, w, AddToMatrix{y, bias, w.rows, accumulate}, parallel_macs);
+}
+
+void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float* const* rows,
+                       RowCheck* checks, int64_t parallel_macs) {
+  std::vector<uint32_t> non_finite(size_t(tokens), 0);
+  for (int t = 0; t < tokens; ++t) checks[t] = {0, true};
+  matmulTo(x, tokens, w, WriteCheckedRows{rows, checks, non_finite.data(), tokens}, parallel_macs);
+  for (int t = 0; t < tokens; ++t) checks[t].finite = non_finite[size_t(t)] == 0;
 }
 
 float dot(const float* a, const float* b, int n) {

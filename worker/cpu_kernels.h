@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "shared/checksum.h"
 #include "shared/dtype.h"
 
 namespace bulkhead::cpu {
@@ -23,6 +24,12 @@ struct WeightMatrix {
 // threads costs more than small products); each dot product has a fixed reduction order.
 void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
             bool accumulate, int64_t parallel_macs);
+
+// The same products as matmul (no bias), token t's outputs written to rows[t][0..w.rows) and
+// checks[t] = checkRow() of what was written, folded in as each value is stored (no second pass
+// over the rows).
+void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float* const* rows,
+                       RowCheck* checks, int64_t parallel_macs);
 
 // Same reduction order as the rows of matmul, for two float32 vectors.
 float dot(const float* a, const float* b, int n);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include <spdlog/spdlog.h>
@@ -29,8 +30,10 @@ int main(int argc, char** argv) {
   app.add_option("--ready-fd", options.ready_fd, "Descriptor to signal readiness on");
   app.add_flag("--enable-fault-injection", options.enable_fault_injection,
                "Accept FaultInject messages (tests and chaos runs only)");
-  app.add_option("--scrub-bytes-per-step", options.scrub_bytes_per_step,
-                 "Resident weight bytes verified after each step (0: no scrubbing)");
+  app.add_option("--scrub-share", options.scrub_share,
+                 "Share of one core's time the background weight scrubber may be busy (0: no "
+                 "scrubbing)")
+      ->check(CLI::Range(0.0, 1.0));
   std::string perturb;
   app.add_option("--perturb-weight", perturb,
                  "BYTE:BIT to flip in the resident weights at start (needs "
@@ -82,6 +85,7 @@ int main(int argc, char** argv) {
     spdlog::critical("{}", server.status().toString());
     return 1;
   }
+  // A backend failure ends serve() with an error: crash-only, the broker replaces this worker.
   Status served = (*server)->serve();
   if (!served.ok()) {
     spdlog::critical("{}", served.toString());

@@ -1,13 +1,15 @@
-// validateStep: every field of a step checked before a backend touches its KV cache.
+// validateStep: every field of a step checked before a backend touches its KV cache; runStep for
+// callers that do not overlap steps with anything.
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "worker/backend.h"
 
 namespace bulkhead {
 
-Status validateStep(std::span<const SequenceStep> batch, std::span<float* const> logits,
+Status validateStep(std::span<const SequenceStep> batch, std::span<const RowOutput> rows,
                     const BackendLimits& limits) {
   if (batch.empty()) return invalidArgument("step has no sequences");
   uint64_t total_tokens = 0;
@@ -59,13 +61,23 @@ Status validateStep(std::span<const SequenceStep> batch, std::span<float* const>
   if (total_tokens > limits.max_step_tokens)
     return invalidArgument("step carries " + std::to_string(total_tokens) +
                            " tokens, the limit is " + std::to_string(limits.max_step_tokens));
-  if (total_rows != logits.size())
+  if (total_rows != rows.size())
     return invalidArgument("step asks for " + std::to_string(total_rows) + " logits rows but " +
-                           std::to_string(logits.size()) + " destinations were given");
-  for (float* row : logits) {
-    if (row == nullptr) return invalidArgument("null logits destination");
+                           std::to_string(rows.size()) + " destinations were given");
+  for (const RowOutput& row : rows) {
+    if (row.payload == nullptr) return invalidArgument("null logits destination");
+    if (row.check == nullptr) return invalidArgument("null row check destination");
   }
   return okStatus();
+}
+
+Status runStep(Backend& backend, std::span<const SequenceStep> batch,
+               std::span<float* const> payloads) {
+  std::vector<RowCheck> checks(payloads.size());
+  std::vector<RowOutput> rows(payloads.size());
+  for (size_t i = 0; i < payloads.size(); ++i) rows[i] = {payloads[i], &checks[i]};
+  BULKHEAD_RETURN_IF_ERROR(backend.enqueueStep(batch, rows));
+  return backend.waitStep();
 }
 
 }  // namespace bulkhead

@@ -1,14 +1,24 @@
-// The worker's serving loop: listens on a Unix socket, greets each connection with Hello, runs
-// steps on its Backend, writes logits rows into the arena, and validates every message it reads.
-// Bad input gets an Error reply and the worker keeps serving; only a broken invariant ends it.
+// The worker's serving loop: listens on a Unix socket, greets each connection with Hello,
+// dispatches every message it reads (steps go to the StepRunner), and validates each one. Bad
+// input gets an Error reply and the worker keeps serving; a backend failure or a broken invariant
+// ends it (crash-only).
+//
+// Threads: the serving thread owns the socket, the arena and every step; the WeightScrubber owns
+// one scrub thread (started by serve(), joined on shutdown). weights_mutex_ orders them: steps
+// take it shared, weight repairs and bit flips exclusive.
 #pragma once
 
 #include <memory>
+#include <shared_mutex>
 #include <string>
+
+#include <capnp/message.h>
 
 #include "shared/checkpoint.h"
 #include "shared/logits_arena.h"
 #include "worker/backend.h"
+#include "worker/fault_hooks.h"
+#include "worker/step_runner.h"
 #include "worker/weight_scrubber.h"
 
 namespace bulkhead {
@@ -20,8 +30,8 @@ struct WorkerOptions {
   bool enable_fault_injection = false;
   std::string model_dir;
   int ready_fd = -1;  // written to (one byte) and closed once the socket listens
-  // Resident weight bytes verified after each step (0: no scrubbing).
-  uint64_t scrub_bytes_per_step = 256ull << 20;
+  // Share of one core's time the scrub thread may be busy (0: no scrubbing).
+  double scrub_share = kDefaultScrubShare;
 };
 
 class WorkerServer {
@@ -31,23 +41,28 @@ class WorkerServer {
                                                       const WorkerOptions& options);
   ~WorkerServer();
 
-  // Serves connections one at a time until Shutdown, SIGTERM or SIGINT. Returns OK then.
+  // Serves connections one at a time until Shutdown, SIGTERM or SIGINT: returns OK then. Returns
+  // an error when the worker must exit non-zero (a backend failure).
   Status serve();
 
  private:
   WorkerServer() = default;
-  struct Connection;
-  struct PendingFault;
-  // Serves one connection; returns true when the worker should stop.
-  bool serveConnection(int fd);
+  // Serves one connection; true when the worker should stop, an error when it must die.
+  Result<bool> serveConnection(int fd);
+  Status sendHello(int fd);
+  // Handles one request; `form` says how to send the reply. True when the worker should stop.
+  Result<bool> dispatch(const std::vector<capnp::word>& words, wire::FromWorker::Builder reply,
+                        ReplyForm& form);
+  Status sendReply(int fd, capnp::MessageBuilder& message, ReplyForm form);
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   std::unique_ptr<Backend> backend_;
-  std::unique_ptr<WeightScrubber> scrubber_;
-  uint64_t last_step_ = 0;
-  uint64_t model_identity_ = 0;
+  std::shared_mutex weights_mutex_;
   std::unique_ptr<LogitsArena> arena_;
-  std::unique_ptr<PendingFault> fault_;
+  std::unique_ptr<StepFaults> faults_;
+  std::unique_ptr<WeightScrubber> scrubber_;
+  std::unique_ptr<StepRunner> runner_;
+  uint64_t model_identity_ = 0;
   WorkerOptions options_;
   uint64_t weight_digest_ = 0;
   int listen_fd_ = -1;

@@ -209,7 +209,7 @@ TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
                   "exec '" + test::binDir() + "/bulkhead-worker' \"$@\" --perturb-weight 70001:6");
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
                              {"--worker", worker, "--enable-fault-injection", "--state-dir",
-                              state.path(), "--scrub-bytes-per-step", "0"},
+                              state.path(), "--scrub-share", "0"},
                              /*wait_serving=*/false);
   ASSERT_TRUE(broker.ok());
   auto admin = v1::Admin::NewStub(broker.channel());

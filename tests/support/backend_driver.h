@@ -54,7 +54,7 @@ class BackendDriver {
                        .kv_blocks = c.seq->blocks,
                        .logits_rows = row_ids[i]});
     }
-    Status s = backend_.step(batch, dst);
+    Status s = runStep(backend_, batch, dst);
     EXPECT_TRUE(s.ok()) << s.toString();
     for (const Chunk& c : chunks) c.seq->position += uint32_t(c.tokens.size());
     return out;

@@ -8,6 +8,8 @@
 
 #include <cmath>
 
+#include "shared/checksum.h"
+
 namespace bulkhead {
 namespace {
 
@@ -26,7 +28,10 @@ class LogitsArenaTest : public ::testing::Test {
   uint64_t writeRow(uint32_t slot, uint64_t step, uint64_t seq, uint32_t index) {
     float* row = writer_->beginRow(slot);
     for (int i = 0; i < 100; ++i) row[i] = float(i) * 0.5f + float(step);
-    return writer_->publishRow(slot, step, seq, index);
+    // The producer's checksum, as a backend computes it while writing the row.
+    const uint64_t sum = checkRow(row, 100).checksum;
+    writer_->publishRow(slot, step, seq, index, sum);
+    return sum;
   }
 
   IntegrityCheck verify(const RowExpectation& e) {
@@ -77,7 +82,10 @@ TEST_F(LogitsArenaTest, EveryMismatchIsNamed) {
   EXPECT_EQ(verify(good), IntegrityCheck::kPayloadChecksum);
   float* row = writer_->beginRow(1);
   row[50] = NAN;
-  const uint64_t nan_sum = writer_->publishRow(1, 5, 11, 3);
+  const RowCheck nan_check = checkRow(row, 100);
+  EXPECT_FALSE(nan_check.finite);
+  const uint64_t nan_sum = nan_check.checksum;
+  writer_->publishRow(1, 5, 11, 3, nan_sum);
   EXPECT_EQ(verify({7, 5, 11, 3, 1, nan_sum}), IntegrityCheck::kNonFinite);
 }
 

@@ -131,7 +131,7 @@ TEST_P(InvarianceTest, RequestingFewerRowsDoesNotChangeThem) {
                  .tokens = tokens,
                  .kv_blocks = seq.blocks,
                  .logits_rows = rows};
-  ASSERT_TRUE(backend_->step({&s, 1}, dst).ok());
+  ASSERT_TRUE(runStep(*backend_, {&s, 1}, dst).ok());
   EXPECT_TRUE(test::bitIdentical(all[3], r3));
   EXPECT_TRUE(test::bitIdentical(all[11], r11));
 }

@@ -27,7 +27,7 @@ class StepValidationTest : public ::testing::Test {
 
   void expectRejected(std::vector<SequenceStep> batch, std::vector<float*> dst,
                       const std::string& needle) {
-    Status s = backend_->step(batch, dst);
+    Status s = runStep(*backend_, batch, dst);
     ASSERT_FALSE(s.ok()) << "accepted; expected \"" << needle << "\"";
     EXPECT_EQ(s.code(), Code::kInvalidArgument);
     EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
@@ -85,7 +85,7 @@ TEST_F(StepValidationTest, RejectedStepLeavesStateUntouched) {
                  .tokens = bad,
                  .kv_blocks = seq.blocks,
                  .logits_rows = rows};
-  ASSERT_FALSE(backend_->step({&s, 1}, {}).ok());
+  ASSERT_FALSE(runStep(*backend_, {&s, 1}, {}).ok());
   const auto rest = driver.step({{&seq, {7, 8}}})[0];
   EXPECT_TRUE(test::bitIdentical(rest[1], clean[3]));
 }

@@ -1,0 +1,149 @@
+// StepRunner: decode, compute into the arena, publish. Faults enter only through StepFaults.
+#include "worker/step_runner.h"
+
+#include <mutex>
+#include <string>
+
+#include <spdlog/spdlog.h>
+
+namespace bulkhead {
+namespace {
+
+// Caps on what one Step message may carry, checked before anything is copied.
+constexpr uint32_t kMaxSequencesPerStep = 4096;
+
+}  // namespace
+
+void fillScrubReport(wire::ScrubReport::Builder out, const ScrubReport& report) {
+  out.setCleanThrough(report.clean_through);
+  auto list = out.initCorruptions(unsigned(report.corruptions.size()));
+  for (size_t i = 0; i < report.corruptions.size(); ++i) {
+    const WeightCorruption& c = report.corruptions[i];
+    list[unsigned(i)].setTensor(c.tensor);
+    list[unsigned(i)].setOffset(c.offset);
+    list[unsigned(i)].setBytes(c.bytes);
+    list[unsigned(i)].setSuspectFromStep(c.suspect_from_step);
+  }
+}
+
+StepRunner::StepRunner(Backend& backend, LogitsArena& arena, WeightScrubber& scrubber,
+                       std::shared_mutex& weights_mutex, StepFaults& faults)
+    : backend_(backend),
+      arena_(arena),
+      scrubber_(scrubber),
+      weights_mutex_(weights_mutex),
+      faults_(faults) {}
+
+StepOutcome StepRunner::run(wire::Step::Reader step, wire::FromWorker::Builder reply) {
+  const uint64_t step_id = step.getStepId();
+  if (step_id == 0) return {StepVerdict::kRejected, invalidArgument("step id 0 is reserved")};
+  uint32_t total_rows = 0;
+  if (Status s = decode(step, total_rows); !s.ok()) return {StepVerdict::kRejected, s};
+
+  std::chrono::microseconds took{};
+  StepOutcome outcome = compute(total_rows, step_id, took);
+  if (outcome.verdict != StepVerdict::kDone) return outcome;
+
+  auto done = reply.initStepDone();
+  done.setStepId(step_id);
+  done.setComputeMicros(uint64_t(took.count()));
+  // What the scrub thread found since the last report; it vouches for earlier steps only.
+  if (scrubber_.share() > 0) fillScrubReport(done.initScrub(), scrubber_.takeReport());
+  publish(step_id, done);
+  outcome.form = faults_.replyForm();
+  return outcome;
+}
+
+Status StepRunner::decode(wire::Step::Reader step, uint32_t& total_rows) {
+  const BackendLimits& limits = backend_.limits();
+  auto seqs = step.getSequences();
+  if (seqs.size() > kMaxSequencesPerStep)
+    return invalidArgument("step has " + std::to_string(seqs.size()) + " sequences, the limit is " +
+                           std::to_string(kMaxSequencesPerStep));
+  // Sizes first, so nothing oversized is copied; then one buffer holds every list.
+  size_t words = 0;
+  uint64_t rows = 0;
+  for (auto s : seqs) {
+    const size_t tokens = s.getTokens().size(), blocks = s.getKvBlocks().size();
+    const size_t logits_rows = s.getLogitsRows().size();
+    if (tokens > limits.max_step_tokens || blocks > limits.kv_block_count || logits_rows > tokens)
+      return invalidArgument("sequence " + std::to_string(s.getSequenceId()) +
+                             ": list lengths exceed the worker's limits");
+    words += tokens + blocks + logits_rows;
+    rows += logits_rows;
+  }
+  if (rows > arena_.slots())
+    return resourceExhausted("step asks for " + std::to_string(rows) +
+                             " logits rows, the arena holds " + std::to_string(arena_.slots()));
+  lists_.resize(words);
+  batch_.clear();
+  size_t at = 0;
+  auto copy = [&](auto list) {
+    const size_t begin = at;
+    for (uint32_t v : list) lists_[at++] = v;
+    return std::span<const uint32_t>(lists_.data() + begin, list.size());
+  };
+  for (auto s : seqs) {
+    const auto tokens = copy(s.getTokens());
+    const auto blocks = copy(s.getKvBlocks());
+    batch_.push_back({.sequence_id = s.getSequenceId(),
+                      .start_position = s.getStartPosition(),
+                      .tokens = tokens,
+                      .kv_blocks = blocks,
+                      .logits_rows = copy(s.getLogitsRows())});
+  }
+  total_rows = uint32_t(rows);
+  return okStatus();
+}
+
+StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
+                                std::chrono::microseconds& took) {
+  faults_.beginStep(total_rows);
+  slots_.resize(total_rows);
+  rows_.resize(total_rows);
+  checks_.assign(total_rows, RowCheck{});
+  for (uint32_t r = 0; r < total_rows; ++r) {
+    slots_[r] = arena_.beginRow(r);
+    rows_[r] = {faults_.rowDestination(r, slots_[r]), &checks_[r]};
+  }
+
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::shared_lock weights(weights_mutex_);
+    Status s = backend_.enqueueStep(batch_, rows_);
+    if (s.code() == Code::kInvalidArgument) return {StepVerdict::kRejected, s};
+    if (s.ok()) s = backend_.waitStep();
+    if (!s.ok()) return {StepVerdict::kFatal, s};
+  }
+  scrubber_.stepCompleted(step_id);
+  faults_.afterCompute();
+  took = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                               start);
+  return {};
+}
+
+void StepRunner::publish(uint64_t step_id, wire::StepDone::Builder done) {
+  auto refs = done.initRows(unsigned(rows_.size()));
+  uint32_t r = 0;
+  for (const SequenceStep& seq : batch_) {
+    for (uint32_t token_index : seq.logits_rows) {
+      RowCheck& check = checks_[r];
+      faults_.beforePublish(r, slots_[r], check);
+      arena_.publishRow(r, step_id, seq.sequence_id, token_index, check.checksum);
+      faults_.afterPublish(r, {arena_.incarnation(), step_id, seq.sequence_id, token_index,
+                               arena_.rowFloats(), check.checksum});
+      // The broker refuses such a row by itself; the worker's log says where it came from.
+      if (!check.finite)
+        spdlog::warn("step {} sequence {} row {}: logits not finite", step_id, seq.sequence_id,
+                     token_index);
+      auto ref = refs[r];
+      ref.setSlot(r);
+      ref.setSequenceId(seq.sequence_id);
+      ref.setTokenIndex(token_index);
+      ref.setChecksum(check.checksum);
+      ++r;
+    }
+  }
+}
+
+}  // namespace bulkhead
