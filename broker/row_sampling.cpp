@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -137,24 +138,30 @@ bool before(const std::pair<float, uint32_t>& a, const std::pair<float, uint32_t
 
 }  // namespace
 
+// The large scratch: one set per participating thread in row mode, per row in chunk mode, so the
+// working set stays in cache however many rows a call carries.
+struct RowSampler::Buffers {
+  std::vector<float> values;         // the verified private copy of the row
+  std::vector<float> weights;        // adjusted logits of penalised chunks, then the weights e
+  std::vector<uint32_t> hist_count;  // per chunk, kBuckets each
+  std::vector<uint64_t> hist_mass;
+  // Penalties: per-token marks kept zeroed between rows, so preparing costs O(history).
+  std::vector<uint32_t> marks;
+  std::vector<uint32_t> touched;
+};
+
 struct RowSampler::RowWork {
   const RowToSample* in = nullptr;
   SampledRow* out = nullptr;
   Stage stage = Stage::kDone;
   uint32_t n = 0, chunks = 0;
 
-  std::vector<float> values;   // the verified private copy of the row
-  std::vector<float> weights;  // adjusted logits of penalised chunks, then the weights e
+  Buffers* buf = nullptr;
   std::vector<ChunkStats> stats;
-  std::vector<uint32_t> hist_count;  // per chunk, kBuckets each
-  std::vector<uint64_t> hist_mass;
   uint32_t top_n = 0;
   std::vector<std::pair<float, uint32_t>> top;  // per chunk, top_n each, best first
   std::vector<uint32_t> top_count;
 
-  // Penalties: per-token marks kept zeroed between calls, so preparing costs O(history).
-  std::vector<uint32_t> marks;
-  std::vector<uint32_t> touched;
   std::vector<PenaltyEntry> penalties;  // grouped by chunk
   std::vector<uint32_t> penalty_start;  // chunks + 1 offsets into penalties
 
@@ -205,9 +212,9 @@ void RowSampler::RowWork::prepare() {
   *out = SampledRow{};
   const SamplingConfig* c = in->config;
   if (n == 0 && c != nullptr) return finish(IntegrityCheck::kRowLength);
-  if (values.size() < n) {
-    values.resize(n);
-    weights.resize(n);
+  if (buf->values.size() < n) {
+    buf->values.resize(n);
+    buf->weights.resize(n);
   }
   stats.assign(chunks, ChunkStats{});
   penalty_start.assign(chunks + 1, 0);
@@ -221,32 +228,33 @@ void RowSampler::RowWork::prepare() {
   if (c == nullptr) return;
   const bool repetition = c->repetition_penalty != 1.0f;
   if (!repetition && c->presence_penalty == 0.0f && c->frequency_penalty == 0.0f) return;
-  if (marks.size() < n) marks.resize(n, 0);
+  if (buf->marks.size() < n) buf->marks.resize(n, 0);
   // marks: bit 0 = repeated, bits 1.. = times generated.
   auto mark = [&](uint32_t t, uint32_t add) {
     if (t >= n) return;  // out of this vocabulary: nothing to penalise
-    if (marks[t] == 0) touched.push_back(t);
-    marks[t] = (marks[t] + add) | uint32_t(repetition);
+    if (buf->marks[t] == 0) buf->touched.push_back(t);
+    buf->marks[t] = (buf->marks[t] + add) | uint32_t(repetition);
   };
   if (repetition)
     for (uint32_t t : in->prompt) mark(t, 0);
   for (uint32_t t : in->generated) mark(t, 2);
-  for (uint32_t t : touched) ++penalty_start[t / kChunk + 1];
+  for (uint32_t t : buf->touched) ++penalty_start[t / kChunk + 1];
   for (uint32_t i = 0; i < chunks; ++i) penalty_start[i + 1] += penalty_start[i];
-  penalties.resize(touched.size());
+  penalties.resize(buf->touched.size());
   std::vector<uint32_t> fill(penalty_start.begin(), penalty_start.end() - 1);
-  for (uint32_t t : touched) {
-    penalties[fill[t / kChunk]++] = {t, (marks[t] & 1) != 0, marks[t] >> 1};
-    marks[t] = 0;
+  for (uint32_t t : buf->touched) {
+    penalties[fill[t / kChunk]++] = {t, (buf->marks[t] & 1) != 0, buf->marks[t] >> 1};
+    buf->marks[t] = 0;
   }
-  touched.clear();
+  buf->touched.clear();
 }
 
 void RowSampler::RowWork::readChunk(uint32_t c) {
   ChunkStats& s = stats[c];
   const uint32_t base = begin(c), len = size(c);
   const float* src = in->logits.data() + base;
-  float* dst = values.data() + base;
+  float* dst = buf->values.data() + base;
+  const bool copy = in->config != nullptr;  // verification alone reads nothing twice
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i exponent = _mm256_set1_epi32(0x7f800000);
   const __m256i low32 = _mm256_set1_epi64x(0xffffffffll);
@@ -257,7 +265,7 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
     const uint32_t valid = std::min(8u, len - i);
     const __m256i mask = laneMask(valid);
     const __m256 v = loadLanes(src + i, valid);
-    storeLanes(dst + i, v, valid);
+    if (copy) storeLanes(dst + i, v, valid);
     const __m256i w = _mm256_castps_si256(v);
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(int(base + i)), lane);
     __m256i t = _mm256_mullo_epi32(
@@ -314,11 +322,11 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
   s.adj_arg = s.raw_arg;
   const SamplingConfig& cfg = *in->config;
   if (penalty_start[c] == penalty_start[c + 1]) return;
-  float* adjusted = weights.data() + base;
+  float* adjusted = buf->weights.data() + base;
   std::memcpy(adjusted, dst, len * sizeof(float));
   for (uint32_t p = penalty_start[c]; p < penalty_start[c + 1]; ++p) {
     const PenaltyEntry& e = penalties[p];
-    float a = values[e.token];
+    float a = buf->values[e.token];
     if (e.repeated) a = a > 0 ? a / cfg.repetition_penalty : a * cfg.repetition_penalty;
     if (e.generated > 0) a -= cfg.frequency_penalty * float(e.generated) + cfg.presence_penalty;
     adjusted[e.token - base] = a;
@@ -332,12 +340,12 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
 void RowSampler::RowWork::weightsChunk(uint32_t c) {
   ChunkStats& s = stats[c];
   const uint32_t base = begin(c), len = size(c);
-  const float* src = (s.penalised ? weights.data() : values.data()) + base;
-  float* dst = weights.data() + base;
+  const float* src = (s.penalised ? buf->weights.data() : buf->values.data()) + base;
+  float* dst = buf->weights.data() + base;
   const __m256 m = _mm256_set1_ps(amax), scale = _mm256_set1_ps(inv_t);
   __m256i mass = _mm256_setzero_si256();
-  uint32_t* count = hist_count.data() + size_t(c) * kBuckets;
-  uint64_t* hmass = hist_mass.data() + size_t(c) * kBuckets;
+  uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
+  uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
   if (radix) {
     std::fill_n(count, kBuckets, 0);
     std::fill_n(hmass, kBuckets, 0);
@@ -360,9 +368,9 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
 
 void RowSampler::RowWork::refineChunk(uint32_t c) {
   const uint32_t base = begin(c), len = size(c);
-  const float* w = weights.data() + base;
-  uint32_t* count = hist_count.data() + size_t(c) * kBuckets;
-  uint64_t* hmass = hist_mass.data() + size_t(c) * kBuckets;
+  const float* w = buf->weights.data() + base;
+  uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
+  uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
   std::fill_n(count, kBuckets, 0);
   std::fill_n(hmass, kBuckets, 0);
   const int above = kLevelShift[level - 1], shift = kLevelShift[level];
@@ -385,7 +393,7 @@ void RowSampler::RowWork::refineChunk(uint32_t c) {
 
 void RowSampler::RowWork::tiesChunk(uint32_t c) {
   const uint32_t base = begin(c), len = size(c);
-  const float* w = weights.data() + base;
+  const float* w = buf->weights.data() + base;
   uint32_t ties = 0;
   for (uint32_t i = 0; i < len; ++i) ties += bitsOf(w[i]) == cut_key;
   stats[c].ties = ties;
@@ -393,7 +401,7 @@ void RowSampler::RowWork::tiesChunk(uint32_t c) {
 
 void RowSampler::RowWork::keptChunk(uint32_t c) {
   const uint32_t base = begin(c), len = size(c);
-  const float* w = weights.data() + base;
+  const float* w = buf->weights.data() + base;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i key = _mm256_set1_epi32(int(cut_key)), id_cut = _mm256_set1_epi32(int(cut_id));
   __m256i mass = _mm256_setzero_si256();
@@ -468,15 +476,15 @@ void RowSampler::RowWork::finishRead() {
 
   if (!(cfg->temperature > 0.0f)) {
     out->choice.token = aarg;
-    out->choice.logprob = float(double(values[aarg]) - log_z);
+    out->choice.logprob = float(double(buf->values[aarg]) - log_z);
     return finish(IntegrityCheck::kNone);
   }
   inv_t = std::min(1.0f / cfg->temperature, FLT_MAX);
   top_k = cfg->top_k != 0 && cfg->top_k < n ? cfg->top_k : n;
   radix = top_k < n || cfg->top_p < 1.0f;
   if (radix) {
-    hist_count.resize(size_t(chunks) * kBuckets);
-    hist_mass.resize(size_t(chunks) * kBuckets);
+    buf->hist_count.resize(size_t(chunks) * kBuckets);
+    buf->hist_mass.resize(size_t(chunks) * kBuckets);
   }
   stage = Stage::kWeights;
 }
@@ -545,13 +553,13 @@ void RowSampler::RowWork::draw() {
   uint32_t token = aarg, last_kept = aarg;
   bool found = false;
   auto isKept = [&](uint32_t i) {
-    const uint32_t k = bitsOf(weights[i]);
+    const uint32_t k = bitsOf(buf->weights[i]);
     return k > cut_key || (k == cut_key && i <= cut_id);
   };
   if (c < chunks) {
     for (uint32_t i = begin(c); i < begin(c) + size(c); ++i) {
       if (!isKept(i)) continue;
-      running += massOf(weights[i]);
+      running += massOf(buf->weights[i]);
       last_kept = i;
       if (running > target) {
         token = i;
@@ -570,7 +578,7 @@ void RowSampler::RowWork::draw() {
     token = last_kept;
   }
   out->choice.token = token;
-  out->choice.logprob = float(double(values[token]) - log_z);
+  out->choice.logprob = float(double(buf->values[token]) - log_z);
   finish(IntegrityCheck::kNone);
 }
 
@@ -608,8 +616,8 @@ void RowSampler::RowWork::combine() {
       uint32_t count[kBuckets] = {};
       uint64_t mass[kBuckets] = {};
       for (uint32_t c = 0; c < chunks; ++c) {
-        const uint32_t* hc = hist_count.data() + size_t(c) * kBuckets;
-        const uint64_t* hm = hist_mass.data() + size_t(c) * kBuckets;
+        const uint32_t* hc = buf->hist_count.data() + size_t(c) * kBuckets;
+        const uint64_t* hm = buf->hist_mass.data() + size_t(c) * kBuckets;
         for (uint32_t b = 0; b < kBuckets; ++b) {
           count[b] += hc[b];
           mass[b] += hm[b];
@@ -623,7 +631,7 @@ void RowSampler::RowWork::combine() {
       uint32_t seen = 0, c = 0;
       while (seen + stats[c].ties < tie_rank) seen += stats[c++].ties;
       for (uint32_t i = begin(c);; ++i) {
-        if (bitsOf(weights[i]) == cut_key && ++seen == tie_rank) {
+        if (bitsOf(buf->weights[i]) == cut_key && ++seen == tie_rank) {
           cut_id = i;
           break;
         }
@@ -644,24 +652,32 @@ RowSampler::~RowSampler() = default;
 
 void RowSampler::verifyAndSample(std::span<const RowToSample> rows, std::span<SampledRow> out) {
   while (work_.size() < rows.size()) work_.push_back(std::make_unique<RowWork>());
+  const size_t sets = std::min<size_t>(rows.size(), pool_.threads());
+  while (buffers_.size() < sets) buffers_.push_back(std::make_unique<Buffers>());
   for (size_t r = 0; r < rows.size(); ++r) {
     work_[r]->in = &rows[r];
     work_[r]->out = &out[r];
     work_[r]->stage = Stage::kPrepare;
   }
   if (rows.size() >= pool_.threads()) {
-    // Enough rows to go round: each row start to finish on one thread, in its cache.
-    pool_.parallelFor(rows.size(), [&](size_t r) {
-      RowWork& w = *work_[r];
-      while (w.stage != Stage::kDone) {
-        if (w.hasChunkWork())
-          for (uint32_t c = 0; c < w.chunks; ++c) w.chunk(c);
-        w.combine();
+    // Enough rows to go round: each row start to finish on one thread, in its cache, with the
+    // buffers of the slot that claimed it.
+    std::atomic<size_t> next{0};
+    pool_.parallelFor(sets, [&](size_t slot) {
+      for (size_t r; (r = next.fetch_add(1, std::memory_order_relaxed)) < rows.size();) {
+        RowWork& w = *work_[r];
+        w.buf = buffers_[slot].get();
+        while (w.stage != Stage::kDone) {
+          if (w.hasChunkWork())
+            for (uint32_t c = 0; c < w.chunks; ++c) w.chunk(c);
+          w.combine();
+        }
       }
     });
     return;
   }
   // Few rows: every stage's chunks of every row in one burst, then the rows' combines.
+  for (size_t r = 0; r < rows.size(); ++r) work_[r]->buf = buffers_[r].get();
   std::vector<std::pair<uint32_t, uint32_t>> tasks;
   while (true) {
     tasks.clear();

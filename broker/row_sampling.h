@@ -45,8 +45,8 @@ struct SampledRow {
   TokenChoice choice;  // valid only when failed == kNone and config != nullptr
 };
 
-// Owns the scratch space (two private floats per vocabulary entry per row, kept between calls);
-// one RowSampler per calling thread.
+// Owns the scratch space, kept between calls: two private floats per vocabulary entry per pool
+// thread, and a few kilobytes per row. One RowSampler per calling thread.
 class RowSampler {
  public:
   explicit RowSampler(RowPool& pool);
@@ -61,8 +61,10 @@ class RowSampler {
   void verifyAndSample(std::span<const RowToSample> rows, std::span<SampledRow> out);
 
  private:
+  struct Buffers;
   struct RowWork;
   RowPool& pool_;
+  std::vector<std::unique_ptr<Buffers>> buffers_;
   std::vector<std::unique_ptr<RowWork>> work_;
 };
 
