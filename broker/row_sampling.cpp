@@ -42,6 +42,7 @@ struct ChunkStats {
   uint64_t mass = 0;
   uint64_t kept_mass = 0;
   uint32_t ties = 0;
+  uint32_t candidates = 0;
 };
 
 struct PenaltyEntry {
@@ -145,6 +146,9 @@ struct RowSampler::Buffers {
   std::vector<float> weights;        // adjusted logits of penalised chunks, then the weights e
   std::vector<uint32_t> hist_count;  // per chunk, kBuckets each
   std::vector<uint64_t> hist_mass;
+  // From the first refinement on, the ids still in play, each chunk's at its own offset: later
+  // levels and the tie cut visit only these.
+  std::vector<uint32_t> candidates;
   // Penalties: per-token marks kept zeroed between rows, so preparing costs O(history).
   std::vector<uint32_t> marks;
   std::vector<uint32_t> touched;
@@ -368,34 +372,54 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
 
 void RowSampler::RowWork::refineChunk(uint32_t c) {
   const uint32_t base = begin(c), len = size(c);
-  const float* w = buf->weights.data() + base;
+  const float* w = buf->weights.data();
   uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
   uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
   std::fill_n(count, kBuckets, 0);
   std::fill_n(hmass, kBuckets, 0);
   const int above = kLevelShift[level - 1], shift = kLevelShift[level];
   const uint32_t bucket_mask = (1u << kLevelBits[level]) - 1;
+  uint32_t* kept = buf->candidates.data() + base;
+  auto add = [&](uint32_t id) {
+    const uint32_t b = (bitsOf(w[id]) >> shift) & bucket_mask;
+    ++count[b];
+    hmass[b] += massOf(w[id]);
+  };
+  if (level > 1) {
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < stats[c].candidates; ++i) {
+      const uint32_t id = kept[i];
+      if ((bitsOf(w[id]) >> above) != prefix) continue;
+      kept[k++] = id;
+      add(id);
+    }
+    stats[c].candidates = k;
+    return;
+  }
+  // The first refinement scans the chunk and keeps the ids of the boundary bucket.
   const __m256i want = _mm256_set1_epi32(int(prefix));
+  uint32_t k = 0;
   for (uint32_t i = 0; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);
-    const __m256i keys = _mm256_castps_si256(loadLanes(w + i, valid));
+    const __m256i keys = _mm256_castps_si256(loadLanes(w + base + i, valid));
     int hits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(
         _mm256_cmpeq_epi32(_mm256_srli_epi32(keys, above), want), laneMask(valid))));
     while (hits != 0) {
-      const uint32_t j = i + uint32_t(__builtin_ctz(unsigned(hits)));
+      const uint32_t id = base + i + uint32_t(__builtin_ctz(unsigned(hits)));
       hits &= hits - 1;
-      const uint32_t b = (bitsOf(w[j]) >> shift) & bucket_mask;
-      ++count[b];
-      hmass[b] += massOf(w[j]);
+      kept[k++] = id;
+      add(id);
     }
   }
+  stats[c].candidates = k;
 }
 
 void RowSampler::RowWork::tiesChunk(uint32_t c) {
-  const uint32_t base = begin(c), len = size(c);
-  const float* w = buf->weights.data() + base;
+  // Ties are resolved at the last level, so every tie is among the chunk's candidates.
+  const uint32_t* kept = buf->candidates.data() + begin(c);
   uint32_t ties = 0;
-  for (uint32_t i = 0; i < len; ++i) ties += bitsOf(w[i]) == cut_key;
+  for (uint32_t i = 0; i < stats[c].candidates; ++i)
+    ties += bitsOf(buf->weights[kept[i]]) == cut_key;
   stats[c].ties = ties;
 }
 
@@ -485,6 +509,7 @@ void RowSampler::RowWork::finishRead() {
   if (radix) {
     buf->hist_count.resize(size_t(chunks) * kBuckets);
     buf->hist_mass.resize(size_t(chunks) * kBuckets);
+    if (buf->candidates.size() < n) buf->candidates.resize(n);
   }
   stage = Stage::kWeights;
 }
@@ -630,9 +655,10 @@ void RowSampler::RowWork::combine() {
     case Stage::kTies: {
       uint32_t seen = 0, c = 0;
       while (seen + stats[c].ties < tie_rank) seen += stats[c++].ties;
-      for (uint32_t i = begin(c);; ++i) {
-        if (bitsOf(buf->weights[i]) == cut_key && ++seen == tie_rank) {
-          cut_id = i;
+      const uint32_t* kept = buf->candidates.data() + begin(c);
+      for (uint32_t i = 0;; ++i) {
+        if (bitsOf(buf->weights[kept[i]]) == cut_key && ++seen == tie_rank) {
+          cut_id = kept[i];
           break;
         }
       }
