@@ -22,11 +22,25 @@ namespace {
 
 constexpr uint32_t kChunk = 4096;
 constexpr uint32_t kAllIds = uint32_t(std::numeric_limits<int32_t>::max());
-// Radix levels over a weight's bit pattern. Weights lie in [0, 1], so patterns are below 2^30.
-constexpr int kLevels = 4;
-constexpr int kLevelBits[kLevels] = {8, 8, 8, 6};
-constexpr int kLevelShift[kLevels] = {22, 14, 6, 0};
+// Radix selection over a weight's bit pattern (its key; weights lie in [0, 1], so keys are below
+// 2^30). The first level has 16 buckets per octave for weights in [2^-15, 1], where top-p
+// boundaries fall, and one bucket for everything smaller; each later level splits the boundary
+// bucket's key range into at most kBuckets equal parts, down to single keys.
 constexpr uint32_t kBuckets = 256;
+constexpr int kFirstShift = 19;
+constexpr uint32_t kFirstLow = 112u << 23;  // the key of 2^-15
+
+inline uint32_t firstBucket(uint32_t key) {
+  return key < kFirstLow ? 0 : ((key - kFirstLow) >> kFirstShift) + 1;
+}
+inline uint32_t firstBucketLow(uint32_t b) {
+  return b == 0 ? 0 : kFirstLow + ((b - 1) << kFirstShift);
+}
+inline uint32_t firstBucketHigh(uint32_t b) {
+  return kFirstLow + (b << kFirstShift);
+}
+constexpr uint32_t kFirstBuckets = ((0x3f800000u - kFirstLow) >> kFirstShift) + 2;
+static_assert(kFirstBuckets <= kBuckets);
 
 enum class Stage { kPrepare, kRead, kWeights, kRefine, kTies, kKept, kDone };
 
@@ -178,7 +192,9 @@ struct RowSampler::RowWork {
   uint32_t top_k = 0;
   uint64_t total = 0, mass_goal = 0;
   int level = 0;
-  uint32_t prefix = 0, count_above = 0;
+  uint32_t range_low = 0, range_high = 0;  // keys of the boundary bucket, once level > 0
+  int shift = 0;                           // bucket width 2^shift within that range
+  uint32_t count_above = 0;
   uint64_t mass_above = 0;
   uint32_t cut_key = 0, cut_id = kAllIds, tie_rank = 0;
 
@@ -364,7 +380,7 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
   s.mass = sum64(mass);
   if (!radix) return;
   for (uint32_t i = 0; i < len; ++i) {
-    const uint32_t b = bitsOf(dst[i]) >> kLevelShift[0];
+    const uint32_t b = firstBucket(bitsOf(dst[i]));
     ++count[b];
     hmass[b] += massOf(dst[i]);
   }
@@ -377,19 +393,18 @@ void RowSampler::RowWork::refineChunk(uint32_t c) {
   uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
   std::fill_n(count, kBuckets, 0);
   std::fill_n(hmass, kBuckets, 0);
-  const int above = kLevelShift[level - 1], shift = kLevelShift[level];
-  const uint32_t bucket_mask = (1u << kLevelBits[level]) - 1;
   uint32_t* kept = buf->candidates.data() + base;
   auto add = [&](uint32_t id) {
-    const uint32_t b = (bitsOf(w[id]) >> shift) & bucket_mask;
+    const uint32_t b = (bitsOf(w[id]) - range_low) >> shift;
     ++count[b];
     hmass[b] += massOf(w[id]);
   };
+  auto inRange = [&](uint32_t key) { return key >= range_low && key < range_high; };
   if (level > 1) {
     uint32_t k = 0;
     for (uint32_t i = 0; i < stats[c].candidates; ++i) {
       const uint32_t id = kept[i];
-      if ((bitsOf(w[id]) >> above) != prefix) continue;
+      if (!inRange(bitsOf(w[id]))) continue;
       kept[k++] = id;
       add(id);
     }
@@ -397,13 +412,16 @@ void RowSampler::RowWork::refineChunk(uint32_t c) {
     return;
   }
   // The first refinement scans the chunk and keeps the ids of the boundary bucket.
-  const __m256i want = _mm256_set1_epi32(int(prefix));
+  // Keys are below 2^30, so signed comparisons order them.
+  const __m256i low = _mm256_set1_epi32(int(range_low) - 1),
+                high = _mm256_set1_epi32(int(range_high));
   uint32_t k = 0;
   for (uint32_t i = 0; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);
     const __m256i keys = _mm256_castps_si256(loadLanes(w + base + i, valid));
-    int hits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(
-        _mm256_cmpeq_epi32(_mm256_srli_epi32(keys, above), want), laneMask(valid))));
+    const __m256i in =
+        _mm256_and_si256(_mm256_cmpgt_epi32(keys, low), _mm256_cmpgt_epi32(high, keys));
+    int hits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(in, laneMask(valid))));
     while (hits != 0) {
       const uint32_t id = base + i + uint32_t(__builtin_ctz(unsigned(hits)));
       hits &= hits - 1;
@@ -516,7 +534,7 @@ void RowSampler::RowWork::finishRead() {
 
 // Finds the bucket of this level where the prefix constraint (top_k count, top_p mass) is met.
 void RowSampler::RowWork::walk(const uint32_t* count, const uint64_t* mass) {
-  const uint32_t buckets = 1u << kLevelBits[level];
+  const uint32_t buckets = level == 0 ? kFirstBuckets : ((range_high - range_low - 1) >> shift) + 1;
   for (uint32_t j = buckets; j-- > 0;) {
     if (count[j] == 0) continue;
     const uint32_t c2 = count_above + count[j];
@@ -526,22 +544,27 @@ void RowSampler::RowWork::walk(const uint32_t* count, const uint64_t* mass) {
       mass_above = m2;
       continue;
     }
-    const uint32_t key_prefix = (prefix << kLevelBits[level]) | j;
+    const uint32_t low = level == 0 ? firstBucketLow(j) : range_low + (j << shift);
+    const uint32_t high =
+        level == 0 ? firstBucketHigh(j) : std::min(range_high, low + (1u << shift));
     if (count[j] == 1) {
       // A lone token: keeping every key from the bucket's lowest keeps exactly it.
-      cut_key = key_prefix << kLevelShift[level];
+      cut_key = low;
       cut_id = kAllIds;
       stage = Stage::kKept;
       return;
     }
-    if (level + 1 < kLevels) {
-      prefix = key_prefix;
+    if (high - low > 1) {
+      range_low = low;
+      range_high = high;
+      shift = 0;
+      while (((high - low - 1) >> shift) >= kBuckets) ++shift;
       ++level;
       stage = Stage::kRefine;
       return;
     }
     // Ties: every token here has this exact weight and mass; keep the lowest ids needed.
-    cut_key = key_prefix;
+    cut_key = low;
     const uint64_t each = mass[j] / count[j];
     const uint64_t by_count = top_k - count_above;
     const uint64_t by_mass = each == 0 || mass_goal == std::numeric_limits<uint64_t>::max()
@@ -631,7 +654,6 @@ void RowSampler::RowWork::combine() {
         return;
       }
       level = 0;
-      prefix = 0;
       count_above = 0;
       mass_above = 0;
       [[fallthrough]];

@@ -298,9 +298,17 @@ TEST(VerifyAndSample, KeptSetsAndDrawsMatchASortBasedReference) {
     float spread;
     int levels;
   };
-  const std::vector<Case> cases = {{kVocab, 1.0f, 0}, {kVocab, 0.05f, 0}, {kVocab, 4.0f, 3},
-                                   {5000, 20.0f, 0},  {5000, 6.0f, 2},    {300, 0.0f, 0},
-                                   {9, 3.0f, 0},      {4097, 8.0f, 16}};
+  const std::vector<Case> cases = {{kVocab, 1.0f, 0},
+                                   {kVocab, 0.05f, 0},
+                                   {kVocab, 4.0f, 3},
+                                   {5000, 20.0f, 0},
+                                   {5000, 6.0f, 2},
+                                   {300, 0.0f, 0},
+                                   {9, 3.0f, 0},
+                                   {4097, 8.0f, 16},
+                                   // Boundaries far below 2^-15, and among weights of 0.
+                                   {5000, 60.0f, 0},
+                                   {5000, 200.0f, 0}};
   std::vector<SamplingConfig> configs;
   for (float top_p : {1.0f, 0.9f, 0.3f, 1e-6f})
     for (uint32_t top_k : {0u, 1u, 40u, 2000u})
