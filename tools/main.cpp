@@ -1,4 +1,5 @@
-// `bulkhead`: the command-line tool. Subcommands: logits, make-model, generate.
+// `bulkhead`: the command-line tool. Subcommands: logits, make-model, generate, bench,
+// step-bench, sample-bench, chaos.
 #include <cstdio>
 #include <filesystem>
 #include <string>
