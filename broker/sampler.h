@@ -1,10 +1,12 @@
-// Sampling in the broker, from verified logits rows. Every random draw is keyed by
+// Sampling in the broker, from verified logits rows (the arithmetic lives in
+// broker/row_sampling.h). Every random draw is keyed by
 // (seed, position) with a counter-based generator, never by step or batch, so a seeded request
 // yields the same tokens whatever it is batched with, and a replay after a worker restart
 // continues exactly as the original would have.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -34,36 +36,28 @@ struct TokenChoice {
 // Uniform in [0, 1) from (seed, position): splitmix64 over both.
 double uniformAt(uint64_t seed, uint64_t position);
 
+class RowPool;
+class RowSampler;
+
+// One row at a time on the calling thread, with the semantics of broker/row_sampling.h.
 class Sampler {
  public:
+  Sampler();
+  ~Sampler();
+  Sampler(const Sampler&) = delete;
+  Sampler& operator=(const Sampler&) = delete;
+
   // Chooses the token at `position` (its index in the whole sequence) from `logits`, given the
-  // sequence's prompt and generated tokens (for the penalties). Uses internal scratch space; one
-  // Sampler per thread.
+  // sequence's prompt and generated tokens (for the penalties). The row must already be verified
+  // (finite); a non-finite row yields token 0 with a NaN logprob. Uses internal scratch space;
+  // one Sampler per thread.
   TokenChoice sample(std::span<const float> logits, const SamplingConfig& config,
                      std::span<const uint32_t> prompt, std::span<const uint32_t> generated,
                      uint64_t position);
 
  private:
-  std::vector<float> adjusted_;
-  std::vector<uint32_t> order_;
-  std::vector<uint32_t> counts_;
+  std::unique_ptr<RowPool> pool_;
+  std::unique_ptr<RowSampler> rows_;
 };
 
-}  // namespace bulkhead
-// TEMPORARY
-#include "broker/row_pool.h"
-#include "shared/logits_arena.h"
-namespace bulkhead {
-struct RowToSample {
-  std::span<const float> logits;
-  uint64_t expected_checksum = 0;
-  const SamplingConfig* config = nullptr;
-  std::span<const uint32_t> prompt, generated;
-  uint64_t position = 0;
-};
-struct SampledRow {
-  IntegrityCheck failed = IntegrityCheck::kNone;
-  TokenChoice choice;
-};
-void verifyAndSample(RowPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out);
 }  // namespace bulkhead

@@ -11,7 +11,6 @@
 #include <spdlog/spdlog.h>
 
 #include "broker/batch_planner.h"
-#include "broker/sampler.h"
 
 namespace bulkhead {
 
@@ -22,12 +21,12 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
                      RowPool& pool)
     : model_(std::move(model)),
       options_(std::move(options)),
-      pool_(pool),
+      sampler_(pool),
       canaries_(options_.state_dir),
       queues_(model_.max_context, model_.eos_token_ids,
               [this](const Status& status) { onFinished(status); }),
       slot_(
-          std::move(factory), slotOptions(options_, model_), canaries_, pool, injector_, board_,
+          std::move(factory), slotOptions(options_, model_), canaries_, sampler_, injector_, board_,
           WorkerSlot::Callbacks{.lost = [this](const std::string&) { queues_.workerLost(); },
                                 .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
                                 .serving = [this](bool serving) { setServing(serving); }}) {
@@ -327,7 +326,7 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
     ++r;
   }
   std::vector<SampledRow> sampled(jobs.size());
-  verifyAndSample(pool_, jobs, sampled);
+  sampler_.verifyAndSample(jobs, sampled);
   for (size_t i = 0; i < sampled.size(); ++i) {
     if (sampled[i].failed == IntegrityCheck::kNone) continue;
     WorkerFailure f = workerFailure(

@@ -22,7 +22,7 @@
 #include "broker/canary.h"
 #include "broker/fault_injection.h"
 #include "broker/row_pool.h"
-#include "broker/sampler.h"
+#include "broker/row_sampling.h"
 #include "broker/sequence_queues.h"
 #include "broker/worker_slot.h"
 
@@ -99,7 +99,7 @@ class Scheduler {
 
   const ModelLimits model_;
   const SchedulerOptions options_;
-  RowPool& pool_;
+  RowSampler sampler_;  // the scheduler thread's; scratch kept between steps
   StatsBoard board_;
   CanaryStore canaries_;
   FaultInjector injector_;

@@ -3,18 +3,16 @@
 
 #include <vector>
 
-#include "broker/sampler.h"
-
 namespace bulkhead {
 
-WorkerFailure verifyRows(RowPool& pool, std::span<const PendingRow> rows) {
+WorkerFailure verifyRows(RowSampler& sampler, std::span<const PendingRow> rows) {
   std::vector<RowToSample> jobs(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) {
     jobs[i].logits = rows[i].payload;
     jobs[i].expected_checksum = rows[i].checksum;
   }
   std::vector<SampledRow> out(rows.size());
-  verifyAndSample(pool, jobs, out);
+  sampler.verifyAndSample(jobs, out);
   for (size_t i = 0; i < rows.size(); ++i) {
     if (out[i].failed == IntegrityCheck::kNone) continue;
     WorkerFailure f = workerFailure(WorkerFailure::Kind::kIntegrityFailure,

@@ -4,12 +4,12 @@
 
 #include <span>
 
-#include "broker/row_pool.h"
+#include "broker/row_sampling.h"
 #include "broker/worker_connection.h"
 
 namespace bulkhead {
 
 // OK, or kIntegrityFailure naming the first row that failed and the check.
-WorkerFailure verifyRows(RowPool& pool, std::span<const PendingRow> rows);
+WorkerFailure verifyRows(RowSampler& sampler, std::span<const PendingRow> rows);
 
 }  // namespace bulkhead

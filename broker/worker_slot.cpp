@@ -12,12 +12,12 @@
 namespace bulkhead {
 
 WorkerSlot::WorkerSlot(WorkerFactory factory, WorkerSlotOptions options, CanaryStore& canaries,
-                       RowPool& pool, FaultInjector& injector, StatsBoard& board,
+                       RowSampler& sampler, FaultInjector& injector, StatsBoard& board,
                        Callbacks callbacks)
     : factory_(std::move(factory)),
       options_(std::move(options)),
       canaries_(canaries),
-      pool_(pool),
+      sampler_(sampler),
       injector_(injector),
       board_(board),
       callbacks_(std::move(callbacks)),
@@ -93,7 +93,7 @@ bool WorkerSlot::passesCanary() {
     why = "canary step failed: " + result.error().toString();
   } else if (!result->scrub.corruptions.empty()) {
     why = "canary: worker found corrupted weights in " + result->scrub.corruptions[0].tensor;
-  } else if (WorkerFailure bad = verifyRows(pool_, result->rows); !bad.ok()) {
+  } else if (WorkerFailure bad = verifyRows(sampler_, result->rows); !bad.ok()) {
     why = "canary row: " + bad.toString();
   } else {
     const std::span<const float> row = result->rows[0].payload;

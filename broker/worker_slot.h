@@ -13,7 +13,7 @@
 #include "broker/broker_stats.h"
 #include "broker/canary.h"
 #include "broker/fault_injection.h"
-#include "broker/row_pool.h"
+#include "broker/row_sampling.h"
 #include "broker/supervision.h"
 #include "broker/worker_connection.h"
 
@@ -40,8 +40,8 @@ class WorkerSlot {
     std::function<void(bool serving)> serving;
   };
 
-  WorkerSlot(WorkerFactory factory, WorkerSlotOptions options, CanaryStore& canaries, RowPool& pool,
-             FaultInjector& injector, StatsBoard& board, Callbacks callbacks);
+  WorkerSlot(WorkerFactory factory, WorkerSlotOptions options, CanaryStore& canaries,
+             RowSampler& sampler, FaultInjector& injector, StatsBoard& board, Callbacks callbacks);
   ~WorkerSlot();
 
   // The ready worker, starting one (and qualifying it with the canary) when there is none and the
@@ -78,7 +78,7 @@ class WorkerSlot {
   const WorkerFactory factory_;
   const WorkerSlotOptions options_;
   CanaryStore& canaries_;
-  RowPool& pool_;
+  RowSampler& sampler_;
   FaultInjector& injector_;
   StatsBoard& board_;
   const Callbacks callbacks_;

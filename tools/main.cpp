@@ -1,4 +1,5 @@
-// `bulkhead`: the command-line tool. Subcommands: logits, make-model, generate.
+// `bulkhead`: the command-line tool. Subcommands: logits, make-model, generate, bench,
+// step-bench, sample-bench, chaos.
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -10,6 +11,7 @@
 #include "tools/commands.h"
 #include "tools/make_model.h"
 #include "tools/remote.h"
+#include "tools/sample_bench.h"
 #include "tools/serve_bench.h"
 #include "tools/step_bench.h"
 
@@ -122,6 +124,16 @@ int main(int argc, char** argv) {
                    "IPC overhead alone)")
       ->check(CLI::Range(0.0, 1.0));
 
+  SampleBenchOptions sample_opts;
+  std::string sample_rows = "1,8,32,64";
+  auto* sample_bench = app.add_subcommand(
+      "sample-bench", "Broker cost of verifying and sampling logits rows, without a worker");
+  sample_bench->add_option("--vocab", sample_opts.vocab, "Vocabulary size (row length)");
+  sample_bench->add_option("--rows", sample_rows, "Comma-separated rows per call");
+  sample_bench->add_option("--threads", sample_opts.threads, "Pool threads (0: all cores)");
+  sample_bench->add_option("--iterations", sample_opts.iterations, "Measured calls per cell");
+  sample_bench->add_option("--json", sample_opts.json_path, "Also write the results as JSON");
+
   ChaosOptions chaos_opts;
   auto* chaos = app.add_subcommand("chaos", "Fault-injection run against its own broker");
   chaos->add_option("--model", chaos_opts.model_dir, "Checkpoint directory")->required();
@@ -218,6 +230,13 @@ int main(int argc, char** argv) {
     }
     auto s = runStepBench(step_opts);
     if (!s.ok()) return fail("step-bench", s.status());
+  } else if (*sample_bench) {
+    auto parsed = parseTokenList(sample_rows);
+    if (!parsed.ok() || parsed->empty())
+      return fail("sample-bench", invalidArgument("--rows: expected e.g. 1,8,32,64"));
+    sample_opts.rows = *parsed;
+    Status s = runSampleBench(sample_opts);
+    if (!s.ok()) return fail("sample-bench", s);
   }
   return 0;
 }

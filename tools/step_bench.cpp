@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "broker/row_pool.h"
-#include "broker/sampler.h"
+#include "broker/row_sampling.h"
 #include "broker/worker_client.h"
 #include "tools/percentile.h"
 
@@ -36,6 +36,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
 
   // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
   RowPool pool(o.sampling_threads);
+  RowSampler sampler(pool);
   std::printf(
       "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g, "
       "%u sampling threads\n",
@@ -78,7 +79,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
                         .config = &greedy,
                         .position = it + 1});
       sampled.resize(jobs.size());
-      verifyAndSample(pool, jobs, sampled);
+      sampler.verifyAndSample(jobs, sampled);
       const double us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
               .count();

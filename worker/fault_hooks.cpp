@@ -30,8 +30,7 @@ namespace {
 
 bool isRowFault(Fault kind) {
   return kind == Fault::kLogitsCorrupt || kind == Fault::kTornWrite ||
-         kind == Fault::kStaleIncarnation || kind == Fault::kStaleStep ||
-         kind == Fault::kLogitsNan;
+         kind == Fault::kStaleIncarnation || kind == Fault::kStaleStep || kind == Fault::kLogitsNan;
 }
 
 class InjectedFaults final : public StepFaults {

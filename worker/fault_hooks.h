@@ -18,7 +18,6 @@ namespace bulkhead {
 // How a step's reply goes out.
 enum class ReplyForm { kMessage, kGarbage, kTruncated };
 
-
 class StepFaults {
  public:
   virtual ~StepFaults() = default;

@@ -250,13 +250,13 @@ Result<bool> WorkerServer::dispatch(const std::vector<capnp::word>& words,
       case wire::ToWorker::FAULT_INJECT: {
         auto f = request.getFaultInject();
         const std::optional<Fault> fault = fromWire(f.getKind());
-        Status armed = !fault ? invalidArgument("unknown fault kind " +
-                                                std::to_string(unsigned(f.getKind())))
-                              : faults_->arm({.fault = *fault,
-                                              .row = f.getRow(),
-                                              .delay_ms = f.getDelayMillis(),
-                                              .byte_offset = f.getByteOffset(),
-                                              .bit = f.getBit()});
+        Status armed =
+            !fault ? invalidArgument("unknown fault kind " + std::to_string(unsigned(f.getKind())))
+                   : faults_->arm({.fault = *fault,
+                                   .row = f.getRow(),
+                                   .delay_ms = f.getDelayMillis(),
+                                   .byte_offset = f.getByteOffset(),
+                                   .bit = f.getBit()});
         if (armed.ok()) {
           reply.setFaultArmed();
         } else {

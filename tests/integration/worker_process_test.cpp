@@ -47,7 +47,7 @@ class WorkerProcessTest : public ::testing::Test {
                                        std::chrono::milliseconds timeout = kStepTimeout) {
     auto reply = client.step(next_step_++, batch, timeout);
     if (!reply.ok()) return reply;
-    if (WorkerFailure bad = verifyRows(pool_, reply->rows); !bad.ok()) return bad;
+    if (WorkerFailure bad = verifyRows(sampler_, reply->rows); !bad.ok()) return bad;
     return reply;
   }
 
@@ -93,6 +93,7 @@ class WorkerProcessTest : public ::testing::Test {
   uint64_t next_incarnation_ = 0x1000 + uint64_t(::getpid()) * 1000;
   uint64_t next_step_ = 1;
   RowPool pool_{2};
+  RowSampler sampler_{pool_};
   std::chrono::steady_clock::duration last_detection_{};
 };
 

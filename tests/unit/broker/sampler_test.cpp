@@ -99,9 +99,9 @@ TEST(Sampler, FiltersRestrictTheCandidates) {
   EXPECT_EQ(s.sample(logits, cfg, {}, {}, 9).token, order[0]);
 }
 
-TEST(Sampler, TopPNeedingMoreThanTheFirstSortedPrefix) {
-  // A flat distribution over 5000 tokens: top_p 0.9 needs ~4500 candidates, far past the first
-  // sorted prefix; the chosen token must still come from the kept mass.
+TEST(Sampler, TopPOnAFlatDistributionKeepsMostTokens) {
+  // A flat distribution over 5000 tokens: top_p 0.9 keeps ~4500 of them, all tied, and the
+  // chosen token must still come from the kept mass.
   Sampler s;
   std::vector<float> logits(5000, 0.0f);
   logits[17] = 0.5f;

@@ -1,0 +1,751 @@
+// Fused verification and sampling of logits rows: a row moves through stages (read, weights,
+// radix refinement, tie cut, kept mass), each a pass over the row's fixed 4096-token chunks
+// followed by a short combine. Chunks are the unit of arithmetic whether one thread runs a whole
+// row or many threads share it, which is what makes the result independent of the split.
+#include "broker/row_sampling.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "broker/vector_exp.h"
+#include "shared/checksum.h"
+#include "shared/mix.h"
+
+namespace bulkhead {
+namespace {
+
+constexpr uint32_t kChunk = 4096;
+constexpr uint32_t kAllIds = uint32_t(std::numeric_limits<int32_t>::max());
+// Radix selection over a weight's bit pattern (its key; weights lie in [0, 1], so keys are below
+// 2^30). The first level has 16 buckets per octave for weights in [2^-15, 1], where top-p
+// boundaries fall, and one bucket for everything smaller; each later level splits the boundary
+// bucket's key range into at most kBuckets equal parts, down to single keys.
+constexpr uint32_t kBuckets = 256;
+constexpr int kFirstShift = 19;
+constexpr uint32_t kFirstLow = 112u << 23;  // the key of 2^-15
+
+inline uint32_t firstBucket(uint32_t key) {
+  return key < kFirstLow ? 0 : ((key - kFirstLow) >> kFirstShift) + 1;
+}
+inline uint32_t firstBucketLow(uint32_t b) {
+  return b == 0 ? 0 : kFirstLow + ((b - 1) << kFirstShift);
+}
+inline uint32_t firstBucketHigh(uint32_t b) {
+  return kFirstLow + (b << kFirstShift);
+}
+constexpr uint32_t kFirstBuckets = ((0x3f800000u - kFirstLow) >> kFirstShift) + 2;
+static_assert(kFirstBuckets <= kBuckets);
+
+enum class Stage { kPrepare, kRead, kWeights, kRefine, kTies, kKept, kDone };
+
+struct ChunkStats {
+  uint64_t checksum = 0;
+  bool non_finite = false;
+  bool penalised = false;  // weights_ holds this chunk's adjusted logits after the read
+  float raw_max = 0;
+  uint32_t raw_arg = 0;
+  double raw_sum = 0;  // sum of exp32(r - raw_max) over the chunk
+  float adj_max = 0;
+  uint32_t adj_arg = 0;
+  uint64_t mass = 0;
+  uint64_t kept_mass = 0;
+  uint32_t ties = 0;
+  uint32_t candidates = 0;
+};
+
+struct PenaltyEntry {
+  uint32_t token;
+  bool repeated;       // in the prompt or the output: repetition penalty applies
+  uint32_t generated;  // times in the output: frequency and presence apply when > 0
+};
+
+inline uint32_t bitsOf(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+// round(e * 2^40), exactly, by the 2^52 trick: the same arithmetic as mass4 below.
+inline uint64_t massOf(float e) {
+  const double d = double(e) * 0x1p40 + 0x1p52;
+  uint64_t b;
+  std::memcpy(&b, &d, 8);
+  return b - 0x4330000000000000ull;
+}
+
+inline __m256i mass4(__m128 e) {
+  const __m256d d = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(e), _mm256_set1_pd(0x1p40)),
+                                  _mm256_set1_pd(0x1p52));
+  return _mm256_sub_epi64(_mm256_castpd_si256(d), _mm256_set1_epi64x(0x4330000000000000ll));
+}
+
+inline __m256i mass8Sum(__m256 e) {
+  return _mm256_add_epi64(mass4(_mm256_castps256_ps128(e)), mass4(_mm256_extractf128_ps(e, 1)));
+}
+
+inline uint64_t sum64(__m256i v) {
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+inline float maxOf(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float m = lanes[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, lanes[i]);
+  return m;
+}
+
+// Lanes [0, valid) set.
+inline __m256i laneMask(uint32_t valid) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid)), lane);
+}
+
+inline __m256 loadLanes(const float* p, uint32_t valid) {
+  return valid == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, laneMask(valid));
+}
+
+inline void storeLanes(float* p, __m256 v, uint32_t valid) {
+  if (valid == 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, laneMask(valid), v);
+}
+
+// Index of the first value equal to v (v is present).
+uint32_t firstEqual(const float* p, uint32_t n, float v) {
+  const __m256 target = _mm256_set1_ps(v);
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), target, _CMP_EQ_OQ));
+    if (m != 0) return i + uint32_t(__builtin_ctz(unsigned(m)));
+  }
+  for (; i < n; ++i)
+    if (p[i] == v) return i;
+  return 0;
+}
+
+// Max over p[0, n) and the first index holding it.
+std::pair<float, uint32_t> maxAndArg(const float* p, uint32_t n) {
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  for (uint32_t i = 0; i < n; i += 8) {
+    const uint32_t valid = std::min(8u, n - i);
+    const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), loadLanes(p + i, valid),
+                                      _mm256_castsi256_ps(laneMask(valid)));
+    best = _mm256_max_ps(best, v);
+  }
+  const uint32_t arg = firstEqual(p, n, maxOf(best));
+  return {p[arg], arg};
+}
+
+// Total order of candidates: value descending, then id ascending.
+bool before(const std::pair<float, uint32_t>& a, const std::pair<float, uint32_t>& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+}  // namespace
+
+// The large scratch: one set per participating thread in row mode, per row in chunk mode, so the
+// working set stays in cache however many rows a call carries.
+struct RowSampler::Buffers {
+  std::vector<float> values;         // the verified private copy of the row
+  std::vector<float> weights;        // adjusted logits of penalised chunks, then the weights e
+  std::vector<uint32_t> hist_count;  // per chunk, kBuckets each
+  std::vector<uint64_t> hist_mass;
+  // From the first refinement on, the ids still in play, each chunk's at its own offset: later
+  // levels and the tie cut visit only these.
+  std::vector<uint32_t> candidates;
+  // Penalties: per-token marks kept zeroed between rows, so preparing costs O(history).
+  std::vector<uint32_t> marks;
+  std::vector<uint32_t> touched;
+};
+
+struct RowSampler::RowWork {
+  const RowToSample* in = nullptr;
+  SampledRow* out = nullptr;
+  Stage stage = Stage::kDone;
+  uint32_t n = 0, chunks = 0;
+
+  Buffers* buf = nullptr;
+  std::vector<ChunkStats> stats;
+  uint32_t top_n = 0;
+  std::vector<std::pair<float, uint32_t>> top;  // per chunk, top_n each, best first
+  std::vector<uint32_t> top_count;
+
+  std::vector<PenaltyEntry> penalties;  // grouped by chunk
+  std::vector<uint32_t> penalty_start;  // chunks + 1 offsets into penalties
+
+  float amax = 0, inv_t = 1;
+  uint32_t aarg = 0;
+  double log_z = 0;
+
+  // Selection: the kept set is {key > cut_key} + {key == cut_key and id <= cut_id}.
+  bool radix = false;
+  uint32_t top_k = 0;
+  uint64_t total = 0, mass_goal = 0;
+  int level = 0;
+  uint32_t range_low = 0, range_high = 0;  // keys of the boundary bucket, once level > 0
+  int shift = 0;                           // bucket width 2^shift within that range
+  uint32_t count_above = 0;
+  uint64_t mass_above = 0;
+  uint32_t cut_key = 0, cut_id = kAllIds, tie_rank = 0;
+
+  void prepare();
+  void chunk(uint32_t c);
+  void combine();
+
+  void readChunk(uint32_t c);
+  void weightsChunk(uint32_t c);
+  void refineChunk(uint32_t c);
+  void tiesChunk(uint32_t c);
+  void keptChunk(uint32_t c);
+
+  void finishRead();
+  void walk(const uint32_t* count, const uint64_t* mass);
+  void applyMinP();
+  void draw();
+  void finish(IntegrityCheck failed);
+  uint32_t begin(uint32_t c) const { return c * kChunk; }
+  uint32_t size(uint32_t c) const { return std::min(kChunk, n - c * kChunk); }
+  bool hasChunkWork() const {
+    return stage == Stage::kRead || stage == Stage::kWeights || stage == Stage::kRefine ||
+           stage == Stage::kTies || stage == Stage::kKept;
+  }
+};
+
+void RowSampler::RowWork::finish(IntegrityCheck failed) {
+  out->failed = failed;
+  stage = Stage::kDone;
+}
+
+void RowSampler::RowWork::prepare() {
+  n = uint32_t(in->logits.size());
+  chunks = (n + kChunk - 1) / kChunk;
+  *out = SampledRow{};
+  const SamplingConfig* c = in->config;
+  if (n == 0 && c != nullptr) return finish(IntegrityCheck::kRowLength);
+  if (buf->values.size() < n) {
+    buf->values.resize(n);
+    buf->weights.resize(n);
+  }
+  stats.assign(chunks, ChunkStats{});
+  penalty_start.assign(chunks + 1, 0);
+  penalties.clear();
+  top_n = c != nullptr ? std::min(c->top_logprobs, n) : 0;
+  if (top_n > 0) {
+    top.resize(size_t(chunks) * top_n);
+    top_count.assign(chunks, 0);
+  }
+  stage = Stage::kRead;
+  if (c == nullptr) return;
+  const bool repetition = c->repetition_penalty != 1.0f;
+  if (!repetition && c->presence_penalty == 0.0f && c->frequency_penalty == 0.0f) return;
+  if (buf->marks.size() < n) buf->marks.resize(n, 0);
+  // marks: bit 0 = repeated, bits 1.. = times generated.
+  auto mark = [&](uint32_t t, uint32_t add) {
+    if (t >= n) return;  // out of this vocabulary: nothing to penalise
+    if (buf->marks[t] == 0) buf->touched.push_back(t);
+    buf->marks[t] = (buf->marks[t] + add) | uint32_t(repetition);
+  };
+  if (repetition)
+    for (uint32_t t : in->prompt) mark(t, 0);
+  for (uint32_t t : in->generated) mark(t, 2);
+  for (uint32_t t : buf->touched) ++penalty_start[t / kChunk + 1];
+  for (uint32_t i = 0; i < chunks; ++i) penalty_start[i + 1] += penalty_start[i];
+  penalties.resize(buf->touched.size());
+  std::vector<uint32_t> fill(penalty_start.begin(), penalty_start.end() - 1);
+  for (uint32_t t : buf->touched) {
+    penalties[fill[t / kChunk]++] = {t, (buf->marks[t] & 1) != 0, buf->marks[t] >> 1};
+    buf->marks[t] = 0;
+  }
+  buf->touched.clear();
+}
+
+void RowSampler::RowWork::readChunk(uint32_t c) {
+  ChunkStats& s = stats[c];
+  const uint32_t base = begin(c), len = size(c);
+  const float* src = in->logits.data() + base;
+  float* dst = buf->values.data() + base;
+  const bool copy = in->config != nullptr;  // verification alone reads nothing twice
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  const __m256i low32 = _mm256_set1_epi64x(0xffffffffll);
+  __m256i sum = _mm256_setzero_si256(), bad = _mm256_setzero_si256();
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  // The one read of shared memory: copy, checksum terms, finiteness and max together.
+  for (uint32_t i = 0; i < len; i += 8) {
+    const uint32_t valid = std::min(8u, len - i);
+    const __m256i mask = laneMask(valid);
+    const __m256 v = loadLanes(src + i, valid);
+    if (copy) storeLanes(dst + i, v, valid);
+    const __m256i w = _mm256_castps_si256(v);
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(int(base + i)), lane);
+    __m256i t = _mm256_mullo_epi32(
+        _mm256_xor_si256(w, _mm256_mullo_epi32(index, _mm256_set1_epi32(int(0x9e3779b1u)))),
+        _mm256_set1_epi32(int(0x85ebca77u)));
+    t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 13));
+    t = _mm256_mullo_epi32(t, _mm256_set1_epi32(int(0xc2b2ae3du)));
+    t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 16));
+    t = _mm256_and_si256(t, mask);
+    sum = _mm256_add_epi64(sum, _mm256_and_si256(t, low32));
+    sum = _mm256_add_epi64(sum, _mm256_srli_epi64(t, 32));
+    bad = _mm256_or_si256(
+        bad, _mm256_cmpeq_epi32(_mm256_and_si256(w, exponent), exponent));  // masked lanes are 0
+    best = _mm256_max_ps(best,
+                         _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(mask)));
+  }
+  s.checksum = sum64(sum);
+  s.non_finite = !_mm256_testz_si256(bad, bad);
+  if (s.non_finite || in->config == nullptr) return;
+  s.raw_arg = firstEqual(dst, len, maxOf(best));
+  s.raw_max = dst[s.raw_arg];
+  s.raw_arg += base;
+
+  // The chunk's log-sum-exp part, from the copy (now in cache), over 8 fixed lanes.
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(s.raw_max);
+  for (uint32_t i = 0; i < len; i += 8) {
+    const uint32_t valid = std::min(8u, len - i);
+    const __m256 e = exp8(_mm256_sub_ps(loadLanes(dst + i, valid), m));
+    acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(laneMask(valid))));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  s.raw_sum = 0;
+  for (float l : lanes) s.raw_sum += double(l);
+
+  if (top_n > 0) {
+    auto* best_n = top.data() + size_t(c) * top_n;
+    uint32_t& count = top_count[c];
+    for (uint32_t i = 0; i < len; ++i) {
+      const float v = dst[i];
+      if (count == top_n && !(v > best_n[top_n - 1].first)) continue;
+      uint32_t p = std::min(count, top_n - 1);
+      while (p > 0 && best_n[p - 1].first < v) {
+        best_n[p] = best_n[p - 1];
+        --p;
+      }
+      best_n[p] = {v, base + i};
+      count = std::min(count + 1, top_n);
+    }
+  }
+
+  s.adj_max = s.raw_max;
+  s.adj_arg = s.raw_arg;
+  const SamplingConfig& cfg = *in->config;
+  if (penalty_start[c] == penalty_start[c + 1]) return;
+  float* adjusted = buf->weights.data() + base;
+  std::memcpy(adjusted, dst, len * sizeof(float));
+  for (uint32_t p = penalty_start[c]; p < penalty_start[c + 1]; ++p) {
+    const PenaltyEntry& e = penalties[p];
+    float a = buf->values[e.token];
+    if (e.repeated) a = a > 0 ? a / cfg.repetition_penalty : a * cfg.repetition_penalty;
+    if (e.generated > 0) a -= cfg.frequency_penalty * float(e.generated) + cfg.presence_penalty;
+    adjusted[e.token - base] = a;
+  }
+  s.penalised = true;
+  auto [am, aa] = maxAndArg(adjusted, len);
+  s.adj_max = am;
+  s.adj_arg = base + aa;
+}
+
+void RowSampler::RowWork::weightsChunk(uint32_t c) {
+  ChunkStats& s = stats[c];
+  const uint32_t base = begin(c), len = size(c);
+  const float* src = (s.penalised ? buf->weights.data() : buf->values.data()) + base;
+  float* dst = buf->weights.data() + base;
+  const __m256 m = _mm256_set1_ps(amax), scale = _mm256_set1_ps(inv_t);
+  __m256i mass = _mm256_setzero_si256();
+  uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
+  uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
+  if (radix) {
+    std::fill_n(count, kBuckets, 0);
+    std::fill_n(hmass, kBuckets, 0);
+  }
+  for (uint32_t i = 0; i < len; i += 8) {
+    const uint32_t valid = std::min(8u, len - i);
+    const __m256 x = _mm256_mul_ps(_mm256_sub_ps(loadLanes(src + i, valid), m), scale);
+    const __m256 e = _mm256_and_ps(exp8(x), _mm256_castsi256_ps(laneMask(valid)));
+    storeLanes(dst + i, e, valid);
+    mass = _mm256_add_epi64(mass, mass8Sum(e));
+  }
+  s.mass = sum64(mass);
+  if (!radix) return;
+  for (uint32_t i = 0; i < len; ++i) {
+    const uint32_t b = firstBucket(bitsOf(dst[i]));
+    ++count[b];
+    hmass[b] += massOf(dst[i]);
+  }
+}
+
+void RowSampler::RowWork::refineChunk(uint32_t c) {
+  const uint32_t base = begin(c), len = size(c);
+  const float* w = buf->weights.data();
+  uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
+  uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
+  std::fill_n(count, kBuckets, 0);
+  std::fill_n(hmass, kBuckets, 0);
+  uint32_t* kept = buf->candidates.data() + base;
+  auto add = [&](uint32_t id) {
+    const uint32_t b = (bitsOf(w[id]) - range_low) >> shift;
+    ++count[b];
+    hmass[b] += massOf(w[id]);
+  };
+  auto inRange = [&](uint32_t key) { return key >= range_low && key < range_high; };
+  if (level > 1) {
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < stats[c].candidates; ++i) {
+      const uint32_t id = kept[i];
+      if (!inRange(bitsOf(w[id]))) continue;
+      kept[k++] = id;
+      add(id);
+    }
+    stats[c].candidates = k;
+    return;
+  }
+  // The first refinement scans the chunk and keeps the ids of the boundary bucket.
+  // Keys are below 2^30, so signed comparisons order them.
+  const __m256i low = _mm256_set1_epi32(int(range_low) - 1),
+                high = _mm256_set1_epi32(int(range_high));
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < len; i += 8) {
+    const uint32_t valid = std::min(8u, len - i);
+    const __m256i keys = _mm256_castps_si256(loadLanes(w + base + i, valid));
+    const __m256i in =
+        _mm256_and_si256(_mm256_cmpgt_epi32(keys, low), _mm256_cmpgt_epi32(high, keys));
+    int hits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(in, laneMask(valid))));
+    while (hits != 0) {
+      const uint32_t id = base + i + uint32_t(__builtin_ctz(unsigned(hits)));
+      hits &= hits - 1;
+      kept[k++] = id;
+      add(id);
+    }
+  }
+  stats[c].candidates = k;
+}
+
+void RowSampler::RowWork::tiesChunk(uint32_t c) {
+  // Ties are resolved at the last level, so every tie is among the chunk's candidates.
+  const uint32_t* kept = buf->candidates.data() + begin(c);
+  uint32_t ties = 0;
+  for (uint32_t i = 0; i < stats[c].candidates; ++i)
+    ties += bitsOf(buf->weights[kept[i]]) == cut_key;
+  stats[c].ties = ties;
+}
+
+void RowSampler::RowWork::keptChunk(uint32_t c) {
+  const uint32_t base = begin(c), len = size(c);
+  const float* w = buf->weights.data() + base;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i key = _mm256_set1_epi32(int(cut_key)), id_cut = _mm256_set1_epi32(int(cut_id));
+  __m256i mass = _mm256_setzero_si256();
+  for (uint32_t i = 0; i < len; i += 8) {
+    const uint32_t valid = std::min(8u, len - i);
+    const __m256 e = loadLanes(w + i, valid);
+    const __m256i k = _mm256_castps_si256(e);
+    const __m256i id = _mm256_add_epi32(_mm256_set1_epi32(int(base + i)), lane);
+    const __m256i kept = _mm256_or_si256(
+        _mm256_cmpgt_epi32(k, key),
+        _mm256_andnot_si256(_mm256_cmpgt_epi32(id, id_cut), _mm256_cmpeq_epi32(k, key)));
+    mass = _mm256_add_epi64(
+        mass,
+        mass8Sum(_mm256_and_ps(e, _mm256_castsi256_ps(_mm256_and_si256(kept, laneMask(valid))))));
+  }
+  stats[c].kept_mass = sum64(mass);
+}
+
+void RowSampler::RowWork::chunk(uint32_t c) {
+  switch (stage) {
+    case Stage::kRead:
+      return readChunk(c);
+    case Stage::kWeights:
+      return weightsChunk(c);
+    case Stage::kRefine:
+      return refineChunk(c);
+    case Stage::kTies:
+      return tiesChunk(c);
+    case Stage::kKept:
+      return keptChunk(c);
+    default:
+      return;
+  }
+}
+
+void RowSampler::RowWork::finishRead() {
+  uint64_t checksum = 0;
+  bool non_finite = false;
+  for (const ChunkStats& s : stats) {
+    checksum += s.checksum;
+    non_finite |= s.non_finite;
+  }
+  if (checksum != in->expected_checksum) return finish(IntegrityCheck::kPayloadChecksum);
+  if (non_finite) return finish(IntegrityCheck::kNonFinite);
+  const SamplingConfig* cfg = in->config;
+  if (cfg == nullptr) return finish(IntegrityCheck::kNone);
+
+  float raw_max = stats[0].raw_max;
+  amax = stats[0].adj_max;
+  aarg = stats[0].adj_arg;
+  for (const ChunkStats& s : stats) {
+    raw_max = std::max(raw_max, s.raw_max);
+    if (s.adj_max > amax) {  // equal: the earlier chunk holds the lower id
+      amax = s.adj_max;
+      aarg = s.adj_arg;
+    }
+  }
+  double sum = 0;
+  for (const ChunkStats& s : stats) sum += s.raw_sum * double(exp1(s.raw_max - raw_max));
+  log_z = double(raw_max) + std::log(sum);
+
+  if (top_n > 0) {
+    std::vector<std::pair<float, uint32_t>> all;
+    for (uint32_t c = 0; c < chunks; ++c)
+      all.insert(all.end(), top.begin() + size_t(c) * top_n,
+                 top.begin() + size_t(c) * top_n + top_count[c]);
+    std::partial_sort(all.begin(), all.begin() + top_n, all.end(), before);
+    out->choice.top.clear();
+    for (uint32_t i = 0; i < top_n; ++i)
+      out->choice.top.emplace_back(all[i].second, float(double(all[i].first) - log_z));
+  }
+
+  if (!(cfg->temperature > 0.0f)) {
+    out->choice.token = aarg;
+    out->choice.logprob = float(double(buf->values[aarg]) - log_z);
+    return finish(IntegrityCheck::kNone);
+  }
+  inv_t = std::min(1.0f / cfg->temperature, FLT_MAX);
+  top_k = cfg->top_k != 0 && cfg->top_k < n ? cfg->top_k : n;
+  radix = top_k < n || cfg->top_p < 1.0f;
+  if (radix) {
+    buf->hist_count.resize(size_t(chunks) * kBuckets);
+    buf->hist_mass.resize(size_t(chunks) * kBuckets);
+    if (buf->candidates.size() < n) buf->candidates.resize(n);
+  }
+  stage = Stage::kWeights;
+}
+
+// Finds the bucket of this level where the prefix constraint (top_k count, top_p mass) is met.
+void RowSampler::RowWork::walk(const uint32_t* count, const uint64_t* mass) {
+  const uint32_t buckets = level == 0 ? kFirstBuckets : ((range_high - range_low - 1) >> shift) + 1;
+  for (uint32_t j = buckets; j-- > 0;) {
+    if (count[j] == 0) continue;
+    const uint32_t c2 = count_above + count[j];
+    const uint64_t m2 = mass_above + mass[j];
+    if (c2 < top_k && m2 < mass_goal) {
+      count_above = c2;
+      mass_above = m2;
+      continue;
+    }
+    const uint32_t low = level == 0 ? firstBucketLow(j) : range_low + (j << shift);
+    const uint32_t high =
+        level == 0 ? firstBucketHigh(j) : std::min(range_high, low + (1u << shift));
+    if (count[j] == 1) {
+      // A lone token: keeping every key from the bucket's lowest keeps exactly it.
+      cut_key = low;
+      cut_id = kAllIds;
+      stage = Stage::kKept;
+      return;
+    }
+    if (high - low > 1) {
+      range_low = low;
+      range_high = high;
+      shift = 0;
+      while (((high - low - 1) >> shift) >= kBuckets) ++shift;
+      ++level;
+      stage = Stage::kRefine;
+      return;
+    }
+    // Ties: every token here has this exact weight and mass; keep the lowest ids needed.
+    cut_key = low;
+    const uint64_t each = mass[j] / count[j];
+    const uint64_t by_count = top_k - count_above;
+    const uint64_t by_mass = each == 0 || mass_goal == std::numeric_limits<uint64_t>::max()
+                                 ? count[j]
+                                 : (mass_goal - std::min(mass_goal, mass_above) + each - 1) / each;
+    tie_rank = uint32_t(std::clamp<uint64_t>(std::min(by_count, by_mass), 1, count[j]));
+    cut_id = kAllIds;
+    stage = tie_rank == count[j] ? Stage::kKept : Stage::kTies;
+    return;
+  }
+  cut_key = 0;  // the goal is never met (top_p rounding at 1): keep everything
+  cut_id = kAllIds;
+  stage = Stage::kKept;
+}
+
+void RowSampler::RowWork::applyMinP() {
+  const float min_p = in->config->min_p;
+  if (!(min_p > 0.0f)) return;
+  const uint32_t floor_key = bitsOf(std::min(min_p, 1.0f));  // e of the top token is 1
+  if (floor_key > cut_key) {
+    cut_key = floor_key;
+    cut_id = kAllIds;
+  }
+}
+
+void RowSampler::RowWork::draw() {
+  uint64_t kept = 0;
+  for (const ChunkStats& s : stats) kept += s.kept_mass;
+  const uint64_t u = uint64_t(uniformAt(in->config->seed, in->position) * 0x1p53);
+  const uint64_t target = uint64_t((unsigned __int128)u * kept >> 53);
+  uint64_t running = 0;
+  uint32_t c = 0;
+  while (c < chunks && running + stats[c].kept_mass <= target) running += stats[c++].kept_mass;
+  uint32_t token = aarg, last_kept = aarg;
+  bool found = false;
+  auto isKept = [&](uint32_t i) {
+    const uint32_t k = bitsOf(buf->weights[i]);
+    return k > cut_key || (k == cut_key && i <= cut_id);
+  };
+  if (c < chunks) {
+    for (uint32_t i = begin(c); i < begin(c) + size(c); ++i) {
+      if (!isKept(i)) continue;
+      running += massOf(buf->weights[i]);
+      last_kept = i;
+      if (running > target) {
+        token = i;
+        found = true;
+        break;
+      }
+    }
+  }
+  if (!found) {
+    for (uint32_t i = n; i-- > 0;) {
+      if (isKept(i)) {
+        last_kept = i;
+        break;
+      }
+    }
+    token = last_kept;
+  }
+  out->choice.token = token;
+  out->choice.logprob = float(double(buf->values[token]) - log_z);
+  finish(IntegrityCheck::kNone);
+}
+
+void RowSampler::RowWork::combine() {
+  switch (stage) {
+    case Stage::kPrepare:
+      return prepare();
+    case Stage::kRead:
+      return finishRead();
+    case Stage::kWeights: {
+      total = 0;
+      for (const ChunkStats& s : stats) total += s.mass;
+      const float top_p = in->config->top_p;
+      mass_goal = top_p < 1.0f ? uint64_t(std::ceil(double(top_p) * double(total)))
+                               : std::numeric_limits<uint64_t>::max();
+      if (!radix) {
+        cut_key = 0;
+        cut_id = kAllIds;
+        applyMinP();
+        if (cut_key == 0) {
+          for (ChunkStats& s : stats) s.kept_mass = s.mass;
+          return draw();
+        }
+        stage = Stage::kKept;
+        return;
+      }
+      level = 0;
+      count_above = 0;
+      mass_above = 0;
+      [[fallthrough]];
+    }
+    case Stage::kRefine: {
+      // Merge the chunks' histograms: integer sums, so the order does not matter.
+      uint32_t count[kBuckets] = {};
+      uint64_t mass[kBuckets] = {};
+      for (uint32_t c = 0; c < chunks; ++c) {
+        const uint32_t* hc = buf->hist_count.data() + size_t(c) * kBuckets;
+        const uint64_t* hm = buf->hist_mass.data() + size_t(c) * kBuckets;
+        for (uint32_t b = 0; b < kBuckets; ++b) {
+          count[b] += hc[b];
+          mass[b] += hm[b];
+        }
+      }
+      walk(count, mass);
+      if (stage == Stage::kKept) applyMinP();
+      return;
+    }
+    case Stage::kTies: {
+      uint32_t seen = 0, c = 0;
+      while (seen + stats[c].ties < tie_rank) seen += stats[c++].ties;
+      const uint32_t* kept = buf->candidates.data() + begin(c);
+      for (uint32_t i = 0;; ++i) {
+        if (bitsOf(buf->weights[kept[i]]) == cut_key && ++seen == tie_rank) {
+          cut_id = kept[i];
+          break;
+        }
+      }
+      applyMinP();
+      stage = Stage::kKept;
+      return;
+    }
+    case Stage::kKept:
+      return draw();
+    case Stage::kDone:
+      return;
+  }
+}
+
+RowSampler::RowSampler(RowPool& pool) : pool_(pool) {}
+RowSampler::~RowSampler() = default;
+
+void RowSampler::verifyAndSample(std::span<const RowToSample> rows, std::span<SampledRow> out) {
+  while (work_.size() < rows.size()) work_.push_back(std::make_unique<RowWork>());
+  const size_t sets = std::min<size_t>(rows.size(), pool_.threads());
+  while (buffers_.size() < sets) buffers_.push_back(std::make_unique<Buffers>());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    work_[r]->in = &rows[r];
+    work_[r]->out = &out[r];
+    work_[r]->stage = Stage::kPrepare;
+  }
+  if (rows.size() >= pool_.threads()) {
+    // Enough rows to go round: each row start to finish on one thread, in its cache, with the
+    // buffers of the slot that claimed it.
+    std::atomic<size_t> next{0};
+    pool_.parallelFor(sets, [&](size_t slot) {
+      for (size_t r; (r = next.fetch_add(1, std::memory_order_relaxed)) < rows.size();) {
+        RowWork& w = *work_[r];
+        w.buf = buffers_[slot].get();
+        while (w.stage != Stage::kDone) {
+          if (w.hasChunkWork())
+            for (uint32_t c = 0; c < w.chunks; ++c) w.chunk(c);
+          w.combine();
+        }
+      }
+    });
+    return;
+  }
+  // Few rows: every stage's chunks of every row in one burst, then the rows' combines.
+  for (size_t r = 0; r < rows.size(); ++r) work_[r]->buf = buffers_[r].get();
+  std::vector<std::pair<uint32_t, uint32_t>> tasks;
+  while (true) {
+    tasks.clear();
+    bool busy = false;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      RowWork& w = *work_[r];
+      busy |= w.stage != Stage::kDone;
+      if (w.hasChunkWork())
+        for (uint32_t c = 0; c < w.chunks; ++c) tasks.emplace_back(uint32_t(r), c);
+    }
+    if (!busy) return;
+    pool_.parallelFor(tasks.size(),
+                      [&](size_t i) { work_[tasks[i].first]->chunk(tasks[i].second); });
+    for (size_t r = 0; r < rows.size(); ++r) work_[r]->combine();
+  }
+}
+
+void verifyAndSample(RowPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out) {
+  RowSampler sampler(pool);
+  sampler.verifyAndSample(rows, out);
+}
+
+}  // namespace bulkhead

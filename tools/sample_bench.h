@@ -1,0 +1,25 @@
+// sample-bench: the broker's cost of verifying and sampling a step's logits rows, without a
+// worker. Synthetic near-flat rows (as random-weight models produce), timed per call for
+// verify-only, greedy, temperature and temperature + top-p.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shared/status.h"
+
+namespace bulkhead {
+
+struct SampleBenchOptions {
+  uint32_t vocab = 152064;
+  std::vector<uint32_t> rows = {1, 8, 32, 64};
+  unsigned threads = 0;  // 0: hardware concurrency
+  uint32_t iterations = 200;
+  std::string json_path;
+};
+
+// Prints the table to stdout; writes JSON when asked.
+Status runSampleBench(const SampleBenchOptions& options);
+
+}  // namespace bulkhead
