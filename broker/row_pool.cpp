@@ -1,6 +1,8 @@
 // RowPool implementation: a generation-tagged index counter, spin-then-sleep helpers.
 #include "broker/row_pool.h"
 
+#include <chrono>
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -8,9 +10,13 @@
 namespace bulkhead {
 namespace {
 
-// About 50-100 µs of pause instructions: long enough that back-to-back bursts never sleep, short
-// enough that an idle pool stops burning cores quickly.
-constexpr int kSpinIterations = 1 << 12;
+// Idle helpers spin this long before sleeping: long enough to bridge the stages of one
+// verify-and-sample call, short enough that they are asleep while the worker computes the next
+// step. A CPU worker shares these cores, and every core a helper spins on is one its step lacks.
+// (A pause instruction takes from ~10 to ~140 cycles depending on the processor, so the bound is
+// on time, not on a count.)
+constexpr auto kSpinFor = std::chrono::microseconds(20);
+constexpr int kPausesPerClockRead = 16;
 
 }  // namespace
 
@@ -49,12 +55,14 @@ uint64_t RowPool::drain() {
 void RowPool::helperLoop() {
   uint64_t seen = state_.load(std::memory_order_acquire);
   while (true) {
+    const auto spin_until = std::chrono::steady_clock::now() + kSpinFor;
     int spins = 0;
     uint64_t now;
-    while ((now = state_.load(std::memory_order_acquire)) == seen && spins < kSpinIterations &&
+    while ((now = state_.load(std::memory_order_acquire)) == seen &&
            !stop_.load(std::memory_order_relaxed)) {
       _mm_pause();
-      ++spins;
+      if (++spins % kPausesPerClockRead == 0 && std::chrono::steady_clock::now() >= spin_until)
+        break;
     }
     if (now == seen) {
       std::unique_lock lock(mu_);
@@ -88,13 +96,18 @@ void RowPool::parallelFor(size_t n, const std::function<void(size_t)>& fn) {
     wake_.notify_all();
   }
   drain();
+  const auto spin_until = std::chrono::steady_clock::now() + kSpinFor;
   int spins = 0;
+  bool yielding = false;
   while (unfinished_.load(std::memory_order_acquire) != 0) {
     // A helper holding the last index may have been descheduled; stop competing for its core.
-    if (++spins < kSpinIterations)
-      _mm_pause();
-    else
+    if (yielding) {
       std::this_thread::yield();
+    } else {
+      _mm_pause();
+      yielding =
+          ++spins % kPausesPerClockRead == 0 && std::chrono::steady_clock::now() >= spin_until;
+    }
   }
 }
 
