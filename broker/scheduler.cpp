@@ -222,13 +222,19 @@ bool Scheduler::serveOnce() {
   slot_.armPendingFault(options_.step_timeout_base);
   if (slot_.worker() == nullptr) return true;  // arming found the worker gone
   queues_.admit(options_.max_running);
-  if (!queues_.running().empty()) return stepOnce(*slot_.worker());
-  if (queues_.hasUnreleased()) {
-    // Nothing left to compute: ask the worker to vouch for its last steps.
+  // A stopped sequence waits only for its last tokens to be vouched for; rather than wait for the
+  // background pass (its client's next request waits too), ask for a full pass now and then. With
+  // nothing left to compute, ask at once.
+  const bool computing = !queues_.running().empty();
+  if (computing
+          ? queues_.hasFinishing() && Clock::now() - last_vouch_ >= options_.finish_vouch_interval
+          : queues_.hasUnreleased()) {
     const bool scrubbing = worker->hello().scrubbing;
+    last_vouch_ = Clock::now();
     if (auto scrub = slot_.vouch()) applyScrub(*scrub, scrubbing);
-    return true;
+    if (!computing || slot_.worker() == nullptr) return true;
   }
+  if (!queues_.running().empty()) return stepOnce(*slot_.worker());
   slot_.idle();
   return false;
 }

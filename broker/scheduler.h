@@ -43,6 +43,9 @@ struct SchedulerOptions {
   std::chrono::milliseconds restart_backoff_max{5'000};
   // Canary between generations, when idle for this long since the last one (0: only at start).
   std::chrono::milliseconds canary_interval{60'000};
+  // A sequence that stopped waits at most about this long before the broker asks the worker for a
+  // full scrub pass to vouch for its last tokens (instead of waiting for the background pass).
+  std::chrono::milliseconds finish_vouch_interval{10};
   // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
   std::chrono::milliseconds heartbeat_interval{2'000};
   std::filesystem::path state_dir;  // canary records; empty: kept in memory only
@@ -126,6 +129,7 @@ class Scheduler {
   WorkerSlot slot_;
   uint64_t blocks_incarnation_ = 0;  // the worker the KV blocks were sized for
   uint32_t step_failures_in_a_row_ = 0;
+  std::chrono::steady_clock::time_point last_vouch_{};
 };
 
 }  // namespace bulkhead

@@ -46,6 +46,8 @@ class SequenceQueues {
   size_t open() const { return running_.size() + finishing_.size(); }
   bool empty() const { return waiting_.empty() && running_.empty() && finishing_.empty(); }
   bool hasUnreleased() const;
+  // Some sequence stopped and waits only for its last tokens to be released.
+  bool hasFinishing() const { return !finishing_.empty(); }
   const QueueCounters& counters() const { return counters_; }
   KvBlockAllocator& blocks() { return blocks_; }
 

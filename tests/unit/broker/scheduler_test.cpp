@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 
 #include "support/fake_worker.h"
@@ -23,6 +24,7 @@ class CollectSink final : public TokenSink {
     for (const auto& t : tokens) tokens_.push_back(t.token);
   }
   void onFinish(FinishReason reason, const Usage&, const Status& status) override {
+    if (on_finish) on_finish();
     std::lock_guard lock(mu_);
     reason_ = reason;
     status_ = status;
@@ -30,6 +32,7 @@ class CollectSink final : public TokenSink {
     cv_.notify_all();
   }
   bool cancelled() const override { return false; }
+  std::function<void()> on_finish;  // runs on the scheduler thread as the request ends
 
   // Waits (bounded) for the request to end.
   bool wait() {
@@ -175,6 +178,29 @@ TEST_F(SchedulerTest, RowsFailingVerificationAreRetriedThenTheWorkerIsReplaced) 
   expectAllExact(more, 8);
   EXPECT_EQ(control_->starts(), 2u);
   EXPECT_GE(replayedOnNewIncarnation(), 1u);
+}
+
+TEST_F(SchedulerTest, AStoppedSequenceIsVouchedForWithoutWaitingForTheBackgroundPass) {
+  control_->scrub_lag = 1'000'000;  // the background pass never vouches in time
+  SchedulerOptions o;
+  o.finish_vouch_interval = 0ms;
+  start(o);
+  Run shortRun, longRun;
+  shortRun.prompt = {3, 4};
+  longRun.prompt = {5, 6};
+  size_t steps_when_short_ended = 0;
+  shortRun.sink->on_finish = [&] { steps_when_short_ended = control_->steps().size(); };
+  GenerationRequest r;
+  r.prompt = longRun.prompt;
+  r.max_tokens = 200;
+  ASSERT_TRUE(scheduler_->submit(r, longRun.sink).ok());
+  r.prompt = shortRun.prompt;
+  r.max_tokens = 3;
+  ASSERT_TRUE(scheduler_->submit(r, shortRun.sink).ok());
+  expectAllExact({shortRun}, 3);
+  expectAllExact({longRun}, 200);
+  // The short one ended while the long one was still being computed, long before its last step.
+  EXPECT_LT(steps_when_short_ended, control_->steps().size() / 2);
 }
 
 TEST_F(SchedulerTest, ACrashLoopFailsRequestsUntilAStartSucceeds) {
