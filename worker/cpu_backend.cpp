@@ -279,7 +279,7 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
 #pragma omp parallel if (attention_work >= parallel_macs_)
     {
       std::vector<float> scores(limits_.max_context);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
       for (int task = 0; task < n * heads; ++task) {
         const int r = task / heads, h = task % heads, kvh = h / group;
         const Row& row = rows[size_t(r)];

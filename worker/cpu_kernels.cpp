@@ -101,6 +101,8 @@ inline void dotRows(const float* const* x, const std::byte* w, int n, float* out
 // Rows of W processed per parallel task: a block small enough to stay in L1/L2 while every token
 // row streams past it.
 constexpr int kRowBlock = 16;
+// Blocks a thread claims at a time: large enough that claiming costs nothing next to the work.
+constexpr int kBlocksPerClaim = 8;
 
 // Where matmulTyped's outputs go. A sink makes one Local per thread; the Local receives every
 // (token, column, value) that thread produces, and finish() runs once per thread at the end.
@@ -163,10 +165,13 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
   const int blocks = (rows + kRowBlock - 1) / kRowBlock;
   // Threads only where the work pays for waking them: small products run on the caller.
   const bool parallel = int64_t(rows) * cols * tokens >= parallel_macs;
+  // Blocks are handed out dynamically: a thread the OS preempts (the broker samples on the same
+  // cores) leaves its share to the others instead of holding up the whole product. Which thread
+  // computes a block never changes its values, and the checksum partial sums are order-free.
 #pragma omp parallel if (parallel)
   {
     auto out = sink.local();
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, kBlocksPerClaim)
     for (int b = 0; b < blocks; ++b) {
       const int j0 = b * kRowBlock;
       const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
