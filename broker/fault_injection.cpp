@@ -20,6 +20,9 @@ FaultSpec faultSpecFor(Fault fault, uint64_t r, const WorkerHello& hello,
       spec.byte_offset = r % std::max<uint64_t>(1, hello.weight_bytes);
       spec.bit = uint8_t((r >> 56) % 8);
       break;
+    case Fault::kStaleSlot:
+      spec.byte_offset = r;  // which weight role
+      break;
     case Fault::kSlowStep:
       spec.delay_ms = uint32_t(step_timeout.count() * 3);
       break;

@@ -229,9 +229,9 @@ bool Scheduler::serveOnce() {
   if (computing
           ? queues_.hasFinishing() && Clock::now() - last_vouch_ >= options_.finish_vouch_interval
           : queues_.hasUnreleased()) {
-    const bool scrubbing = worker->hello().scrubbing;
+    const bool gated = worker->hello().scrubbing && !worker->hello().in_step_checks;
     last_vouch_ = Clock::now();
-    if (auto scrub = slot_.vouch()) applyScrub(*scrub, scrubbing);
+    if (auto scrub = slot_.vouch()) applyScrub(*scrub, gated);
     if (!computing || slot_.worker() == nullptr) return true;
   }
   if (!queues_.running().empty()) return stepOnce(*slot_.worker());
@@ -344,7 +344,9 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   }
   step_failures_in_a_row_ = 0;
   slot_.stepCompleted();
-  if (!reply->scrub.corruptions.empty()) {
+  // A worker that checks every step's weight reads vouches for the step by itself; otherwise
+  // tokens wait for the scrubber, and a corruption it reports rolls them back.
+  if (!hello.in_step_checks && !reply->scrub.corruptions.empty()) {
     applyScrub(reply->scrub, hello.scrubbing);  // rolls back: this step's tokens are not kept
     return true;
   }
@@ -352,7 +354,7 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   for (const SampledRow& row : sampled) chosen.push_back(&row.choice);
   const size_t generated = queues_.accept(batch, plan.chunks, step_id, chosen);
   board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += generated; });
-  applyScrub(reply->scrub, hello.scrubbing);
+  applyScrub(reply->scrub, hello.scrubbing && !hello.in_step_checks);
   return true;
 }
 
@@ -380,9 +382,20 @@ bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequ
   return true;
 }
 
-void Scheduler::applyScrub(const ScrubStatus& scrub, bool scrubbing) {
-  if (scrub.corruptions.empty()) {
-    queues_.release(scrubbing ? scrub.clean_through : UINT64_MAX);
+// `gated`: tokens wait for the scrubber's clean-through (a worker without in-step checks).
+void Scheduler::applyScrub(const ScrubStatus& scrub, bool gated) {
+  if (scrub.corruptions.empty() || !gated) {
+    for (const auto& c : scrub.corruptions)
+      spdlog::warn(
+          "worker repaired {} (bytes {}..{}) in the background; steps check their own reads",
+          c.tensor, c.offset, c.offset + c.bytes);
+    if (!scrub.corruptions.empty()) {
+      board_.update([&](SchedulerStats& s, WorkerStatus&) {
+        s.weight_corruptions += scrub.corruptions.size();
+      });
+      slot_.failed("weight corruption in " + scrub.corruptions[0].tensor);
+    }
+    queues_.release(gated ? scrub.clean_through : UINT64_MAX);
     return;
   }
   uint64_t from = UINT64_MAX;

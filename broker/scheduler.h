@@ -94,7 +94,7 @@ class Scheduler {
   void publishCounts();
   bool stepOnce(WorkerConnection& worker);
   bool handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch);
-  void applyScrub(const ScrubStatus& scrub, bool scrubbing);
+  void applyScrub(const ScrubStatus& scrub, bool gated);
   void setServing(bool serving);
   void onFinished(const Status& status);
   void onCrashLoop(const std::string& why);

@@ -201,6 +201,7 @@ WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
     for (uint32_t id : h.getEosTokenIds()) hello_.eos_token_ids.push_back(id);
     hello_.model_identity = h.getModelIdentity();
     hello_.scrubbing = h.getScrubbing();
+    hello_.in_step_checks = h.getInStepChecks();
     if (hello_.vocab_size == 0 || hello_.kv_block_size == 0 || hello_.max_step_tokens == 0)
       return failure(Kind::kProtocolViolation, "Hello has zero limits");
     auto arena = LogitsArena::open(h.getArenaName(), hello_.incarnation, hello_.vocab_size);
@@ -321,6 +322,17 @@ WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const Seq
                                                    " rows, expected " + std::to_string(total_rows));
     result.compute_micros = done.getComputeMicros();
     result.scrub = readScrub(done.getScrub());
+    auto reads = done.getWeightReads();
+    if (hello_.in_step_checks && !reads.getChecked())
+      return failure(Kind::kProtocolViolation, "StepDone lacks the in-step weight check");
+    if (reads.getFailedTensor().size() > 0) {
+      WorkerFailure bad =
+          failure(Kind::kIntegrityFailure, "step " + std::to_string(step_id) + " read " +
+                                               std::string(reads.getFailedTensor()) +
+                                               " wrongly (in-step weight checksum mismatch)");
+      bad.check = IntegrityCheck::kWeightReads;
+      return bad;
+    }
     result.rows.reserve(total_rows);
     size_t r = 0;
     for (const SequenceStep& s : batch) {

@@ -56,6 +56,7 @@ struct WorkerHello {
   std::vector<uint32_t> eos_token_ids;
   uint64_t model_identity = 0;
   bool scrubbing = false;
+  bool in_step_checks = false;  // every step checks the weight words it read
 };
 
 struct WeightCorruptionReport {

@@ -20,7 +20,7 @@ inline std::optional<Fault> fromWire(wire::FaultKind kind) {
   return static_cast<Fault>(v - 1);
 }
 
-static_assert(uint16_t(wire::FaultKind::TRUNCATED_REPLY) == uint16_t(Fault::kTruncatedReply) + 1);
+static_assert(uint16_t(wire::FaultKind::STALE_SLOT) == uint16_t(Fault::kStaleSlot) + 1);
 static_assert(uint16_t(wire::FaultKind::WORKER_KILL) == uint16_t(Fault::kWorkerKill) + 1);
 
 }  // namespace bulkhead

@@ -32,6 +32,9 @@ struct Hello {
   modelIdentity @17 :UInt64;
   # Whether the worker scrubs its resident weights (StepDone.scrub is meaningful).
   scrubbing @18 :Bool;
+  # Whether every step checks the weight words its kernels read (StepDone.weightReads): a step
+  # that passes is vouched for by itself, and its tokens need not wait for the scrubber.
+  inStepChecks @19 :Bool;
 }
 
 struct WeightCorruption {
@@ -71,12 +74,22 @@ struct RowRef {
   checksum @3 :UInt64;
 }
 
+struct WeightReads {
+  # The step's kernels folded every weight word they read; checked against the checkpoint.
+  checked @0 :Bool;
+  # The first weight whose reads did not match; empty when all did. The step's rows must not be
+  # used.
+  failedTensor @1 :Text;
+  wordsRead @2 :UInt64;
+}
+
 struct StepDone {
   stepId @0 :UInt64;
   # One per requested row, in request order (sequence by sequence, rows ascending).
   rows @1 :List(RowRef);
   computeMicros @2 :UInt64;
   scrub @3 :ScrubReport;
+  weightReads @4 :WeightReads;
 }
 
 # The fault classes of shared/fault.h, in the same order after `none`.
@@ -93,6 +106,7 @@ enum FaultKind {
   staleStep @9;         # publish a row under the previous step id
   garbageReply @10;     # answer the next step with bytes that are not a message
   truncatedReply @11;   # answer the next step with a cut-off frame
+  staleSlot @12;        # serve one weight from another slot or a stale copy (byteOffset picks)
 }
 
 struct FaultInject {

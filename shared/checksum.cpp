@@ -39,6 +39,22 @@ std::vector<uint64_t> granuleChecksums(std::span<const std::byte> bytes, size_t 
   return sums;
 }
 
+uint64_t foldWeightRow(const std::byte* row, size_t bytes, uint64_t first_index, uint32_t salt) {
+  const size_t words = bytes / 4;
+  uint64_t sum = 0;
+  for (size_t i = 0; i < words; ++i) {
+    uint32_t w;
+    std::memcpy(&w, row + i * 4, 4);
+    sum += checksumTerm(w ^ salt, uint32_t(first_index + i));
+  }
+  if (const size_t rest = bytes % 4; rest != 0) {
+    uint32_t w = 0;
+    std::memcpy(&w, row + words * 4, rest);
+    sum += checksumTerm(w ^ salt, uint32_t(first_index + words));
+  }
+  return sum;
+}
+
 RowCheck checkRow(const float* row, size_t n) {
   uint64_t sum = 0;
   uint32_t non_finite = 0;

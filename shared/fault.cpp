@@ -11,7 +11,7 @@ struct Named {
   std::string_view name;
 };
 
-constexpr std::array<Named, 11> kFaults = {{
+constexpr std::array<Named, 12> kFaults = {{
     {Fault::kWorkerKill, "worker_kill"},
     {Fault::kWorkerHang, "worker_hang"},
     {Fault::kSlowStep, "slow_step"},
@@ -23,6 +23,7 @@ constexpr std::array<Named, 11> kFaults = {{
     {Fault::kStaleStep, "stale_step"},
     {Fault::kGarbageReply, "garbage_reply"},
     {Fault::kTruncatedReply, "truncated_reply"},
+    {Fault::kStaleSlot, "stale_slot"},
 }};
 
 constexpr std::array<Fault, kFaults.size()> allOf() {

@@ -22,6 +22,7 @@ enum class Fault : uint8_t {
   kStaleStep,         // a row is published under the previous step id
   kGarbageReply,      // the next step is answered with bytes that are not a message
   kTruncatedReply,    // the next step is answered with a cut-off frame
+  kStaleSlot,         // one weight is served from another slot or a stale copy, bytes intact
 };
 
 // "worker_kill", "worker_hang", ...
@@ -34,7 +35,7 @@ struct FaultSpec {
   Fault fault = Fault::kWorkerKill;
   uint32_t row = 0;          // row faults: which requested row of the next step that has rows
   uint32_t delay_ms = 0;     // kSlowStep
-  uint64_t byte_offset = 0;  // kWeightBitflip: offset into the resident weights
+  uint64_t byte_offset = 0;  // kWeightBitflip: offset into the resident weights; kStaleSlot: role
   uint8_t bit = 0;           // kWeightBitflip
 };
 

@@ -81,6 +81,8 @@ std::string_view integrityCheckName(IntegrityCheck check) {
       return "payload checksum";
     case IntegrityCheck::kNonFinite:
       return "non-finite value";
+    case IntegrityCheck::kWeightReads:
+      return "in-step weight reads";
   }
   return "?";
 }

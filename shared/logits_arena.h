@@ -28,6 +28,7 @@ enum class IntegrityCheck {
   kReportedChecksum,  // header checksum differs from the one in StepDone
   kPayloadChecksum,   // payload does not hash to the header checksum
   kNonFinite,
+  kWeightReads,  // the step's own check of the weight words it read failed (worker-reported)
 };
 std::string_view integrityCheckName(IntegrityCheck check);
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -30,6 +31,8 @@ struct BackendLimits {
   uint64_t resident_weight_bytes = 0;
   uint64_t streamed_weight_bytes = 0;
   uint64_t kv_cache_bytes = 0;
+  // Every step checks the weight words its kernels read (WeightReadVerdict).
+  bool checks_weight_reads = false;
 };
 
 // Where one requested logits row goes: vocab_size floats at `payload` (an arena slot, so the
@@ -37,6 +40,17 @@ struct BackendLimits {
 struct RowOutput {
   float* payload = nullptr;
   RowCheck* check = nullptr;
+};
+
+// What a step's kernels read of the weights, checked within the step: every weight word a kernel
+// loads is folded (shared/checksum.h foldWeightRow, keyed by the weight's role and the word's
+// offset) through the pointer the kernel was handed, and compared at the end of the step with the
+// same fold over the checkpoint's bytes, words counted. A step whose verdict names a tensor must
+// not be trusted: its rows are never sampled.
+struct WeightReadVerdict {
+  bool checked = false;       // the backend checks its weight reads in the step
+  std::string failed_tensor;  // the first weight whose reads did not match; empty: all did
+  uint64_t words_read = 0;
 };
 
 // A byte range of one weight tensor. Tensors are numbered as Checkpoint::usedTensors().
@@ -79,12 +93,17 @@ class Backend {
 
   virtual Status enqueueStep(std::span<const SequenceStep> batch,
                              std::span<const RowOutput> rows) = 0;
-  virtual Status waitStep() = 0;
+  // Fills `verdict` with the in-step check of what the step read.
+  virtual Status waitStep(WeightReadVerdict& verdict) = 0;
 
   // Fault injection: flips one bit of the weights the backend computes from (its own copy, not
   // the checkpoint), so integrity checks can be proven against a real corruption. Offsets count
   // resident_weight_bytes, tensor after tensor in usedTensors() order, with no padding.
   virtual Status flipWeightBit(uint64_t byte_offset, uint8_t bit) = 0;
+  // Fault injection: the weight in role `selector % roles` is served from another resident slot
+  // of the same size, or from a stale copy, while every resident byte stays intact (the failure
+  // a residency table cannot see). Returns the role's tensor name.
+  virtual Result<std::string> staleSlot(uint64_t selector) = 0;
 
   // Scrubbing. out[i] = checksumBytes() of ranges[i] as the compute path reads it (the resident
   // copy). All ranges in one call, so a device runs them as one kernel on a side stream and the
@@ -100,7 +119,7 @@ Status validateStep(std::span<const SequenceStep> batch, std::span<const RowOutp
                     const BackendLimits& limits);
 
 // enqueueStep() then waitStep(), for callers that want the logits and nothing to overlap (tools,
-// tests). The rows' checks are computed and dropped.
+// tests). The rows' checks are computed and dropped; a failed in-step weight check is DATA_LOSS.
 Status runStep(Backend& backend, std::span<const SequenceStep> batch,
                std::span<float* const> payloads);
 

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "shared/checksum.h"
+#include "shared/mix.h"
 
 namespace bulkhead {
 
@@ -39,7 +40,8 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
                 .graph_batch_buckets = {},
                 .resident_weight_bytes = checkpoint->weightBytes(),
                 .streamed_weight_bytes = 0,
-                .kv_cache_bytes = uint64_t(kv_floats) * 2 * sizeof(float)};
+                .kv_cache_bytes = uint64_t(kv_floats) * 2 * sizeof(float),
+                .checks_weight_reads = true};
   b->k_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
   b->v_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
 
@@ -64,7 +66,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
     return cpu::WeightMatrix{m->dtype, where.at(m), int(m->shape[0]), int(m->shape[1])};
   };
   auto vector = [&](const TensorView* m) {
-    return m == nullptr ? Vector{} : Vector{m->dtype, where.at(m), int(m->numel())};
+    return m == nullptr ? Vector{} : Vector{m->dtype, where.at(m), 1, int(m->numel())};
   };
   b->embed_ = matrix(t.embed);
   b->lm_head_ = matrix(t.lm_head);
@@ -85,7 +87,96 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
                           .o_bias = vector(l.o_bias)});
   }
   b->inv_freq_ = c.ropeInverseFrequencies();
+
+  // In-step accounts, one per weight role (a tied lm_head is its own role beside the embedding).
+  b->account(b->embed_, *t.embed, t.embed->name, /*by_row=*/true);
+  b->account(b->lm_head_, *t.lm_head,
+             t.lm_head == t.embed ? "lm_head (tied to " + t.embed->name + ")" : t.lm_head->name,
+             false);
+  if (t.final_norm != nullptr) b->account(b->final_norm_, *t.final_norm, t.final_norm->name, false);
+  for (size_t i = 0; i < t.layers.size(); ++i) {
+    const LayerTensors& l = t.layers[i];
+    Layer& L = b->layers_[i];
+    const std::pair<cpu::WeightMatrix*, const TensorView*> roles[] = {{&L.q, l.q},
+                                                                      {&L.k, l.k},
+                                                                      {&L.v, l.v},
+                                                                      {&L.o, l.o},
+                                                                      {&L.gate, l.gate},
+                                                                      {&L.up, l.up},
+                                                                      {&L.down, l.down},
+                                                                      {&L.input_norm, l.input_norm},
+                                                                      {&L.post_norm, l.post_norm},
+                                                                      {&L.q_bias, l.q_bias},
+                                                                      {&L.k_bias, l.k_bias},
+                                                                      {&L.v_bias, l.v_bias},
+                                                                      {&L.o_bias, l.o_bias}};
+    for (const auto& [w, tensor] : roles)
+      if (tensor != nullptr) b->account(*w, *tensor, tensor->name, false);
+  }
   return b;
+}
+
+void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role,
+                         bool by_row) {
+  ReadAccount& a = accounts_.emplace_back();
+  a.tensor = role;
+  w.salt = uint32_t(splitmix64(accounts_.size()));
+  w.reads = &a.reads;
+  const size_t row_bytes = w.rowBytes();
+  const uint64_t row_words = weightRowWords(row_bytes);
+  // From the checkpoint's own bytes (the mapped file), never from the resident copy.
+  for (int j = 0; j < w.rows; ++j) {
+    const uint64_t fold = foldWeightRow(tensor.data.data() + size_t(j) * row_bytes, row_bytes,
+                                        uint64_t(j) * row_words, w.salt);
+    if (by_row) a.row_expected.push_back(fold);
+    a.expected += fold;
+  }
+  a.words = uint64_t(w.rows) * row_words;
+  bindings_.push_back(&w);
+}
+
+WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) const {
+  WeightReadVerdict verdict{.checked = true};
+  for (const ReadAccount& a : accounts_) {
+    const uint64_t sum = a.reads.sum.load(std::memory_order_relaxed);
+    const uint64_t words = a.reads.words.load(std::memory_order_relaxed);
+    const uint64_t uses = a.reads.uses.load(std::memory_order_relaxed);
+    uint64_t want_sum = uses * a.expected, want_words = uses * a.words;
+    if (!a.row_expected.empty()) {  // read row by row: the rows this step gathered
+      want_sum = 0;
+      for (uint32_t row : gathered) want_sum += a.row_expected[row];
+      want_words = gathered.size() * (a.words / a.row_expected.size());
+      if (uses != gathered.size()) want_words = ~want_words;  // a lookup went uncounted
+    }
+    verdict.words_read += words;
+    if ((sum != want_sum || words != want_words) && verdict.failed_tensor.empty())
+      verdict.failed_tensor = a.tensor;
+  }
+  return verdict;
+}
+
+Result<std::string> CpuBackend::staleSlot(uint64_t selector) {
+  if (bindings_.empty()) return failedPrecondition("no weights to rebind");
+  cpu::WeightMatrix& w = *bindings_[selector % bindings_.size()];
+  const ReadAccount& a = accounts_[selector % bindings_.size()];
+  const size_t bytes = w.rowBytes() * size_t(w.rows);
+  // Another resident slot of the same size and dtype whose bytes differ, if there is one.
+  for (const cpu::WeightMatrix* other : bindings_) {
+    if (other->data == w.data || other->dtype != w.dtype ||
+        other->rowBytes() * size_t(other->rows) != bytes ||
+        std::memcmp(other->data, w.data, bytes) == 0)
+      continue;
+    w.data = other->data;
+    return a.tensor;
+  }
+  // Otherwise a stale copy: an older version of the weight, which differs in every row (here in
+  // one bit of each row's first byte).
+  auto copy = std::make_unique_for_overwrite<std::byte[]>(bytes);
+  std::memcpy(copy.get(), w.data, bytes);
+  for (int j = 0; j < w.rows; ++j) copy[size_t(j) * w.rowBytes()] ^= std::byte(0x10);
+  w.data = copy.get();
+  stale_copies_.push_back(std::move(copy));
+  return a.tensor;
 }
 
 Status CpuBackend::checkRange(const WeightRange& r) const {
@@ -175,14 +266,18 @@ Status CpuBackend::enqueueStep(std::span<const SequenceStep> batch,
   return okStatus();
 }
 
-Status CpuBackend::waitStep() {
+Status CpuBackend::waitStep(WeightReadVerdict& verdict) {
   if (!pending_.queued) return failedPrecondition("waitStep without an enqueued step");
   pending_.queued = false;
-  forward(pending_.batch, pending_.rows);
+  for (ReadAccount& a : accounts_) a.reads.reset();
+  std::vector<uint32_t> gathered;
+  forward(pending_.batch, pending_.rows, gathered);
+  verdict = verifyReads(gathered);
   return okStatus();
 }
 
-void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits) {
+void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits,
+                         std::vector<uint32_t>& gathered) {
   const ModelConfig& c = config();
   const int hidden = c.hidden_size, head_dim = c.head_dim, heads = c.num_heads;
   const int kv_heads = c.num_kv_heads, q_dim = c.qDim(), kv_dim = c.kvDim();
@@ -209,11 +304,9 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
   std::vector<float> attn(size_t(n) * q_dim);
   std::vector<float> gate(size_t(n) * c.intermediate_size), up(size_t(n) * c.intermediate_size);
 
-  const size_t embed_row_bytes = size_t(hidden) * dtypeSize(embed_.dtype);
-  for (int r = 0; r < n; ++r) {
-    cpu::toFloat(embed_.dtype, embed_.data + token_ids[size_t(r)] * embed_row_bytes, size_t(hidden),
-                 x.data() + size_t(r) * hidden);
-  }
+  for (int r = 0; r < n; ++r)
+    cpu::readRow(embed_, int(token_ids[size_t(r)]), x.data() + size_t(r) * hidden);
+  gathered = token_ids;
 
   // RoPE angles per row, shared by all heads (rotate-half layout).
   const int pairs = head_dim / 2;
@@ -238,8 +331,8 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
   // Norm weights and biases of the current layer, converted to float32.
   auto floats = [&](const Vector& v, std::vector<float>& out) -> const float* {
     if (v.data == nullptr) return nullptr;
-    out.resize(size_t(v.n));
-    cpu::toFloat(v.dtype, v.data, out.size(), out.data());
+    out.resize(size_t(v.cols));
+    cpu::readRow(v, 0, out.data());
     return out.data();
   };
   std::vector<float> input_norm, post_norm, q_bias, k_bias, v_bias, o_bias, final_norm;

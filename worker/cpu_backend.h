@@ -3,7 +3,9 @@
 // its own right (tests, small models, machines without a GPU).
 #pragma once
 
+#include <deque>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "shared/checkpoint.h"
@@ -32,18 +34,24 @@ class CpuBackend final : public Backend {
   const ModelConfig& config() const override { return checkpoint_->config(); }
   const BackendLimits& limits() const override { return limits_; }
   Status enqueueStep(std::span<const SequenceStep> batch, std::span<const RowOutput> rows) override;
-  Status waitStep() override;
+  Status waitStep(WeightReadVerdict& verdict) override;
   Status flipWeightBit(uint64_t byte_offset, uint8_t bit) override;
+  Result<std::string> staleSlot(uint64_t selector) override;
   Status residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) override;
   Status repairResident(const WeightRange& range) override;
 
  private:
   // A norm weight or bias kept in its checkpoint dtype, converted when a step uses it, so every
-  // resident byte is a copy of a checkpoint byte and can be scrubbed against it.
-  struct Vector {
-    DType dtype = DType::kF32;
-    const std::byte* data = nullptr;  // null: absent
-    int n = 0;
+  // resident byte is a copy of a checkpoint byte and can be scrubbed against it. One row; data
+  // null when the model has none.
+  using Vector = cpu::WeightMatrix;
+  // One weight role's in-step account: what the checkpoint's bytes fold to, read in full once.
+  struct ReadAccount {
+    std::string tensor;
+    uint64_t expected = 0;
+    uint64_t words = 0;
+    std::vector<uint64_t> row_expected;  // per row, for a weight read row by row (the embedding)
+    cpu::WeightReads reads;
   };
   struct Layer {
     cpu::WeightMatrix q, k, v, o, gate, up, down;
@@ -59,8 +67,13 @@ class CpuBackend final : public Backend {
   };
 
   CpuBackend() = default;
-  // The forward pass of a validated step.
-  void forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits);
+  // The forward pass of a validated step; the embedding rows it gathered go to `gathered`.
+  void forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits,
+               std::vector<uint32_t>& gathered);
+  // Binds `w` to its in-step account, computed from the checkpoint's bytes of `tensor`.
+  void account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role,
+               bool by_row);
+  WeightReadVerdict verifyReads(std::span<const uint32_t> gathered) const;
   Status checkRange(const WeightRange& range) const;
   float* kvAt(float* cache, int layer, uint32_t block, int kv_head, uint32_t slot) const;
 
@@ -75,6 +88,9 @@ class CpuBackend final : public Backend {
   Vector final_norm_;
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;
+  std::deque<ReadAccount> accounts_;          // stable addresses: kernels hold their WeightReads
+  std::vector<cpu::WeightMatrix*> bindings_;  // every weight role, for fault injection
+  std::vector<std::unique_ptr<std::byte[]>> stale_copies_;
   // [layer][block][kv_head][slot][head_dim]
   // Left uninitialised: a slot is always written before it is read.
   std::unique_ptr<float[]> k_cache_, v_cache_;

@@ -165,16 +165,26 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
   const int blocks = (rows + kRowBlock - 1) / kRowBlock;
   // Threads only where the work pays for waking them: small products run on the caller.
   const bool parallel = int64_t(rows) * cols * tokens >= parallel_macs;
-  // Blocks are handed out dynamically: a thread the OS preempts (the broker samples on the same
-  // cores) leaves its share to the others instead of holding up the whole product. Which thread
-  // computes a block never changes its values, and the checksum partial sums are order-free.
+  const uint64_t row_words = weightRowWords(row_bytes);
+  if (w.reads != nullptr) w.reads->uses.fetch_add(1, std::memory_order_relaxed);
+    // Blocks are handed out dynamically: a thread the OS preempts (the broker samples on the same
+    // cores) leaves its share to the others instead of holding up the whole product. Which thread
+    // computes a block never changes its values, and the checksum partial sums are order-free.
 #pragma omp parallel if (parallel)
   {
     auto out = sink.local();
+    uint64_t read_sum = 0, read_words = 0;
 #pragma omp for schedule(dynamic, kBlocksPerClaim)
     for (int b = 0; b < blocks; ++b) {
       const int j0 = b * kRowBlock;
       const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
+      if (w.reads != nullptr) {
+        // The block's rows, through the pointer the products below read them from.
+        for (int j = j0; j < j1; ++j)
+          read_sum += foldWeightRow(w.data + size_t(j) * row_bytes, row_bytes,
+                                    uint64_t(j) * row_words, w.salt);
+        read_words += uint64_t(j1 - j0) * row_words;
+      }
       int t = 0;
       for (; t + 4 <= tokens; t += 4) {
         const float* xs[4] = {x + size_t(t) * cols, x + size_t(t + 1) * cols,
@@ -195,6 +205,10 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
       }
     }
     out.finish();
+    if (w.reads != nullptr) {
+      w.reads->sum.fetch_add(read_sum, std::memory_order_relaxed);
+      w.reads->words.fetch_add(read_words, std::memory_order_relaxed);
+    }
   }
 }
 
@@ -253,6 +267,19 @@ void toFloat(DType dtype, const std::byte* src, size_t n, float* dst) {
         break;
     }
   }
+}
+
+void readRow(const WeightMatrix& w, int row, float* dst) {
+  const size_t row_bytes = w.rowBytes();
+  const std::byte* src = w.data + size_t(row) * row_bytes;
+  if (w.reads != nullptr) {
+    const uint64_t row_words = weightRowWords(row_bytes);
+    w.reads->sum.fetch_add(foldWeightRow(src, row_bytes, uint64_t(row) * row_words, w.salt),
+                           std::memory_order_relaxed);
+    w.reads->words.fetch_add(row_words, std::memory_order_relaxed);
+    w.reads->uses.fetch_add(1, std::memory_order_relaxed);
+  }
+  toFloat(w.dtype, src, size_t(w.cols), dst);
 }
 
 }  // namespace bulkhead::cpu

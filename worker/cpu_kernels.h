@@ -3,6 +3,7 @@
 // computed together or on which thread runs them: batch- and chunk-invariance rests on this.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -11,12 +12,31 @@
 
 namespace bulkhead::cpu {
 
-// A row-major [rows][cols] weight matrix in its checkpoint dtype.
+// What one step's kernels read of one weight, folded as they read it: the sum of
+// foldWeightRow() over every row they loaded through the pointer they were handed, the words
+// counted, and how many kernels used the weight. The backend compares it with the checkpoint's
+// bytes at the end of the step (in-step integrity).
+struct WeightReads {
+  std::atomic<uint64_t> sum{0};
+  std::atomic<uint64_t> words{0};
+  std::atomic<uint32_t> uses{0};
+  void reset() {
+    sum.store(0, std::memory_order_relaxed);
+    words.store(0, std::memory_order_relaxed);
+    uses.store(0, std::memory_order_relaxed);
+  }
+};
+
+// A row-major [rows][cols] weight matrix in its checkpoint dtype (a vector has one row).
 struct WeightMatrix {
   DType dtype = DType::kF32;
   const std::byte* data = nullptr;
   int rows = 0;
   int cols = 0;
+  uint32_t salt = 0;             // names the weight's role in the folded terms
+  WeightReads* reads = nullptr;  // null: reads are not folded
+
+  size_t rowBytes() const { return size_t(cols) * dtypeSize(dtype); }
 };
 
 // y[t * w.rows + j] = dot(x[t * w.cols ...], row j of w) (+ bias[j]) (+ y when accumulate), for
@@ -39,5 +59,9 @@ void rmsNorm(const float* x, const float* weight, float eps, int n, float* out);
 
 // Converts n elements of a checkpoint tensor to float32.
 void toFloat(DType dtype, const std::byte* src, size_t n, float* dst);
+
+// Row `row` of `w` converted to float32 (an embedding lookup, or a vector with row 0), folded into
+// w.reads as it is read.
+void readRow(const WeightMatrix& w, int row, float* dst);
 
 }  // namespace bulkhead::cpu

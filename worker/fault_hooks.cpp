@@ -44,6 +44,13 @@ class InjectedFaults final : public StepFaults {
       std::unique_lock weights(weights_mutex_);
       return backend_.flipWeightBit(fault.byte_offset, fault.bit);
     }
+    if (fault.fault == Fault::kStaleSlot) {
+      std::unique_lock weights(weights_mutex_);
+      auto tensor = backend_.staleSlot(fault.byte_offset);
+      if (!tensor.ok()) return tensor.status();
+      spdlog::warn("fault: {} now served from a stale slot", *tensor);
+      return okStatus();
+    }
     armed_ = fault;
     return okStatus();
   }

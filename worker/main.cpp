@@ -27,8 +27,7 @@ constexpr const char* kGompSpinCount = "10000";
 // program again with it in the environment. An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT
 // is left alone.
 void setOpenMpWaitDefault(char** argv) {
-  if (std::getenv("GOMP_SPINCOUNT") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr)
-    return;
+  if (std::getenv("GOMP_SPINCOUNT") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) return;
   ::setenv("GOMP_SPINCOUNT", kGompSpinCount, 1);
   ::execv("/proc/self/exe", argv);
   std::perror("bulkhead-worker: re-executing with GOMP_SPINCOUNT set");  // runs on as it is

@@ -49,6 +49,13 @@ StepOutcome StepRunner::run(wire::Step::Reader step, wire::FromWorker::Builder r
   done.setComputeMicros(uint64_t(took.count()));
   // What the scrub thread found since the last report; it vouches for earlier steps only.
   if (scrubber_.share() > 0) fillScrubReport(done.initScrub(), scrubber_.takeReport());
+  auto reads = done.initWeightReads();
+  reads.setChecked(verdict_.checked);
+  reads.setFailedTensor(verdict_.failed_tensor);
+  reads.setWordsRead(verdict_.words_read);
+  if (!verdict_.failed_tensor.empty())
+    spdlog::error("step {} read {} wrongly: in-step weight checksum mismatch", step_id,
+                  verdict_.failed_tensor);
   publish(step_id, done);
   outcome.form = faults_.replyForm();
   return outcome;
@@ -112,7 +119,7 @@ StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
     std::shared_lock weights(weights_mutex_);
     Status s = backend_.enqueueStep(batch_, rows_);
     if (s.code() == Code::kInvalidArgument) return {StepVerdict::kRejected, s};
-    if (s.ok()) s = backend_.waitStep();
+    if (s.ok()) s = backend_.waitStep(verdict_);
     if (!s.ok()) return {StepVerdict::kFatal, s};
   }
   scrubber_.stepCompleted(step_id);

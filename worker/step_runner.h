@@ -59,6 +59,7 @@ class StepRunner {
   std::vector<float*> slots_;  // the arena slot of each requested row
   std::vector<RowOutput> rows_;
   std::vector<RowCheck> checks_;
+  WeightReadVerdict verdict_;  // the last step's in-step weight check
 };
 
 }  // namespace bulkhead

@@ -77,7 +77,12 @@ Status runStep(Backend& backend, std::span<const SequenceStep> batch,
   std::vector<RowOutput> rows(payloads.size());
   for (size_t i = 0; i < payloads.size(); ++i) rows[i] = {payloads[i], &checks[i]};
   BULKHEAD_RETURN_IF_ERROR(backend.enqueueStep(batch, rows));
-  return backend.waitStep();
+  WeightReadVerdict verdict;
+  BULKHEAD_RETURN_IF_ERROR(backend.waitStep(verdict));
+  if (!verdict.failed_tensor.empty())
+    return dataLoss("the step read " + verdict.failed_tensor +
+                    " wrongly: its in-step checksum does not match the checkpoint");
+  return okStatus();
 }
 
 }  // namespace bulkhead

@@ -201,8 +201,8 @@ TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
   ASSERT_TRUE(recorded);
 
   // Workers that compute with one perturbed weight from birth (the host copy is untouched, so
-  // the model's identity and weight digest are the same). Scrubbing is off, so the canary's
-  // logits digest is the only thing that can tell.
+  // the model's identity and weight digest are the same). Scrubbing is off; the canary's step is
+  // the first step such a worker runs, and its own in-step weight check fails it.
   test::TempDir dir;
   const std::string worker =
       writeScript(dir, "worker.sh",
@@ -216,7 +216,9 @@ TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
   const v1::WorkerInfo info = test::waitForWorker(
       *broker.channel(), [](const v1::WorkerInfo& w) { return w.state() == "failed"; }, 30s);
   ASSERT_EQ(info.state(), "failed") << "a perturbed worker was allowed to serve";
-  EXPECT_NE(info.last_failure().find("canary mismatch: logits digest"), std::string::npos)
+  EXPECT_NE(
+      info.last_failure().find("canary step failed: integrity failure (in-step weight reads)"),
+      std::string::npos)
       << info.last_failure();
   EXPECT_EQ(health(*broker.channel()), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   grpc::ClientContext ctx;

@@ -22,7 +22,10 @@ struct TestSequence {
 
 class BackendDriver {
  public:
-  explicit BackendDriver(Backend& backend) : backend_(backend) {}
+  explicit BackendDriver(Backend& backend, bool tolerate_failed_reads = false)
+      : backend_(backend), tolerate_failed_reads_(tolerate_failed_reads) {}
+  // Steps whose in-step weight check failed (counted only when tolerated).
+  int failedReads() const { return failed_reads_; }
 
   TestSequence newSequence(uint64_t id, uint32_t max_positions) {
     TestSequence s{id, {}, 0};
@@ -55,7 +58,11 @@ class BackendDriver {
                        .logits_rows = row_ids[i]});
     }
     Status s = runStep(backend_, batch, dst);
-    EXPECT_TRUE(s.ok()) << s.toString();
+    if (tolerate_failed_reads_ && s.code() == Code::kDataLoss) {
+      ++failed_reads_;  // the step computed, but its own weight check failed
+    } else {
+      EXPECT_TRUE(s.ok()) << s.toString();
+    }
     for (const Chunk& c : chunks) c.seq->position += uint32_t(c.tokens.size());
     return out;
   }
@@ -74,6 +81,8 @@ class BackendDriver {
 
  private:
   Backend& backend_;
+  bool tolerate_failed_reads_ = false;
+  int failed_reads_ = 0;
   uint32_t next_block_ = 0;
 };
 

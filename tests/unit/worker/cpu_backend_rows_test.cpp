@@ -30,7 +30,7 @@ class CpuBackendRowsTest : public ::testing::TestWithParam<int64_t> {
 
   // Three sequences, every token's row requested: 9 rows of vocab floats.
   void runStep(uint64_t first_id, std::vector<std::vector<float>>& payloads,
-               std::vector<RowCheck>& checks) {
+               std::vector<RowCheck>& checks, bool weights_intact = true) {
     const uint32_t vocab = backend_->limits().vocab_size;
     static const std::vector<uint32_t> tokens[3] = {{1, 2, 3}, {7}, {9, 8, 7, 6, 5}};
     static const std::vector<uint32_t> rows[3] = {{0, 1, 2}, {0}, {0, 1, 2, 3, 4}};
@@ -51,7 +51,14 @@ class CpuBackendRowsTest : public ::testing::TestWithParam<int64_t> {
     ASSERT_TRUE(backend_->enqueueStep(batch, out).ok());
     batch.clear();  // enqueueStep copied what it needs
     blocks.clear();
-    ASSERT_TRUE(backend_->waitStep().ok());
+    WeightReadVerdict verdict;
+    ASSERT_TRUE(backend_->waitStep(verdict).ok());
+    EXPECT_TRUE(verdict.checked);
+    if (weights_intact) {
+      EXPECT_EQ(verdict.failed_tensor, "") << "a clean step failed its in-step weight check";
+    } else {
+      EXPECT_NE(verdict.failed_tensor, "") << "the step read flipped weights unseen";
+    }
   }
 
   void expectChecksMatch(const std::vector<std::vector<float>>& payloads,
@@ -108,7 +115,7 @@ TEST_P(CpuBackendRowsTest, NonFiniteRowsAreFlaggedAndStillChecksummed) {
   }
   std::vector<std::vector<float>> payloads;
   std::vector<RowCheck> checks;
-  runStep(1, payloads, checks);
+  runStep(1, payloads, checks, /*weights_intact=*/false);
   expectChecksMatch(payloads, checks, false);
 }
 

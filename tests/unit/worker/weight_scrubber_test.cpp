@@ -41,16 +41,20 @@ class WeightScrubberTest : public ::testing::Test {
         WeightScrubber::Options{.share = share, .granule_bytes = granule_bytes});
   }
 
-  // One step of a fresh sequence, as the server runs it: shared lock, then stepCompleted.
+  // One step of a fresh sequence, as the server runs it: shared lock, then stepCompleted. A step
+  // that computes with a corrupted weight also fails its own in-step check; that is counted.
   test::Rows step(WeightScrubber& s, uint64_t step_id) {
     test::Rows rows;
     {
       std::shared_lock lock(weights_mutex_);
-      rows = test::BackendDriver(*backend_).runAlone(step_id, {3, 1, 4, 1, 5}, 5);
+      test::BackendDriver driver(*backend_, /*tolerate_failed_reads=*/true);
+      rows = driver.runAlone(step_id, {3, 1, 4, 1, 5}, 5);
+      failed_reads_ += driver.failedReads();
     }
     s.stepCompleted(step_id);
     return rows;
   }
+  int failed_reads_ = 0;
 
   void flip(uint64_t byte, uint8_t bit) {
     std::unique_lock lock(weights_mutex_);
@@ -90,6 +94,7 @@ TEST_F(WeightScrubberTest, ThreadFindsAndRepairsAFlippedBitAndNamesTheFirstSuspe
   flip(checkpoint_->weightBytes() / 2, 6);
   step(*s, 4);  // both compute with the corrupted byte
   step(*s, 5);
+  EXPECT_EQ(failed_reads_, 2) << "each step that read the corrupted byte fails its own check";
 
   std::vector<ScrubReport> reports;
   std::vector<WeightCorruption> found;
