@@ -95,6 +95,48 @@ INSTANTIATE_TEST_SUITE_P(Classes, FaultClassTest,
                            return std::string(faultName(info.param));
                          });
 
+// The failure this project exists for: a second generation in the same worker, after lm_head
+// began to be served from a stale slot while every resident byte stayed intact. The first step
+// that reads it fails its own weight check, no row of it is sampled, the worker is replaced, and
+// the generation is the same as without the fault.
+TEST(OriginFailure, StaleLmHeadBetweenTwoGenerationsIsCaughtInTheStepThatReadsIt) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--enable-fault-injection"});
+  ASSERT_TRUE(broker.ok());
+  const test::Golden golden = test::loadGolden(test::fixtureDir("tiny-qwen2"));
+  const test::GoldenCase& c = golden.cases[0];
+  const auto r = request(c.prompt, uint32_t(c.greedy.size()));
+  const test::Generation first = generate(*broker.channel(), r);
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_EQ(first.tokens, c.greedy);
+
+  // Role 1 is lm_head. With no traffic the fault is armed and waits for the next step; the call
+  // returns when its short timeout passes, undetected so far.
+  auto admin = v1::Admin::NewStub(broker.channel());
+  {
+    grpc::ClientContext ctx;
+    v1::InjectFaultRequest req;
+    req.set_fault("stale_slot");
+    req.set_random(1);
+    req.set_timeout_ms(500);
+    v1::InjectFaultResponse resp;
+    ASSERT_TRUE(admin->InjectFault(&ctx, req, &resp).ok());
+    EXPECT_FALSE(resp.detected()) << "detected before any step read the stale slot";
+  }
+  const test::Generation second = generate(*broker.channel(), r);
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(second.tokens, c.greedy) << "the stale lm_head reached a client";
+
+  grpc::ClientContext stats_ctx;
+  v1::Stats stats;
+  ASSERT_TRUE(admin->GetStats(&stats_ctx, {}, &stats).ok());
+  EXPECT_GE(stats.integrity_failures(), 1u);
+  EXPECT_EQ(stats.worker_restarts(), 1u) << "the stale slot persists: the worker is replaced";
+  const v1::WorkerInfo info = test::workerInfo(*broker.channel());
+  EXPECT_NE(info.last_failure().find("in-step weight reads"), std::string::npos)
+      << info.last_failure();
+  EXPECT_NE(info.last_failure().find("lm_head"), std::string::npos) << info.last_failure();
+}
+
 TEST(FaultInjection, RefusedUnlessEnabled) {
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"));
   ASSERT_TRUE(broker.ok());
