@@ -118,6 +118,9 @@ int main(int argc, char** argv) {
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
   step_bench->add_option("--sampling-threads", step_opts.sampling_threads,
                          "Threads verifying and sampling rows (0: one per core)");
+  bool no_in_step_checks = false;
+  step_bench->add_flag("--no-in-step-checks", no_in_step_checks,
+                       "Run the worker without its in-step weight checks (their cost)");
   step_bench
       ->add_option("--scrub-share", step_opts.scrub_share,
                    "The worker's background scrubbing, a share of one core (default 0: "
@@ -223,6 +226,7 @@ int main(int argc, char** argv) {
     auto parsed = parseTokenList(batches);
     if (!parsed.ok()) return fail("step-bench", invalidArgument("--batches: expected e.g. 1,32"));
     step_opts.batches = *parsed;
+    step_opts.in_step_checks = !no_in_step_checks;
     if (step_opts.worker_path.empty()) {
       std::error_code ec;
       auto self = std::filesystem::read_symlink("/proc/self/exe", ec);

@@ -24,6 +24,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   spawn.backend = o.backend;
   spawn.arena_slots = max_batch;
   spawn.extra_args = {"--log-level", "warn", "--scrub-share", std::to_string(o.scrub_share)};
+  if (!o.in_step_checks) spawn.extra_args.push_back("--no-in-step-checks");
   auto client = WorkerClient::spawn(spawn);
   if (!client.ok()) return client.error().toStatus();
   const WorkerHello& hello = (*client)->hello();
@@ -39,9 +40,9 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   RowSampler sampler(pool);
   std::printf(
       "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g, "
-      "%u sampling threads\n",
+      "%u sampling threads, in-step weight checks %s\n",
       o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations, o.scrub_share,
-      pool.threads());
+      pool.threads(), hello.in_step_checks ? "on" : "off");
   std::printf("%6s %12s %12s %12s %14s %14s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",
               "compute_p50", "overhead_p50", "overhead_p99", "MB/step");
   nlohmann::json report = {{"model", o.model_dir},

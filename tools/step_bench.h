@@ -19,6 +19,7 @@ struct StepBenchOptions {
   // The worker's background weight scrubbing (its share of one core); it competes with compute.
   double scrub_share = 0.0;
   unsigned sampling_threads = 0;  // 0: one per core, as the broker
+  bool in_step_checks = true;     // the worker checks each step's weight reads
   std::string json_path;
 };
 

@@ -11,6 +11,8 @@ namespace bulkhead {
 
 struct BackendOptions {
   uint32_t kv_blocks = 0;  // 0: the backend's default for its memory budget
+  // Check every step's weight reads (off only to measure what the checks cost).
+  bool check_weight_reads = true;
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

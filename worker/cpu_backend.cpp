@@ -41,7 +41,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
                 .resident_weight_bytes = checkpoint->weightBytes(),
                 .streamed_weight_bytes = 0,
                 .kv_cache_bytes = uint64_t(kv_floats) * 2 * sizeof(float),
-                .checks_weight_reads = true};
+                .checks_weight_reads = options.check_weight_reads};
   b->k_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
   b->v_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
 
@@ -118,6 +118,9 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
 
 void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role,
                          bool by_row) {
+  bindings_.push_back(&w);
+  role_names_.push_back(role);
+  if (!limits_.checks_weight_reads) return;
   ReadAccount& a = accounts_.emplace_back();
   a.tensor = role;
   w.salt = uint32_t(splitmix64(accounts_.size()));
@@ -132,11 +135,10 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
     a.expected += fold;
   }
   a.words = uint64_t(w.rows) * row_words;
-  bindings_.push_back(&w);
 }
 
 WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) const {
-  WeightReadVerdict verdict{.checked = true};
+  WeightReadVerdict verdict{.checked = limits_.checks_weight_reads};
   for (const ReadAccount& a : accounts_) {
     const uint64_t sum = a.reads.sum.load(std::memory_order_relaxed);
     const uint64_t words = a.reads.words.load(std::memory_order_relaxed);
@@ -158,7 +160,7 @@ WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) co
 Result<std::string> CpuBackend::staleSlot(uint64_t selector) {
   if (bindings_.empty()) return failedPrecondition("no weights to rebind");
   cpu::WeightMatrix& w = *bindings_[selector % bindings_.size()];
-  const ReadAccount& a = accounts_[selector % bindings_.size()];
+  const std::string& name = role_names_[selector % bindings_.size()];
   const size_t bytes = w.rowBytes() * size_t(w.rows);
   // Another resident slot of the same size and dtype whose bytes differ, if there is one.
   for (const cpu::WeightMatrix* other : bindings_) {
@@ -167,7 +169,7 @@ Result<std::string> CpuBackend::staleSlot(uint64_t selector) {
         std::memcmp(other->data, w.data, bytes) == 0)
       continue;
     w.data = other->data;
-    return a.tensor;
+    return name;
   }
   // Otherwise a stale copy: an older version of the weight, which differs in every row (here in
   // one bit of each row's first byte).
@@ -176,7 +178,7 @@ Result<std::string> CpuBackend::staleSlot(uint64_t selector) {
   for (int j = 0; j < w.rows; ++j) copy[size_t(j) * w.rowBytes()] ^= std::byte(0x10);
   w.data = copy.get();
   stale_copies_.push_back(std::move(copy));
-  return a.tensor;
+  return name;
 }
 
 Status CpuBackend::checkRange(const WeightRange& r) const {

@@ -23,6 +23,8 @@ class CpuBackend final : public Backend {
     uint32_t max_step_tokens = 8192;
     // Work below which a kernel runs on one thread (multiply-adds; tests lower it to 0).
     int64_t parallel_macs = int64_t(1) << 18;
+    // Fold and check every weight word the kernels read, in every step (worker/backend.h).
+    bool check_weight_reads = true;
   };
 
   // Copies the weights out of the checkpoint: the engine computes from its own copy, so the
@@ -90,6 +92,7 @@ class CpuBackend final : public Backend {
   std::vector<float> inv_freq_;
   std::deque<ReadAccount> accounts_;          // stable addresses: kernels hold their WeightReads
   std::vector<cpu::WeightMatrix*> bindings_;  // every weight role, for fault injection
+  std::vector<std::string> role_names_;       // beside bindings_
   std::vector<std::unique_ptr<std::byte[]>> stale_copies_;
   // [layer][block][kv_head][slot][head_dim]
   // Left uninitialised: a slot is always written before it is read.

@@ -56,6 +56,10 @@ int main(int argc, char** argv) {
                  "Share of one core's time the background weight scrubber may be busy (0: no "
                  "scrubbing)")
       ->check(CLI::Range(0.0, 1.0));
+  bool no_in_step_checks = false;
+  app.add_flag("--no-in-step-checks", no_in_step_checks,
+               "Do not check the weight words each step reads (to measure what the checks cost; "
+               "tokens then wait for the scrubber)");
   std::string perturb;
   app.add_option("--perturb-weight", perturb,
                  "BYTE:BIT to flip in the resident weights at start (needs "
@@ -73,6 +77,7 @@ int main(int argc, char** argv) {
     }
   }
 
+  backend_options.check_weight_reads = !no_in_step_checks;
   auto checkpoint = Checkpoint::open(options.model_dir);
   if (!checkpoint.ok()) {
     spdlog::critical("{}", checkpoint.status().toString());
