@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
+
+#include "broker/latency_window.h"
 
 namespace bulkhead {
 
@@ -15,6 +18,8 @@ struct SchedulerStats {
   uint64_t tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
            replayed_sequences = 0, integrity_failures = 0, weight_corruptions = 0, canary_runs = 0,
            canary_failures = 0;
+  // From the end of a token's step to its release; and the steps themselves (last 4096 each).
+  double release_latency_ms_p50 = 0, release_latency_ms_p99 = 0, step_ms_p50 = 0;
 };
 
 struct WorkerStatus {
@@ -37,7 +42,19 @@ class StatsBoard {
   }
   SchedulerStats stats() const {
     std::lock_guard lock(mu_);
-    return stats_;
+    SchedulerStats out = stats_;
+    out.release_latency_ms_p50 = release_ms_.percentile(50);
+    out.release_latency_ms_p99 = release_ms_.percentile(99);
+    out.step_ms_p50 = step_ms_.percentile(50);
+    return out;
+  }
+  void addReleaseLatencies(const std::vector<double>& ms) {
+    std::lock_guard lock(mu_);
+    for (double v : ms) release_ms_.add(v);
+  }
+  void addStepTime(double ms) {
+    std::lock_guard lock(mu_);
+    step_ms_.add(ms);
   }
   WorkerStatus worker() const {
     std::lock_guard lock(mu_);
@@ -48,6 +65,7 @@ class StatsBoard {
   mutable std::mutex mu_;
   SchedulerStats stats_;
   WorkerStatus worker_;
+  LatencyWindow release_ms_, step_ms_;
 };
 
 }  // namespace bulkhead

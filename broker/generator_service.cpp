@@ -359,6 +359,9 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
   out->set_weight_corruptions(s.weight_corruptions);
   out->set_canary_runs(s.canary_runs);
   out->set_canary_failures(s.canary_failures);
+  out->set_release_latency_ms_p50(s.release_latency_ms_p50);
+  out->set_release_latency_ms_p99(s.release_latency_ms_p99);
+  out->set_step_ms_p50(s.step_ms_p50);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -4,6 +4,7 @@
 // is replayed from its history on whatever worker computes it next.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -25,11 +26,14 @@ class ReleaseLedger {
   uint32_t released() const { return released_; }
   size_t unreleasedCount() const { return unreleased_.size(); }
 
-  // A token sampled from a row of step `step`.
-  void append(uint64_t step, TokenChoice choice);
+  using Clock = std::chrono::steady_clock;
+  // A token sampled from a row of step `step`, which completed at `step_done`.
+  void append(uint64_t step, TokenChoice choice, Clock::time_point step_done = {});
   // The unsent tokens produced by steps up to `clean_through`, in order; they count as sent once
-  // this returns. Empty when the oldest unsent token is from a later step.
-  std::vector<TokenChoice> takeReleasable(uint64_t clean_through);
+  // this returns. Empty when the oldest unsent token is from a later step. `produced_at`, when
+  // given, receives each one's step completion time.
+  std::vector<TokenChoice> takeReleasable(uint64_t clean_through,
+                                          std::vector<Clock::time_point>* produced_at = nullptr);
   // Forgets every unsent token produced by step `from_step` or later (they were computed from
   // weights found corrupted). Returns how many were dropped.
   size_t rollBack(uint64_t from_step);
@@ -40,6 +44,7 @@ class ReleaseLedger {
   struct Unsent {
     uint64_t step;
     TokenChoice choice;
+    Clock::time_point step_done;
   };
   std::vector<uint32_t> tokens_;
   uint32_t prompt_len_ = 0;

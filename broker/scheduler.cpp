@@ -313,7 +313,10 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
       options_.step_timeout_base +
       std::chrono::duration_cast<milliseconds>(options_.step_timeout_per_token * tokens_in_step);
   const uint64_t step_id = slot_.nextStepId();
+  const auto sent = Clock::now();
   auto reply = worker.step(step_id, steps, timeout);
+  const auto step_done = Clock::now();
+  board_.addStepTime(std::chrono::duration<double, std::milli>(step_done - sent).count());
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.steps; });
   if (!reply.ok()) return handleStepFailure(reply.error(), batch);
 
@@ -352,7 +355,7 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   }
   std::vector<const TokenChoice*> chosen;
   for (const SampledRow& row : sampled) chosen.push_back(&row.choice);
-  const size_t generated = queues_.accept(batch, plan.chunks, step_id, chosen);
+  const size_t generated = queues_.accept(batch, plan.chunks, step_id, chosen, step_done);
   board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += generated; });
   applyScrub(reply->scrub, hello.scrubbing && !hello.in_step_checks);
   return true;
@@ -395,7 +398,9 @@ void Scheduler::applyScrub(const ScrubStatus& scrub, bool gated) {
       });
       slot_.failed("weight corruption in " + scrub.corruptions[0].tensor);
     }
-    queues_.release(gated ? scrub.clean_through : UINT64_MAX);
+    std::vector<double> latencies;
+    queues_.release(gated ? scrub.clean_through : UINT64_MAX, &latencies);
+    board_.addReleaseLatencies(latencies);
     return;
   }
   uint64_t from = UINT64_MAX;

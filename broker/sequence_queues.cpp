@@ -91,13 +91,14 @@ void SequenceQueues::freeBlocks(Sequence& seq) {
 
 size_t SequenceQueues::accept(std::span<Sequence* const> batch,
                               std::span<const PlannedChunk> chunks, uint64_t step_id,
-                              std::span<const TokenChoice* const> chosen) {
+                              std::span<const TokenChoice* const> chosen,
+                              std::chrono::steady_clock::time_point step_done) {
   size_t r = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& s = *batch[i];
     s.computed += chunks[i].chunk;
     if (!chunks[i].wants_row) continue;
-    s.ledger.append(step_id, *chosen[r++]);
+    s.ledger.append(step_id, *chosen[r++], step_done);
     s.finish_reason = stopReason(s);
   }
   std::erase_if(running_, [&](SequencePtr& s) {
@@ -130,11 +131,18 @@ FinishReason SequenceQueues::stopReason(const Sequence& s) const {
   return FinishReason::kNone;
 }
 
-void SequenceQueues::release(uint64_t clean_through) {
+void SequenceQueues::release(uint64_t clean_through, std::vector<double>* latencies_ms) {
+  std::vector<std::chrono::steady_clock::time_point> produced;
   for (auto* list : {&running_, &finishing_}) {
     for (auto& s : *list) {
-      const std::vector<TokenChoice> out = s->ledger.takeReleasable(clean_through);
-      if (!out.empty()) s->sink->onTokens(out);
+      produced.clear();
+      const std::vector<TokenChoice> out = s->ledger.takeReleasable(clean_through, &produced);
+      if (out.empty()) continue;
+      s->sink->onTokens(out);
+      if (latencies_ms == nullptr) continue;
+      const auto now = std::chrono::steady_clock::now();
+      for (const auto& at : produced)
+        latencies_ms->push_back(std::chrono::duration<double, std::milli>(now - at).count());
     }
   }
   std::erase_if(finishing_, [&](const SequencePtr& s) {

@@ -65,13 +65,15 @@ class SequenceQueues {
   // row, takes the next token of `chosen` (in order); sequences that stopped give their blocks back
   // and wait for their last tokens. Returns the tokens appended.
   size_t accept(std::span<Sequence* const> batch, std::span<const PlannedChunk> chunks,
-                uint64_t step_id, std::span<const TokenChoice* const> chosen);
+                uint64_t step_id, std::span<const TokenChoice* const> chosen,
+                std::chrono::steady_clock::time_point step_done);
   // Ends these running sequences with `status`.
   void failRunning(std::span<Sequence* const> batch, const Status& status);
   FinishReason stopReason(const Sequence& seq) const;
 
   // Sends the tokens of steps up to `clean_through`; ends requests with nothing left to send.
-  void release(uint64_t clean_through);
+  // Adds each sent token's latency since its step completed (ms) to `latencies_ms` when given.
+  void release(uint64_t clean_through, std::vector<double>* latencies_ms = nullptr);
   // Drops unsent tokens from `from_step` on and replays everything. Returns tokens dropped.
   size_t rollBack(uint64_t from_step);
   // The worker is gone: unsent tokens are dropped and every sequence is replayed.

@@ -11,6 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <grpcpp/grpcpp.h>
+
+#include "bulkhead/v1/generator.grpc.pb.h"
 #include "shared/child_process.h"
 #include "tools/remote.h"
 #include "tools/step_bench.h"
@@ -49,8 +52,9 @@ Status runServeBench(const ServeBenchOptions& o) {
   const Mode modes[] = {{"greedy", 0, 1}, {"t0.8-p0.9", 0.8f, 0.9f}};
   std::printf("\n== end to end through the broker (%s, prompt %u, gen %u) ==\n", address.c_str(),
               o.prompt_len, o.gen_len);
-  std::printf("%11s %10s %12s %12s %8s %10s %10s\n", "concurrency", "sampling", "tokens/s",
-              "ceiling", "ratio", "ttft_p50", "itl_p50");
+  std::printf("%11s %10s %12s %12s %8s %10s %10s %12s %10s\n", "concurrency", "sampling",
+              "tokens/s", "ceiling", "ratio", "ttft_p50", "itl_p50", "release_p99", "step_p50");
+  auto admin = v1::Admin::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   nlohmann::json report = {{"model", o.model_dir},
                            {"backend", o.backend},
                            {"prompt_len", o.prompt_len},
@@ -69,8 +73,13 @@ Status runServeBench(const ServeBenchOptions& o) {
                      .requests = o.concurrency[i] * o.requests_per_stream};
       const BenchResult r = measureBench(c);
       const double ratio = r.tokens_per_s / ceiling_tok_s;
-      std::printf("%11u %10s %12.1f %12.1f %7.1f%% %8.2f ms %8.3f ms\n", o.concurrency[i], m.name,
-                  r.tokens_per_s, ceiling_tok_s, 100 * ratio, r.ttft_ms_p50, r.itl_ms_p50);
+      // The broker's own view: release latency and step time over its last 4096 samples.
+      v1::Stats stats;
+      grpc::ClientContext ctx;
+      (void)admin->GetStats(&ctx, {}, &stats);
+      std::printf("%11u %10s %12.1f %12.1f %7.1f%% %8.2f ms %8.3f ms %9.3f ms %7.2f ms\n",
+                  o.concurrency[i], m.name, r.tokens_per_s, ceiling_tok_s, 100 * ratio,
+                  r.ttft_ms_p50, r.itl_ms_p50, stats.release_latency_ms_p99(), stats.step_ms_p50());
       report["results"].push_back({{"concurrency", o.concurrency[i]},
                                    {"sampling", m.name},
                                    {"tokens_per_s", r.tokens_per_s},
@@ -79,6 +88,8 @@ Status runServeBench(const ServeBenchOptions& o) {
                                    {"ratio", ratio},
                                    {"ttft_ms_p50", r.ttft_ms_p50},
                                    {"itl_ms_p50", r.itl_ms_p50},
+                                   {"release_latency_ms_p99", stats.release_latency_ms_p99()},
+                                   {"step_ms_p50", stats.step_ms_p50()},
                                    {"failed", r.failed}});
       if (r.failed > 0 && status.ok())
         status = unavailable(std::to_string(r.failed) + " requests failed: " + r.first_error);
