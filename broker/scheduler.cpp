@@ -279,10 +279,7 @@ void Scheduler::handleRestart() {
 
 bool Scheduler::stepOnce(WorkerConnection& worker) {
   const WorkerHello& hello = worker.hello();
-  std::vector<RunningSequence> view;
-  std::vector<SequencePtr>& running = queues_.running();
-  for (const auto& s : running)
-    view.push_back({uint32_t(s->ledger.tokens().size()), s->computed, uint32_t(s->blocks.size())});
+  const std::vector<RunningSequence> view = queues_.runningView();
   const StepPlan plan =
       planStep(view, {.token_budget = std::min(options_.max_batch_tokens, hello.max_step_tokens),
                       .max_rows = hello.arena_slots,
@@ -291,50 +288,58 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   for (size_t i = 0; i < plan.preempt; ++i) queues_.preemptLast();
   if (plan.chunks.empty()) return false;
 
-  std::vector<Sequence*> batch;
-  std::vector<SequenceStep> steps;
-  std::vector<uint32_t> row_index(plan.chunks.size());
-  uint32_t tokens_in_step = 0;
-  for (size_t i = 0; i < plan.chunks.size(); ++i) {
-    const PlannedChunk& c = plan.chunks[i];
-    Sequence& s = *running[c.index];
-    queues_.growBlocks(s, c.blocks_needed);  // the plan reserved them
-    row_index[i] = c.chunk - 1;
-    batch.push_back(&s);
-    steps.push_back(
-        {.sequence_id = s.id,
-         .start_position = s.computed,
-         .tokens = s.ledger.tokens().subspan(s.computed, c.chunk),
-         .kv_blocks = s.blocks,
-         .logits_rows = c.wants_row ? std::span(&row_index[i], 1) : std::span<const uint32_t>()});
-    tokens_in_step += c.chunk;
-  }
+  const StepRequest request = queues_.assemble(plan);
+  const std::vector<Sequence*>& batch = request.batch;
   const auto timeout =
       options_.step_timeout_base +
-      std::chrono::duration_cast<milliseconds>(options_.step_timeout_per_token * tokens_in_step);
+      std::chrono::duration_cast<milliseconds>(options_.step_timeout_per_token * request.tokens);
   const uint64_t step_id = slot_.nextStepId();
   const auto sent = Clock::now();
-  auto reply = worker.step(step_id, steps, timeout);
+  auto reply = worker.step(step_id, request.steps, timeout);
   const auto step_done = Clock::now();
   board_.addStepTime(std::chrono::duration<double, std::milli>(step_done - sent).count());
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.steps; });
   if (!reply.ok()) return handleStepFailure(reply.error(), batch);
 
-  // Verification and sampling in one pass over each row, spread over the pool.
+  std::vector<SampledRow> sampled;
+  if (WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, step_id, sampled); !bad.ok())
+    return handleStepFailure(bad, batch);
+  step_failures_in_a_row_ = 0;
+  slot_.stepCompleted();
+  // A worker that checks every step's weight reads vouches for the step by itself; otherwise
+  // tokens wait for the scrubber, and a corruption it reports rolls them back, this step's too.
+  const bool gated = hello.scrubbing && !hello.in_step_checks;
+  if (gated && !reply->scrub.corruptions.empty()) {
+    applyScrub(reply->scrub, gated);
+    return true;
+  }
+  std::vector<const TokenChoice*> chosen;
+  for (const SampledRow& row : sampled) chosen.push_back(&row.choice);
+  const size_t generated = queues_.accept(batch, plan.chunks, step_id, chosen, step_done);
+  board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += generated; });
+  applyScrub(reply->scrub, gated);
+  return true;
+}
+
+// Verification and sampling in one pass over each row, spread over the pool. A row that fails
+// fails the step: none of its rows is used.
+WorkerFailure Scheduler::sampleRows(const std::vector<Sequence*>& batch,
+                                    std::span<const PlannedChunk> chunks, const StepReply& reply,
+                                    uint64_t step_id, std::vector<SampledRow>& sampled) {
   std::vector<RowToSample> jobs;
   size_t r = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
-    if (!plan.chunks[i].wants_row) continue;
+    if (!chunks[i].wants_row) continue;
     const Sequence& s = *batch[i];
-    jobs.push_back({.logits = reply->rows[r].payload,
-                    .expected_checksum = reply->rows[r].checksum,
+    jobs.push_back({.logits = reply.rows[r].payload,
+                    .expected_checksum = reply.rows[r].checksum,
                     .config = &s.request.sampling,
                     .prompt = s.ledger.prompt(),
                     .generated = s.ledger.generated(),
                     .position = s.ledger.tokens().size()});
     ++r;
   }
-  std::vector<SampledRow> sampled(jobs.size());
+  sampled.resize(jobs.size());
   sampler_.verifyAndSample(jobs, sampled);
   for (size_t i = 0; i < sampled.size(); ++i) {
     if (sampled[i].failed == IntegrityCheck::kNone) continue;
@@ -343,22 +348,9 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
         "logits row " + std::to_string(i) + " of step " + std::to_string(step_id) + " failed the " +
             std::string(integrityCheckName(sampled[i].failed)) + " check");
     f.check = sampled[i].failed;
-    return handleStepFailure(f, batch);
+    return f;
   }
-  step_failures_in_a_row_ = 0;
-  slot_.stepCompleted();
-  // A worker that checks every step's weight reads vouches for the step by itself; otherwise
-  // tokens wait for the scrubber, and a corruption it reports rolls them back.
-  if (!hello.in_step_checks && !reply->scrub.corruptions.empty()) {
-    applyScrub(reply->scrub, hello.scrubbing);  // rolls back: this step's tokens are not kept
-    return true;
-  }
-  std::vector<const TokenChoice*> chosen;
-  for (const SampledRow& row : sampled) chosen.push_back(&row.choice);
-  const size_t generated = queues_.accept(batch, plan.chunks, step_id, chosen, step_done);
-  board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += generated; });
-  applyScrub(reply->scrub, hello.scrubbing && !hello.in_step_checks);
-  return true;
+  return {};
 }
 
 bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch) {
@@ -385,34 +377,29 @@ bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequ
   return true;
 }
 
-// `gated`: tokens wait for the scrubber's clean-through (a worker without in-step checks).
+// `gated`: tokens wait for the scrubber's clean-through (a worker without in-step checks), and a
+// corruption it reports rolls back every unsent token from the first suspect step on. A worker
+// with in-step checks has already failed any step that read a corrupted weight.
 void Scheduler::applyScrub(const ScrubStatus& scrub, bool gated) {
-  if (scrub.corruptions.empty() || !gated) {
-    for (const auto& c : scrub.corruptions)
-      spdlog::warn(
-          "worker repaired {} (bytes {}..{}) in the background; steps check their own reads",
-          c.tensor, c.offset, c.offset + c.bytes);
-    if (!scrub.corruptions.empty()) {
-      board_.update([&](SchedulerStats& s, WorkerStatus&) {
-        s.weight_corruptions += scrub.corruptions.size();
-      });
-      slot_.failed("weight corruption in " + scrub.corruptions[0].tensor);
-    }
-    std::vector<double> latencies;
-    queues_.release(gated ? scrub.clean_through : UINT64_MAX, &latencies);
-    board_.addReleaseLatencies(latencies);
-    return;
-  }
   uint64_t from = UINT64_MAX;
   for (const auto& c : scrub.corruptions) {
-    spdlog::error("worker repaired corrupted weights in {} (bytes {}..{}); steps from {} replayed",
+    spdlog::error("worker repaired corrupted weights in {} (bytes {}..{}), suspect from step {}",
                   c.tensor, c.offset, c.offset + c.bytes, c.suspect_from_step);
     from = std::min(from, c.suspect_from_step);
   }
-  board_.update(
-      [&](SchedulerStats& s, WorkerStatus&) { s.weight_corruptions += scrub.corruptions.size(); });
-  slot_.failed("weight corruption in " + scrub.corruptions[0].tensor);
-  queues_.rollBack(from);
+  if (!scrub.corruptions.empty()) {
+    board_.update([&](SchedulerStats& s, WorkerStatus&) {
+      s.weight_corruptions += scrub.corruptions.size();
+    });
+    slot_.failed("weight corruption in " + scrub.corruptions[0].tensor);
+  }
+  if (gated && from != UINT64_MAX) {
+    queues_.rollBack(from);
+    return;
+  }
+  std::vector<double> latencies;
+  queues_.release(gated ? scrub.clean_through : UINT64_MAX, &latencies);
+  board_.addReleaseLatencies(latencies);
 }
 
 }  // namespace bulkhead

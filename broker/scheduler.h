@@ -94,6 +94,9 @@ class Scheduler {
   void publishCounts();
   bool stepOnce(WorkerConnection& worker);
   bool handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch);
+  WorkerFailure sampleRows(const std::vector<Sequence*>& batch,
+                           std::span<const PlannedChunk> chunks, const StepReply& reply,
+                           uint64_t step_id, std::vector<SampledRow>& sampled);
   void applyScrub(const ScrubStatus& scrub, bool gated);
   void setServing(bool serving);
   void onFinished(const Status& status);

@@ -83,6 +83,33 @@ bool SequenceQueues::growBlocks(Sequence& seq, uint32_t blocks) {
   return true;
 }
 
+std::vector<RunningSequence> SequenceQueues::runningView() const {
+  std::vector<RunningSequence> view;
+  for (const auto& s : running_)
+    view.push_back({uint32_t(s->ledger.tokens().size()), s->computed, uint32_t(s->blocks.size())});
+  return view;
+}
+
+StepRequest SequenceQueues::assemble(const StepPlan& plan) {
+  StepRequest r;
+  r.row_index.resize(plan.chunks.size());  // sized first: steps hold spans into it
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const PlannedChunk& c = plan.chunks[i];
+    Sequence& s = *running_[c.index];
+    growBlocks(s, c.blocks_needed);  // the plan reserved them
+    r.row_index[i] = c.chunk - 1;
+    r.batch.push_back(&s);
+    r.steps.push_back(
+        {.sequence_id = s.id,
+         .start_position = s.computed,
+         .tokens = s.ledger.tokens().subspan(s.computed, c.chunk),
+         .kv_blocks = s.blocks,
+         .logits_rows = c.wants_row ? std::span(&r.row_index[i], 1) : std::span<const uint32_t>()});
+    r.tokens += c.chunk;
+  }
+  return r;
+}
+
 void SequenceQueues::freeBlocks(Sequence& seq) {
   for (uint32_t b : seq.blocks) blocks_.release(b);
   seq.blocks.clear();

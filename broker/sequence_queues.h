@@ -14,6 +14,7 @@
 #include "broker/kv_allocator.h"
 #include "broker/release_ledger.h"
 #include "broker/sequence.h"
+#include "shared/step_types.h"
 
 namespace bulkhead {
 
@@ -30,6 +31,15 @@ struct Sequence {
       : request(std::move(r)), sink(std::move(s)), ledger(request.prompt) {}
 };
 using SequencePtr = std::unique_ptr<Sequence>;
+
+// A planned step as the worker is asked for it: the sequences, and each one's part of the step
+// (views into the sequences' histories and block tables, valid until the queues change).
+struct StepRequest {
+  std::vector<Sequence*> batch;
+  std::vector<SequenceStep> steps;
+  std::vector<uint32_t> row_index;  // each sequence's last token, where a row is wanted
+  uint32_t tokens = 0;
+};
 
 struct QueueCounters {
   uint64_t preemptions = 0, replayed = 0;
@@ -61,6 +71,10 @@ class SequenceQueues {
   void dropCancelled(std::chrono::steady_clock::time_point now);
   void preemptLast();
   bool growBlocks(Sequence& seq, uint32_t blocks);
+  // The running sequences as the batch planner sees them.
+  std::vector<RunningSequence> runningView() const;
+  // Gives each planned sequence the blocks the plan reserved and lays out the step.
+  StepRequest assemble(const StepPlan& plan);
   // After a step: each sequence of `batch` advances by its chunk and, when the chunk asked for a
   // row, takes the next token of `chosen` (in order); sequences that stopped give their blocks back
   // and wait for their last tokens. Returns the tokens appended.
