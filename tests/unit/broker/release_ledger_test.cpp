@@ -1,5 +1,8 @@
-// ReleaseLedger: which step produced each token, what is released, and rollback.
+// ReleaseLedger: which step produced each token, what is released, and rollback; and the latency
+// window that release times are reported through.
 #include "broker/release_ledger.h"
+
+#include "broker/latency_window.h"
 
 #include <gtest/gtest.h>
 
@@ -59,6 +62,33 @@ TEST(ReleaseLedger, ForgettingKeepsTheSentHistory) {
   // Replayed tokens are appended again with the new worker's step ids.
   l.append(9, choice(51));
   EXPECT_EQ(ids(l.takeReleasable(9)), (std::vector<uint32_t>{51}));
+}
+
+}  // namespace
+}  // namespace bulkhead
+
+namespace bulkhead {
+namespace {
+
+TEST(ReleaseLedger, ReportsWhenEachReleasedTokensStepCompleted) {
+  ReleaseLedger l({1});
+  const auto t0 = ReleaseLedger::Clock::now();
+  l.append(1, choice(10), t0);
+  l.append(2, choice(11), t0 + std::chrono::milliseconds(5));
+  std::vector<ReleaseLedger::Clock::time_point> at;
+  ASSERT_EQ(l.takeReleasable(2, &at).size(), 2u);
+  ASSERT_EQ(at.size(), 2u);
+  EXPECT_EQ(at[0], t0);
+  EXPECT_EQ(at[1], t0 + std::chrono::milliseconds(5));
+}
+
+TEST(LatencyWindow, PercentilesOfTheLastSamplesOnly) {
+  LatencyWindow w(4);
+  EXPECT_EQ(w.percentile(99), 0.0);
+  for (double v : {100.0, 1.0, 2.0, 3.0, 4.0}) w.add(v);  // 100 falls out of the window
+  EXPECT_EQ(w.percentile(0), 1.0);
+  EXPECT_EQ(w.percentile(50), 3.0);
+  EXPECT_EQ(w.percentile(99), 4.0);
 }
 
 }  // namespace
