@@ -326,10 +326,10 @@ WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const Seq
     if (hello_.in_step_checks && !reads.getChecked())
       return failure(Kind::kProtocolViolation, "StepDone lacks the in-step weight check");
     if (reads.getFailedTensor().size() > 0) {
-      WorkerFailure bad =
-          failure(Kind::kIntegrityFailure, "step " + std::to_string(step_id) + " read " +
-                                               std::string(reads.getFailedTensor()) +
-                                               " wrongly (in-step weight checksum mismatch)");
+      WorkerFailure bad = failure(
+          Kind::kIntegrityFailure,
+          "step " + std::to_string(step_id) + " read " + std::string(reads.getFailedTensor()) +
+              " wrongly: " + std::string(reads.getWhy()) + " (in-step weight checksum mismatch)");
       bad.check = IntegrityCheck::kWeightReads;
       return bad;
     }

@@ -81,6 +81,8 @@ struct WeightReads {
   # used.
   failedTensor @1 :Text;
   wordsRead @2 :UInt64;
+  # Which way the failed weight was wrong, as far as the worker can tell (another slot, bytes).
+  why @3 :Text;
 }
 
 struct StepDone {

@@ -50,6 +50,7 @@ struct RowOutput {
 struct WeightReadVerdict {
   bool checked = false;       // the backend checks its weight reads in the step
   std::string failed_tensor;  // the first weight whose reads did not match; empty: all did
+  std::string why;            // what the backend can tell: another slot than its own, or bytes
   uint64_t words_read = 0;
 };
 

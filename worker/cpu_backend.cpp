@@ -123,6 +123,8 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
   if (!limits_.checks_weight_reads) return;
   ReadAccount& a = accounts_.emplace_back();
   a.tensor = role;
+  a.binding = &w;
+  a.slot = w.data;
   w.salt = uint32_t(splitmix64(accounts_.size()));
   w.reads = &a.reads;
   const size_t row_bytes = w.rowBytes();
@@ -151,8 +153,13 @@ WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) co
       if (uses != gathered.size()) want_words = ~want_words;  // a lookup went uncounted
     }
     verdict.words_read += words;
-    if ((sum != want_sum || words != want_words) && verdict.failed_tensor.empty())
+    if ((sum != want_sum || words != want_words) && verdict.failed_tensor.empty()) {
       verdict.failed_tensor = a.tensor;
+      // The check itself looked at what the kernels read; this only says which way it is wrong.
+      verdict.why = words != want_words         ? "not read in full"
+                    : a.binding->data != a.slot ? "read from another slot than its own"
+                                                : "its bytes differ from the checkpoint";
+    }
   }
   return verdict;
 }

@@ -54,6 +54,9 @@ class CpuBackend final : public Backend {
     uint64_t words = 0;
     std::vector<uint64_t> row_expected;  // per row, for a weight read row by row (the embedding)
     cpu::WeightReads reads;
+    // For diagnosis after a failed check only: the binding and the resident slot it started with.
+    const cpu::WeightMatrix* binding = nullptr;
+    const std::byte* slot = nullptr;
   };
   struct Layer {
     cpu::WeightMatrix q, k, v, o, gate, up, down;

@@ -53,9 +53,10 @@ StepOutcome StepRunner::run(wire::Step::Reader step, wire::FromWorker::Builder r
   reads.setChecked(verdict_.checked);
   reads.setFailedTensor(verdict_.failed_tensor);
   reads.setWordsRead(verdict_.words_read);
+  reads.setWhy(verdict_.why);
   if (!verdict_.failed_tensor.empty())
-    spdlog::error("step {} read {} wrongly: in-step weight checksum mismatch", step_id,
-                  verdict_.failed_tensor);
+    spdlog::error("step {} read {} wrongly ({}): in-step weight checksum mismatch", step_id,
+                  verdict_.failed_tensor, verdict_.why);
   publish(step_id, done);
   outcome.form = faults_.replyForm();
   return outcome;

@@ -135,6 +135,8 @@ TEST(OriginFailure, StaleLmHeadBetweenTwoGenerationsIsCaughtInTheStepThatReadsIt
   EXPECT_NE(info.last_failure().find("in-step weight reads"), std::string::npos)
       << info.last_failure();
   EXPECT_NE(info.last_failure().find("lm_head"), std::string::npos) << info.last_failure();
+  EXPECT_NE(info.last_failure().find("read from another slot than its own"), std::string::npos)
+      << info.last_failure();
 }
 
 TEST(FaultInjection, RefusedUnlessEnabled) {

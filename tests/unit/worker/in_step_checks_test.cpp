@@ -86,6 +86,7 @@ TEST_F(InStepChecksTest, AFlippedBitInAnyTensorFailsTheStepThatReadsIt) {
     const WeightReadVerdict v = step({0, 4, 8});
     EXPECT_NE(v.failed_tensor, "") << "a flipped bit in " << tensor->name << " went unseen";
     EXPECT_NE(v.failed_tensor.find(tensor->name), std::string::npos) << v.failed_tensor;
+    EXPECT_EQ(v.why, "its bytes differ from the checkpoint");
     offset += tensor->data.size();
   }
 }
@@ -104,6 +105,7 @@ TEST_F(InStepChecksTest, AStaleSlotForEveryWeightIsCaughtInTheStep) {
     SCOPED_TRACE(*tensor);
     const WeightReadVerdict v = step({3, 1, 4, 1, 5});
     EXPECT_EQ(v.failed_tensor, *tensor) << "stale " << *tensor << " went unseen";
+    EXPECT_EQ(v.why, "read from another slot than its own");
     ++roles_;
   }
   EXPECT_GT(roles_, 20u);
