@@ -159,6 +159,7 @@ int runChaos(const ChaosOptions& o) {
 
   struct ClassStats {
     uint32_t injected = 0, detected = 0, recovered = 0;
+    std::map<std::string, uint32_t> detected_as;  // which mechanism caught it, and how often
     std::vector<double> detection_ms, recovery_ms;
   };
   std::map<std::string, ClassStats> classes;
@@ -185,6 +186,8 @@ int runChaos(const ChaosOptions& o) {
     if (resp.detected()) {
       ++c.detected;
       c.detection_ms.push_back(resp.detection_ms());
+      // The mechanism, without the step-specific details after the first ':'.
+      ++c.detected_as[resp.detected_as().substr(0, resp.detected_as().find(':'))];
     } else {
       std::lock_guard lock(mu);
       problems.push_back("fault " + std::to_string(k) + " (" + req.fault() + ") undetected");
@@ -219,7 +222,7 @@ int runChaos(const ChaosOptions& o) {
     report["classes"][name] = {{"injected", c.injected},   {"detected", c.detected},
                                {"recovered", c.recovered}, {"detection_ms_p50", d50},
                                {"detection_ms_p99", d99},  {"recovery_ms_p50", r50},
-                               {"recovery_ms_p99", r99}};
+                               {"recovery_ms_p99", r99},   {"detected_as", c.detected_as}};
   }
   report["requests"] = {
       {"completed", completed}, {"failed", failed}, {"mismatched", mismatched}, {"lost", lost}};
