@@ -58,6 +58,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   size_t offset = 0;
   for (const TensorView* m : used) {
     std::memcpy(base + offset, m->data.data(), m->data.size());
+    b->slot_tags_[base + offset] = {uint32_t(b->resident_.size()), 1};
     b->resident_.push_back(base + offset);
     where[m] = base + offset;
     offset += aligned(m->data.size());
@@ -125,6 +126,7 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
   a.tensor = role;
   a.binding = &w;
   a.slot = w.data;
+  a.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), &tensor) - used_.begin());
   w.salt = uint32_t(splitmix64(accounts_.size()));
   w.reads = &a.reads;
   const size_t row_bytes = w.rowBytes();
@@ -275,9 +277,29 @@ Status CpuBackend::enqueueStep(std::span<const SequenceStep> batch,
   return okStatus();
 }
 
+WeightReadVerdict CpuBackend::verifySlots() const {
+  WeightReadVerdict verdict{.checked = true};
+  for (const ReadAccount& a : accounts_) {
+    const auto tag = slot_tags_.find(a.binding->data);
+    if (tag != slot_tags_.end() && tag->second.tensor == a.tensor_index &&
+        tag->second.generation == slot_tags_.at(resident_[a.tensor_index]).generation)
+      continue;
+    verdict.failed_tensor = a.tensor;
+    verdict.why = tag == slot_tags_.end() ? "bound to memory that is no resident slot"
+                                          : "bound to a slot tagged for another tensor";
+    break;
+  }
+  return verdict;
+}
+
 Status CpuBackend::waitStep(WeightReadVerdict& verdict) {
   if (!pending_.queued) return failedPrecondition("waitStep without an enqueued step");
   pending_.queued = false;
+  if (limits_.checks_weight_reads) {
+    // A binding that is not its tensor's slot fails the step before anything is computed.
+    verdict = verifySlots();
+    if (!verdict.failed_tensor.empty()) return okStatus();
+  }
   for (ReadAccount& a : accounts_) a.reads.reset();
   std::vector<uint32_t> gathered;
   forward(pending_.batch, pending_.rows, gathered);

@@ -6,6 +6,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "shared/checkpoint.h"
@@ -57,6 +58,7 @@ class CpuBackend final : public Backend {
     // For diagnosis after a failed check only: the binding and the resident slot it started with.
     const cpu::WeightMatrix* binding = nullptr;
     const std::byte* slot = nullptr;
+    uint32_t tensor_index = 0;  // which resident slot's tag the binding must carry
   };
   struct Layer {
     cpu::WeightMatrix q, k, v, o, gate, up, down;
@@ -79,6 +81,8 @@ class CpuBackend final : public Backend {
   void account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role,
                bool by_row);
   WeightReadVerdict verifyReads(std::span<const uint32_t> gathered) const;
+  // Before a step: every binding's pointer must be a resident slot tagged for its tensor.
+  WeightReadVerdict verifySlots() const;
   Status checkRange(const WeightRange& range) const;
   float* kvAt(float* cache, int layer, uint32_t block, int kv_head, uint32_t slot) const;
 
@@ -96,6 +100,13 @@ class CpuBackend final : public Backend {
   std::deque<ReadAccount> accounts_;          // stable addresses: kernels hold their WeightReads
   std::vector<cpu::WeightMatrix*> bindings_;  // every weight role, for fault injection
   std::vector<std::string> role_names_;       // beside bindings_
+  // Each resident slot's tag: (tensor index, generation). A rebind or reuse of a slot would bump
+  // the generation; bindings are checked against the tags before every step.
+  struct SlotTag {
+    uint32_t tensor = 0;
+    uint32_t generation = 0;
+  };
+  std::unordered_map<const std::byte*, SlotTag> slot_tags_;
   std::vector<std::unique_ptr<std::byte[]>> stale_copies_;
   // [layer][block][kv_head][slot][head_dim]
   // Left uninitialised: a slot is always written before it is read.
