@@ -127,6 +127,7 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
   a.binding = &w;
   a.slot = w.data;
   a.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), &tensor) - used_.begin());
+  a.generation = slot_tags_.at(resident_[a.tensor_index]).generation;
   w.salt = uint32_t(splitmix64(accounts_.size()));
   w.reads = &a.reads;
   const size_t row_bytes = w.rowBytes();
@@ -282,11 +283,13 @@ WeightReadVerdict CpuBackend::verifySlots() const {
   for (const ReadAccount& a : accounts_) {
     const auto tag = slot_tags_.find(a.binding->data);
     if (tag != slot_tags_.end() && tag->second.tensor == a.tensor_index &&
-        tag->second.generation == slot_tags_.at(resident_[a.tensor_index]).generation)
+        tag->second.generation == a.generation)
       continue;
     verdict.failed_tensor = a.tensor;
     verdict.why = tag == slot_tags_.end() ? "bound to memory that is no resident slot"
-                                          : "bound to a slot tagged for another tensor";
+                  : tag->second.tensor != a.tensor_index
+                      ? "bound to a slot tagged for another tensor"
+                      : "bound to an older generation of its slot";
     break;
   }
   return verdict;

@@ -59,6 +59,7 @@ class CpuBackend final : public Backend {
     const cpu::WeightMatrix* binding = nullptr;
     const std::byte* slot = nullptr;
     uint32_t tensor_index = 0;  // which resident slot's tag the binding must carry
+    uint32_t generation = 0;    // the slot's generation when the binding was made
   };
   struct Layer {
     cpu::WeightMatrix q, k, v, o, gate, up, down;
