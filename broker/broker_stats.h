@@ -40,7 +40,13 @@ class StatsBoard {
     std::lock_guard lock(mu_);
     change(stats_, worker_);
   }
+  // The counters; the latency percentiles stay 0 (see withLatencies: they cost a sort).
   SchedulerStats stats() const {
+    std::lock_guard lock(mu_);
+    return stats_;
+  }
+  // The counters and the latency percentiles, for Admin.
+  SchedulerStats withLatencies() const {
     std::lock_guard lock(mu_);
     SchedulerStats out = stats_;
     out.release_latency_ms_p50 = release_ms_.percentile(50);

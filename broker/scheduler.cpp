@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "broker/batch_planner.h"
+#include "broker/step_rows.h"
 
 namespace bulkhead {
 
@@ -341,16 +342,7 @@ WorkerFailure Scheduler::sampleRows(const std::vector<Sequence*>& batch,
   }
   sampled.resize(jobs.size());
   sampler_.verifyAndSample(jobs, sampled);
-  for (size_t i = 0; i < sampled.size(); ++i) {
-    if (sampled[i].failed == IntegrityCheck::kNone) continue;
-    WorkerFailure f = workerFailure(
-        WorkerFailure::Kind::kIntegrityFailure,
-        "logits row " + std::to_string(i) + " of step " + std::to_string(step_id) + " failed the " +
-            std::string(integrityCheckName(sampled[i].failed)) + " check");
-    f.check = sampled[i].failed;
-    return f;
-  }
-  return {};
+  return firstFailedRow(sampled, " of step " + std::to_string(step_id));
 }
 
 bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch) {

@@ -82,7 +82,7 @@ class Scheduler {
   Result<InjectionOutcome> injectFault(Fault fault, uint64_t random,
                                        std::chrono::milliseconds timeout);
 
-  SchedulerStats stats() const { return board_.stats(); }
+  SchedulerStats stats() const { return board_.withLatencies(); }
   WorkerStatus workerStatus() const { return board_.worker(); }
 
  private:

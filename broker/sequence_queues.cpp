@@ -160,6 +160,7 @@ FinishReason SequenceQueues::stopReason(const Sequence& s) const {
 
 void SequenceQueues::release(uint64_t clean_through, std::vector<double>* latencies_ms) {
   std::vector<std::chrono::steady_clock::time_point> produced;
+  const auto now = std::chrono::steady_clock::now();
   for (auto* list : {&running_, &finishing_}) {
     for (auto& s : *list) {
       produced.clear();
@@ -167,7 +168,6 @@ void SequenceQueues::release(uint64_t clean_through, std::vector<double>* latenc
       if (out.empty()) continue;
       s->sink->onTokens(out);
       if (latencies_ms == nullptr) continue;
-      const auto now = std::chrono::steady_clock::now();
       for (const auto& at : produced)
         latencies_ms->push_back(std::chrono::duration<double, std::milli>(now - at).count());
     }

@@ -13,12 +13,16 @@ WorkerFailure verifyRows(RowSampler& sampler, std::span<const PendingRow> rows) 
   }
   std::vector<SampledRow> out(rows.size());
   sampler.verifyAndSample(jobs, out);
+  return firstFailedRow(out);
+}
+
+WorkerFailure firstFailedRow(std::span<const SampledRow> rows, const std::string& where) {
   for (size_t i = 0; i < rows.size(); ++i) {
-    if (out[i].failed == IntegrityCheck::kNone) continue;
+    if (rows[i].failed == IntegrityCheck::kNone) continue;
     WorkerFailure f = workerFailure(WorkerFailure::Kind::kIntegrityFailure,
-                                    "logits row " + std::to_string(i) + " failed the " +
-                                        std::string(integrityCheckName(out[i].failed)) + " check");
-    f.check = out[i].failed;
+                                    "logits row " + std::to_string(i) + where + " failed the " +
+                                        std::string(integrityCheckName(rows[i].failed)) + " check");
+    f.check = rows[i].failed;
     return f;
   }
   return {};

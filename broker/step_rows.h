@@ -3,6 +3,7 @@
 #pragma once
 
 #include <span>
+#include <string>
 
 #include "broker/row_sampling.h"
 #include "broker/worker_connection.h"
@@ -11,5 +12,8 @@ namespace bulkhead {
 
 // OK, or kIntegrityFailure naming the first row that failed and the check.
 WorkerFailure verifyRows(RowSampler& sampler, std::span<const PendingRow> rows);
+// The same verdict for rows already verified (and sampled): OK, or the first row that failed.
+// `where` names the step in the message ("" for none).
+WorkerFailure firstFailedRow(std::span<const SampledRow> rows, const std::string& where = "");
 
 }  // namespace bulkhead

@@ -149,17 +149,19 @@ WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) co
     const uint64_t words = a.reads.words.load(std::memory_order_relaxed);
     const uint64_t uses = a.reads.uses.load(std::memory_order_relaxed);
     uint64_t want_sum = uses * a.expected, want_words = uses * a.words;
+    bool counted = true;
     if (!a.row_expected.empty()) {  // read row by row: the rows this step gathered
       want_sum = 0;
       for (uint32_t row : gathered) want_sum += a.row_expected[row];
       want_words = gathered.size() * (a.words / a.row_expected.size());
-      if (uses != gathered.size()) want_words = ~want_words;  // a lookup went uncounted
+      counted = uses == gathered.size();  // one lookup per gathered row
     }
     verdict.words_read += words;
-    if ((sum != want_sum || words != want_words) && verdict.failed_tensor.empty()) {
+    const bool full = counted && words == want_words;
+    if ((!full || sum != want_sum) && verdict.failed_tensor.empty()) {
       verdict.failed_tensor = a.tensor;
       // The check itself looked at what the kernels read; this only says which way it is wrong.
-      verdict.why = words != want_words         ? "not read in full"
+      verdict.why = !full                       ? "not read in full"
                     : a.binding->data != a.slot ? "read from another slot than its own"
                                                 : "its bytes differ from the checkpoint";
     }
