@@ -17,6 +17,8 @@ namespace {
 // on time, not on a count.)
 constexpr auto kSpinFor = std::chrono::microseconds(20);
 constexpr int kPausesPerClockRead = 16;
+// The index of a burst that is being set up: no index can be claimed.
+constexpr uint64_t kClosed = 0xffffffffu;
 
 }  // namespace
 
@@ -38,11 +40,13 @@ RowPool::~RowPool() {
 uint64_t RowPool::drain() {
   uint64_t s = state_.load(std::memory_order_acquire);
   while (true) {
-    // count_ read after the acquire load of `s` belongs to the burst of `s` or a later one; the
-    // compare-exchange below only succeeds if the burst of `s` is still current, and then it
-    // cannot have finished (this index is not done), so count_ and fn_ are that burst's.
+    // count_ read after the acquire load of `s` belongs to the burst of `s` or a later one. A
+    // later burst's count_ is only stored after the state was closed (see parallelFor), and the
+    // acquire load of count_ makes that close visible to the compare-exchange below, which then
+    // fails. So the compare-exchange succeeds only while the burst of `s` is current and its
+    // index `index` unclaimed, and count_ and fn_ are that burst's.
     const uint32_t index = uint32_t(s);
-    if (index >= count_.load(std::memory_order_relaxed)) return s;
+    if (index >= count_.load(std::memory_order_acquire)) return s;
     if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel,
                                       std::memory_order_acquire))
       continue;
@@ -86,10 +90,14 @@ void RowPool::parallelFor(size_t n, const std::function<void(size_t)>& fn) {
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  count_.store(uint32_t(n), std::memory_order_relaxed);
+  // Close the previous burst before its count_ and fn_ change: a helper still holding that
+  // burst's final state (every index claimed) must not read the new, larger count_ and claim
+  // one more index of the old burst. Index kClosed is never below any count_.
+  ++generation_;
+  state_.store((generation_ << 32) | kClosed, std::memory_order_seq_cst);
   fn_.store(&fn, std::memory_order_relaxed);
   unfinished_.store(n, std::memory_order_relaxed);
-  ++generation_;
+  count_.store(uint32_t(n), std::memory_order_release);
   state_.store(generation_ << 32, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) > 0) {
     { std::lock_guard lock(mu_); }
