@@ -105,6 +105,10 @@ class Backend {
   // of the same size, or from a stale copy, while every resident byte stays intact (the failure
   // a residency table cannot see). Returns the role's tensor name.
   virtual Result<std::string> staleSlot(uint64_t selector) = 0;
+  // Fault injection: in the next step, one multiply-add result of the linear layer in role
+  // `selector % roles` has its highest exponent bit flipped (a faulty multiplier: the weights
+  // are intact), in a row and output that the rest of `selector` picks. Returns the role's name.
+  virtual Result<std::string> computeFault(uint64_t selector) = 0;
 
   // Scrubbing. out[i] = checksumBytes() of ranges[i] as the compute path reads it (the resident
   // copy). All ranges in one call, so a device runs them as one kernel on a side stream and the

@@ -90,11 +90,12 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   b->inv_freq_ = c.ropeInverseFrequencies();
 
   // In-step accounts, one per weight role (a tied lm_head is its own role beside the embedding).
-  b->account(b->embed_, *t.embed, t.embed->name, /*by_row=*/true);
+  b->account(b->embed_, *t.embed, t.embed->name, /*by_row=*/true, /*linear=*/false);
   b->account(b->lm_head_, *t.lm_head,
              t.lm_head == t.embed ? "lm_head (tied to " + t.embed->name + ")" : t.lm_head->name,
-             false);
-  if (t.final_norm != nullptr) b->account(b->final_norm_, *t.final_norm, t.final_norm->name, false);
+             false, true);
+  if (t.final_norm != nullptr)
+    b->account(b->final_norm_, *t.final_norm, t.final_norm->name, false, false);
   for (size_t i = 0; i < t.layers.size(); ++i) {
     const LayerTensors& l = t.layers[i];
     Layer& L = b->layers_[i];
@@ -111,16 +112,23 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
                                                                       {&L.k_bias, l.k_bias},
                                                                       {&L.v_bias, l.v_bias},
                                                                       {&L.o_bias, l.o_bias}};
-    for (const auto& [w, tensor] : roles)
-      if (tensor != nullptr) b->account(*w, *tensor, tensor->name, false);
+    constexpr size_t kLinearRoles = 7;  // q .. down: the products; then norms and biases
+    for (size_t r = 0; r < std::size(roles); ++r)
+      if (roles[r].second != nullptr)
+        b->account(*roles[r].first, *roles[r].second, roles[r].second->name, false,
+                   r < kLinearRoles);
   }
   return b;
 }
 
 void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role,
-                         bool by_row) {
+                         bool by_row, bool linear) {
   bindings_.push_back(&w);
   role_names_.push_back(role);
+  if (linear) {
+    linear_.push_back(&w);
+    linear_names_.push_back(role);
+  }
   if (!limits_.checks_weight_reads) return;
   ReadAccount& a = accounts_.emplace_back();
   a.tensor = role;
@@ -140,6 +148,12 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
     a.expected += fold;
   }
   a.words = uint64_t(w.rows) * row_words;
+  if (linear) {
+    cpu::WeightMatrix checkpoint_bytes = w;
+    checkpoint_bytes.data = tensor.data.data();
+    a.columns = cpu::columnSums(checkpoint_bytes);
+    w.columns = &a.columns;
+  }
 }
 
 WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) const {
@@ -166,7 +180,33 @@ WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) co
                                                 : "its bytes differ from the checkpoint";
     }
   }
+  // The arithmetic: only once every weight read was right can a failed column-sum check be a
+  // faulty multiply-add rather than a wrong weight. A wrong value spoils every product after it,
+  // so the first product in the forward pass (the layers in order, then lm_head) is the culprit.
+  std::vector<const ReadAccount*> forward_order;
+  for (const ReadAccount& a : accounts_)
+    if (a.binding != &lm_head_) forward_order.push_back(&a);
+  for (const ReadAccount& a : accounts_)
+    if (a.binding == &lm_head_) forward_order.push_back(&a);
+  for (const ReadAccount* account : forward_order) {
+    const ReadAccount& a = *account;
+    if (!verdict.failed_tensor.empty()) break;
+    const uint64_t failed = a.reads.rows_failed.load(std::memory_order_relaxed);
+    if (failed == 0) continue;
+    verdict.failed_tensor = a.tensor;
+    verdict.why = "its products fail the arithmetic check (" + std::to_string(failed) + " of " +
+                  std::to_string(a.reads.rows_checked.load(std::memory_order_relaxed)) +
+                  " output rows)";
+  }
   return verdict;
+}
+
+Result<std::string> CpuBackend::computeFault(uint64_t selector) {
+  if (linear_.empty()) return failedPrecondition("no linear layers to fault");
+  const size_t role = selector % linear_.size();
+  // Which output of which token: a value in every row, not only the canary's or the last.
+  linear_[role]->fault = int64_t((selector / linear_.size()) & 0x7fffffffffffull);
+  return linear_names_[role];
 }
 
 Result<std::string> CpuBackend::staleSlot(uint64_t selector) {
@@ -308,6 +348,7 @@ Status CpuBackend::waitStep(WeightReadVerdict& verdict) {
   for (ReadAccount& a : accounts_) a.reads.reset();
   std::vector<uint32_t> gathered;
   forward(pending_.batch, pending_.rows, gathered);
+  for (cpu::WeightMatrix* w : linear_) w->fault = -1;  // a compute fault lasts one step
   verdict = verifyReads(gathered);
   return okStatus();
 }

@@ -40,6 +40,7 @@ class CpuBackend final : public Backend {
   Status waitStep(WeightReadVerdict& verdict) override;
   Status flipWeightBit(uint64_t byte_offset, uint8_t bit) override;
   Result<std::string> staleSlot(uint64_t selector) override;
+  Result<std::string> computeFault(uint64_t selector) override;
   Status residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) override;
   Status repairResident(const WeightRange& range) override;
 
@@ -54,6 +55,7 @@ class CpuBackend final : public Backend {
     uint64_t expected = 0;
     uint64_t words = 0;
     std::vector<uint64_t> row_expected;  // per row, for a weight read row by row (the embedding)
+    cpu::ColumnSums columns;             // a linear layer's, for the arithmetic check
     cpu::WeightReads reads;
     // For diagnosis after a failed check only: the binding and the resident slot it started with.
     const cpu::WeightMatrix* binding = nullptr;
@@ -79,8 +81,9 @@ class CpuBackend final : public Backend {
   void forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits,
                std::vector<uint32_t>& gathered);
   // Binds `w` to its in-step account, computed from the checkpoint's bytes of `tensor`.
-  void account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role,
-               bool by_row);
+  // A linear layer also gets its column sums, for the arithmetic check.
+  void account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role, bool by_row,
+               bool linear);
   WeightReadVerdict verifyReads(std::span<const uint32_t> gathered) const;
   // Before a step: every binding's pointer must be a resident slot tagged for its tensor.
   WeightReadVerdict verifySlots() const;
@@ -101,6 +104,8 @@ class CpuBackend final : public Backend {
   std::deque<ReadAccount> accounts_;          // stable addresses: kernels hold their WeightReads
   std::vector<cpu::WeightMatrix*> bindings_;  // every weight role, for fault injection
   std::vector<std::string> role_names_;       // beside bindings_
+  std::vector<cpu::WeightMatrix*> linear_;    // the matrices products read, for computeFault
+  std::vector<std::string> linear_names_;     // beside linear_
   // Each resident slot's tag: (tensor index, generation). A rebind or reuse of a slot would bump
   // the generation; bindings are checked against the tags before every step.
   struct SlotTag {

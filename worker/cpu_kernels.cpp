@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #include "shared/mix.h"
@@ -157,6 +158,30 @@ struct WriteCheckedRows {
   }
 };
 
+// The arithmetic check of one product: each token's sum of outputs against the column sums
+// dotted with its input, within the accumulation bound (ColumnSums). The comparison is written
+// so that a NaN or an infinity fails it.
+void checkColumnSums(const float* x, int tokens, const WeightMatrix& w,
+                     std::span<const double> out_sums) {
+  const ColumnSums& c = *w.columns;
+  const int cols = w.cols;
+  // n * 2^-24 per dot product, with margin for the final reductions' own rounding.
+  const double gamma = (double(cols) + 16.0) * 0x1p-24 * 1.25;
+  uint64_t failed = 0;
+  for (int t = 0; t < tokens; ++t) {
+    const float* xt = x + size_t(t) * cols;
+    double expect = 0, scale = 0;
+    for (int k = 0; k < cols; ++k) {
+      expect += c.sum[size_t(k)] * xt[k];
+      scale += c.abs_sum[size_t(k)] * std::fabs(xt[k]);
+    }
+    const double bound = gamma * scale + 1e-30;
+    if (!(std::fabs(out_sums[size_t(t)] - expect) <= bound)) ++failed;
+  }
+  w.reads->rows_checked.fetch_add(uint64_t(tokens), std::memory_order_relaxed);
+  if (failed != 0) w.reads->rows_failed.fetch_add(failed, std::memory_order_relaxed);
+}
+
 template <DType D, class Sink>
 void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& sink,
                  int64_t parallel_macs) {
@@ -167,13 +192,23 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
   const bool parallel = int64_t(rows) * cols * tokens >= parallel_macs;
   const uint64_t row_words = weightRowWords(row_bytes);
   if (w.reads != nullptr) w.reads->uses.fetch_add(1, std::memory_order_relaxed);
-    // Blocks are handed out dynamically: a thread the OS preempts (the broker samples on the same
-    // cores) leaves its share to the others instead of holding up the whole product. Which thread
-    // computes a block never changes its values, and the checksum partial sums are order-free.
+  // Each token's sum of outputs, for the arithmetic check (threads add their partial sums).
+  const bool abft = w.reads != nullptr && w.columns != nullptr;
+  std::vector<double> out_sums(abft ? size_t(tokens) : 0, 0.0);
+  const int fault_token = w.fault >= 0 ? int(w.fault / rows % tokens) : -1;
+  const int fault_row = w.fault >= 0 ? int(w.fault % rows) : -1;
+  auto faulty = [&](int t, int j, float& v) {
+    if (t == fault_token && j == fault_row)
+      v = std::bit_cast<float>(std::bit_cast<uint32_t>(v) ^ (1u << 30));
+  };
+  // Blocks are handed out dynamically: a thread the OS preempts (the broker samples on the same
+  // cores) leaves its share to the others instead of holding up the whole product. Which thread
+  // computes a block never changes its values, and the checksum partial sums are order-free.
 #pragma omp parallel if (parallel)
   {
     auto out = sink.local();
     uint64_t read_sum = 0, read_words = 0;
+    std::vector<double> sums(out_sums.size(), 0.0);
 #pragma omp for schedule(dynamic, kBlocksPerClaim)
     for (int b = 0; b < blocks; ++b) {
       const int j0 = b * kRowBlock;
@@ -198,7 +233,11 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
         for (int j = j0; j < j1; ++j) {
           float dots[4];
           dotRows<D, 4>(xs, w.data + size_t(j) * row_bytes, cols, dots);
-          for (int r = 0; r < 4; ++r) out.emit(t + r, j, dots[r]);
+          for (int r = 0; r < 4; ++r) {
+            faulty(t + r, j, dots[r]);
+            if (abft) sums[size_t(t + r)] += dots[r];
+            out.emit(t + r, j, dots[r]);
+          }
         }
       }
       for (; t < tokens; ++t) {
@@ -206,16 +245,23 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
         for (int j = j0; j < j1; ++j) {
           float dots[1];
           dotRows<D, 1>(xs, w.data + size_t(j) * row_bytes, cols, dots);
+          faulty(t, j, dots[0]);
+          if (abft) sums[size_t(t)] += dots[0];
           out.emit(t, j, dots[0]);
         }
       }
     }
     out.finish();
+    for (size_t t = 0; t < sums.size(); ++t) {
+#pragma omp atomic
+      out_sums[t] += sums[t];
+    }
     if (w.reads != nullptr) {
       w.reads->sum.fetch_add(read_sum, std::memory_order_relaxed);
       w.reads->words.fetch_add(read_words, std::memory_order_relaxed);
     }
   }
+  if (abft) checkColumnSums(x, tokens, w, out_sums);
 }
 
 template <class Sink>
@@ -244,6 +290,19 @@ void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float*
   for (int t = 0; t < tokens; ++t) checks[t] = {0, true};
   matmulTo(x, tokens, w, WriteCheckedRows{rows, checks, non_finite.data(), tokens}, parallel_macs);
   for (int t = 0; t < tokens; ++t) checks[t].finite = non_finite[size_t(t)] == 0;
+}
+
+ColumnSums columnSums(const WeightMatrix& w) {
+  ColumnSums c{std::vector<double>(size_t(w.cols), 0.0), std::vector<double>(size_t(w.cols), 0.0)};
+  std::vector<float> row(size_t(w.cols));
+  for (int j = 0; j < w.rows; ++j) {
+    toFloat(w.dtype, w.data + size_t(j) * w.rowBytes(), size_t(w.cols), row.data());
+    for (int k = 0; k < w.cols; ++k) {
+      c.sum[size_t(k)] += row[size_t(k)];
+      c.abs_sum[size_t(k)] += std::fabs(row[size_t(k)]);
+    }
+  }
+  return c;
 }
 
 float dot(const float* a, const float* b, int n) {

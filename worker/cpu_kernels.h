@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "shared/checksum.h"
 #include "shared/dtype.h"
@@ -20,11 +21,27 @@ struct WeightReads {
   std::atomic<uint64_t> sum{0};
   std::atomic<uint64_t> words{0};
   std::atomic<uint32_t> uses{0};
+  // The arithmetic check (ColumnSums): output rows checked, and how many of them failed.
+  std::atomic<uint64_t> rows_checked{0};
+  std::atomic<uint64_t> rows_failed{0};
   void reset() {
     sum.store(0, std::memory_order_relaxed);
     words.store(0, std::memory_order_relaxed);
     uses.store(0, std::memory_order_relaxed);
+    rows_checked.store(0, std::memory_order_relaxed);
+    rows_failed.store(0, std::memory_order_relaxed);
   }
+};
+
+// The arithmetic check of a linear layer (algorithm-based fault tolerance): for every output row
+// y = W x, sum_j y_j must equal sum_k colsum_k x_k, where colsum_k = sum_j W_jk is computed from
+// the checkpoint's bytes at load. A float32 dot product of length n errs by at most about
+// n * 2^-24 * sum_k |W_jk| |x_k|, so the sums may differ by at most n * 2^-24 * sum_k abssum_k
+// |x_k| (abssum_k = sum_j |W_jk|); a faulty multiply-add, or a weight that is not the
+// checkpoint's, shows as a larger difference.
+struct ColumnSums {
+  std::vector<double> sum;
+  std::vector<double> abs_sum;
 };
 
 // A row-major [rows][cols] weight matrix in its checkpoint dtype (a vector has one row).
@@ -33,8 +50,13 @@ struct WeightMatrix {
   const std::byte* data = nullptr;
   int rows = 0;
   int cols = 0;
-  uint32_t salt = 0;             // names the weight's role in the folded terms
-  WeightReads* reads = nullptr;  // null: reads are not folded
+  uint32_t salt = 0;                    // names the weight's role in the folded terms
+  WeightReads* reads = nullptr;         // null: reads are not folded
+  const ColumnSums* columns = nullptr;  // null (or reads null): no arithmetic check
+  // Fault injection: >= 0 flips the highest exponent bit of one accumulator in the next product,
+  // output (fault % rows) of token (fault / rows % tokens), after the dot product and before its
+  // value is stored or checked.
+  int64_t fault = -1;
 
   size_t rowBytes() const { return size_t(cols) * dtypeSize(dtype); }
 };
@@ -50,6 +72,9 @@ void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias
 // over the rows).
 void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float* const* rows,
                        RowCheck* checks, int64_t parallel_macs);
+
+// The column sums of `w` (from these bytes: the checkpoint's), for its arithmetic check.
+ColumnSums columnSums(const WeightMatrix& w);
 
 // Same reduction order as the rows of matmul, for two float32 vectors.
 float dot(const float* a, const float* b, int n);

@@ -1,7 +1,8 @@
 // In-step weight checks on the CPU backend: a clean step reads every weight it uses in full and
 // passes; a flipped bit in any tensor fails the very step that read it (the folded reads), and
 // any weight served from another slot or a stale copy, every resident byte intact, fails the step
-// before it computes (the slot tags); each names the weight.
+// before it computes (the slot tags); a faulty multiply-add with every weight intact fails the
+// arithmetic check (column sums); each names the weight.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -113,6 +114,35 @@ TEST_F(InStepChecksTest, AStaleSlotForEveryWeightIsCaughtInTheStep) {
     ++roles_;
   }
   EXPECT_GT(roles_, 20u);
+}
+
+TEST_F(InStepChecksTest, AFaultyMultiplyInAnyLinearLayerFailsTheArithmeticCheck) {
+  // Every weight byte intact, so only the column-sum check can see it. The selector walks the
+  // roles and, through its upper part, different tokens and outputs of the prefill.
+  fresh();
+  for (uint64_t selector = 0;; ++selector) {
+    auto role = backend_->computeFault(selector * 1000003);
+    ASSERT_TRUE(role.ok()) << role.status().toString();
+    if (selector > 0 && *role == first_) break;  // every linear role visited
+    if (selector == 0) first_ = *role;
+    SCOPED_TRACE(*role);
+    const WeightReadVerdict v = step({3, 1, 4, 1, 5});
+    EXPECT_EQ(v.failed_tensor, *role) << "a faulty multiply in " << *role << " went unseen";
+    EXPECT_NE(v.why.find("arithmetic check"), std::string::npos) << v.why;
+    // The fault lasts one step: the next one passes.
+    EXPECT_EQ(step({2, 7}).failed_tensor, "");
+    ++roles_;
+  }
+  // q, k, v, o, gate, up, down per layer, and lm_head.
+  EXPECT_EQ(roles_, 7 * checkpoint_->tensors().layers.size() + 1);
+}
+
+TEST_F(InStepChecksTest, TheArithmeticCheckPassesLongPrefillsAndDecodes) {
+  // No false alarm from accumulation error: long rows of real activations, many positions.
+  std::vector<uint32_t> tokens;
+  for (uint32_t i = 0; i < 120; ++i) tokens.push_back((i * 7919u) % 500u);
+  const WeightReadVerdict v = step(tokens);
+  EXPECT_EQ(v.failed_tensor, "") << v.why;
 }
 
 }  // namespace
