@@ -23,6 +23,9 @@ FaultSpec faultSpecFor(Fault fault, uint64_t r, const WorkerHello& hello,
     case Fault::kStaleSlot:
       spec.byte_offset = r;  // which weight role
       break;
+    case Fault::kComputeFault:
+      spec.byte_offset = r;  // which linear layer, row and output
+      break;
     case Fault::kSlowStep:
       spec.delay_ms = uint32_t(step_timeout.count() * 3);
       break;

@@ -21,6 +21,7 @@ inline std::optional<Fault> fromWire(wire::FaultKind kind) {
 }
 
 static_assert(uint16_t(wire::FaultKind::STALE_SLOT) == uint16_t(Fault::kStaleSlot) + 1);
+static_assert(uint16_t(wire::FaultKind::COMPUTE_FAULT) == uint16_t(Fault::kComputeFault) + 1);
 static_assert(uint16_t(wire::FaultKind::WORKER_KILL) == uint16_t(Fault::kWorkerKill) + 1);
 
 }  // namespace bulkhead

@@ -109,6 +109,7 @@ enum FaultKind {
   garbageReply @10;     # answer the next step with bytes that are not a message
   truncatedReply @11;   # answer the next step with a cut-off frame
   staleSlot @12;        # serve one weight from another slot or a stale copy (byteOffset picks)
+  computeFault @13;     # one wrong multiply-add in the next step (byteOffset picks where)
 }
 
 struct FaultInject {

@@ -11,7 +11,7 @@ struct Named {
   std::string_view name;
 };
 
-constexpr std::array<Named, 12> kFaults = {{
+constexpr std::array<Named, 13> kFaults = {{
     {Fault::kWorkerKill, "worker_kill"},
     {Fault::kWorkerHang, "worker_hang"},
     {Fault::kSlowStep, "slow_step"},
@@ -24,6 +24,7 @@ constexpr std::array<Named, 12> kFaults = {{
     {Fault::kGarbageReply, "garbage_reply"},
     {Fault::kTruncatedReply, "truncated_reply"},
     {Fault::kStaleSlot, "stale_slot"},
+    {Fault::kComputeFault, "compute_fault"},
 }};
 
 constexpr std::array<Fault, kFaults.size()> allOf() {

@@ -23,6 +23,7 @@ enum class Fault : uint8_t {
   kGarbageReply,      // the next step is answered with bytes that are not a message
   kTruncatedReply,    // the next step is answered with a cut-off frame
   kStaleSlot,         // one weight is served from another slot or a stale copy, bytes intact
+  kComputeFault,      // one multiply-add result of the next step is wrong, weights intact
 };
 
 // "worker_kill", "worker_hang", ...
@@ -35,7 +36,8 @@ struct FaultSpec {
   Fault fault = Fault::kWorkerKill;
   uint32_t row = 0;          // row faults: which requested row of the next step that has rows
   uint32_t delay_ms = 0;     // kSlowStep
-  uint64_t byte_offset = 0;  // kWeightBitflip: offset into the resident weights; kStaleSlot: role
+  uint64_t byte_offset = 0;  // kWeightBitflip: offset into the resident weights; kStaleSlot: role;
+                             // kComputeFault: layer, row and output
   uint8_t bit = 0;           // kWeightBitflip
 };
 

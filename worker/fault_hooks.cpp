@@ -51,6 +51,14 @@ class InjectedFaults final : public StepFaults {
       spdlog::warn("fault: {} now served from a stale slot", *tensor);
       return okStatus();
     }
+    if (fault.fault == Fault::kComputeFault) {
+      // Lands in the next step's products; the step never sees the hook.
+      std::unique_lock weights(weights_mutex_);
+      auto tensor = backend_.computeFault(fault.byte_offset);
+      if (!tensor.ok()) return tensor.status();
+      spdlog::warn("fault: the next product of {} computes one value wrong", *tensor);
+      return okStatus();
+    }
     armed_ = fault;
     return okStatus();
   }
