@@ -195,8 +195,9 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
   // Each token's sum of outputs, for the arithmetic check (threads add their partial sums).
   const bool abft = w.reads != nullptr && w.columns != nullptr;
   std::vector<double> out_sums(abft ? size_t(tokens) : 0, 0.0);
-  const int fault_token = w.fault >= 0 ? int(w.fault / rows % tokens) : -1;
-  const int fault_row = w.fault >= 0 ? int(w.fault % rows) : -1;
+  const bool armed = w.fault >= 0 && tokens > 0 && rows > 0;
+  const int fault_token = armed ? int(w.fault / rows % tokens) : -1;
+  const int fault_row = armed ? int(w.fault % rows) : -1;
   auto faulty = [&](int t, int j, float& v) {
     if (t == fault_token && j == fault_row)
       v = std::bit_cast<float>(std::bit_cast<uint32_t>(v) ^ (1u << 30));

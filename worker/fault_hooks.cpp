@@ -44,19 +44,16 @@ class InjectedFaults final : public StepFaults {
       std::unique_lock weights(weights_mutex_);
       return backend_.flipWeightBit(fault.byte_offset, fault.bit);
     }
-    if (fault.fault == Fault::kStaleSlot) {
+    if (fault.fault == Fault::kStaleSlot || fault.fault == Fault::kComputeFault) {
+      // Both land in the backend's bindings; the step path never sees the hook.
       std::unique_lock weights(weights_mutex_);
-      auto tensor = backend_.staleSlot(fault.byte_offset);
+      const bool stale = fault.fault == Fault::kStaleSlot;
+      auto tensor =
+          stale ? backend_.staleSlot(fault.byte_offset) : backend_.computeFault(fault.byte_offset);
       if (!tensor.ok()) return tensor.status();
-      spdlog::warn("fault: {} now served from a stale slot", *tensor);
-      return okStatus();
-    }
-    if (fault.fault == Fault::kComputeFault) {
-      // Lands in the next step's products; the step never sees the hook.
-      std::unique_lock weights(weights_mutex_);
-      auto tensor = backend_.computeFault(fault.byte_offset);
-      if (!tensor.ok()) return tensor.status();
-      spdlog::warn("fault: the next product of {} computes one value wrong", *tensor);
+      spdlog::warn(
+          "fault: {} {}", *tensor,
+          stale ? "now served from a stale slot" : "computes one value of its next product wrong");
       return okStatus();
     }
     armed_ = fault;
