@@ -329,8 +329,18 @@ WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const Seq
       WorkerFailure bad = failure(
           Kind::kIntegrityFailure,
           "step " + std::to_string(step_id) + " read " + std::string(reads.getFailedTensor()) +
-              " wrongly: " + std::string(reads.getWhy()) + " (in-step weight checksum mismatch)");
-      bad.check = IntegrityCheck::kWeightReads;
+              " wrongly: " + std::string(reads.getWhy()) + " (in-step check)");
+      switch (reads.getFailedCheck()) {
+        case wire::WeightCheck::SLOT_TAG:
+          bad.check = IntegrityCheck::kSlotTag;
+          break;
+        case wire::WeightCheck::ARITHMETIC:
+          bad.check = IntegrityCheck::kArithmetic;
+          break;
+        default:  // READS, and any value this build does not know: the strictest reading
+          bad.check = IntegrityCheck::kWeightReads;
+          break;
+      }
       return bad;
     }
     result.rows.reserve(total_rows);

@@ -83,6 +83,14 @@ struct WeightReads {
   wordsRead @2 :UInt64;
   # Which way the failed weight was wrong, as far as the worker can tell (another slot, bytes).
   why @3 :Text;
+  # Which check failed: worker/backend.h WeightCheck, in the same order.
+  failedCheck @4 :WeightCheck;
+}
+
+enum WeightCheck {
+  reads @0;       # the words read differ from the checkpoint's, or were not all read
+  slotTag @1;     # a binding is not its tensor's tagged slot
+  arithmetic @2;  # a product's output sums fail the column-sum check
 }
 
 struct StepDone {

@@ -83,6 +83,10 @@ std::string_view integrityCheckName(IntegrityCheck check) {
       return "non-finite value";
     case IntegrityCheck::kWeightReads:
       return "in-step weight reads";
+    case IntegrityCheck::kSlotTag:
+      return "slot tag";
+    case IntegrityCheck::kArithmetic:
+      return "arithmetic check";
   }
   return "?";
 }

@@ -29,6 +29,8 @@ enum class IntegrityCheck {
   kPayloadChecksum,   // payload does not hash to the header checksum
   kNonFinite,
   kWeightReads,  // the step's own check of the weight words it read failed (worker-reported)
+  kSlotTag,      // a weight binding was not its tensor's tagged slot (worker-reported)
+  kArithmetic,   // a product failed the column-sum check (worker-reported)
 };
 std::string_view integrityCheckName(IntegrityCheck check);
 

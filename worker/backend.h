@@ -47,10 +47,18 @@ struct RowOutput {
 // offset) through the pointer the kernel was handed, and compared at the end of the step with the
 // same fold over the checkpoint's bytes, words counted. A step whose verdict names a tensor must
 // not be trusted: its rows are never sampled.
+// Which in-step check failed.
+enum class WeightCheck : uint8_t {
+  kReads,       // the words read, folded and counted, differ from the checkpoint's
+  kSlotTag,     // a binding is not its tensor's tagged slot (checked before computing)
+  kArithmetic,  // a product's output sums differ from the column sums dotted with its input
+};
+
 struct WeightReadVerdict {
   bool checked = false;       // the backend checks its weight reads in the step
   std::string failed_tensor;  // the first weight whose reads did not match; empty: all did
   std::string why;            // what the backend can tell: another slot than its own, or bytes
+  WeightCheck failed_check = WeightCheck::kReads;  // meaningful when failed_tensor is set
   uint64_t words_read = 0;
 };
 

@@ -194,6 +194,7 @@ WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) co
     const uint64_t failed = a.reads.rows_failed.load(std::memory_order_relaxed);
     if (failed == 0) continue;
     verdict.failed_tensor = a.tensor;
+    verdict.failed_check = WeightCheck::kArithmetic;
     verdict.why = "its products fail the arithmetic check (" + std::to_string(failed) + " of " +
                   std::to_string(a.reads.rows_checked.load(std::memory_order_relaxed)) +
                   " output rows)";
@@ -328,6 +329,7 @@ WeightReadVerdict CpuBackend::verifySlots() const {
         tag->second.generation == a.generation)
       continue;
     verdict.failed_tensor = a.tensor;
+    verdict.failed_check = WeightCheck::kSlotTag;
     verdict.why = tag == slot_tags_.end() ? "bound to memory that is no resident slot"
                   : tag->second.tensor != a.tensor_index
                       ? "bound to a slot tagged for another tensor"

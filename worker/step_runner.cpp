@@ -7,6 +7,9 @@
 #include <spdlog/spdlog.h>
 
 namespace bulkhead {
+
+static_assert(uint16_t(wire::WeightCheck::SLOT_TAG) == uint16_t(WeightCheck::kSlotTag));
+static_assert(uint16_t(wire::WeightCheck::ARITHMETIC) == uint16_t(WeightCheck::kArithmetic));
 namespace {
 
 // Caps on what one Step message may carry, checked before anything is copied.
@@ -54,8 +57,9 @@ StepOutcome StepRunner::run(wire::Step::Reader step, wire::FromWorker::Builder r
   reads.setFailedTensor(verdict_.failed_tensor);
   reads.setWordsRead(verdict_.words_read);
   reads.setWhy(verdict_.why);
+  reads.setFailedCheck(static_cast<wire::WeightCheck>(verdict_.failed_check));
   if (!verdict_.failed_tensor.empty())
-    spdlog::error("step {} read {} wrongly ({}): in-step weight checksum mismatch", step_id,
+    spdlog::error("step {} read {} wrongly ({}): in-step check failed", step_id,
                   verdict_.failed_tensor, verdict_.why);
   publish(step_id, done);
   outcome.form = faults_.replyForm();
