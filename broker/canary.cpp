@@ -2,13 +2,16 @@
 // throws: it runs on the scheduler thread, and a damaged state directory must not end the broker.
 #include "broker/canary.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <string_view>
 
 #include <spdlog/spdlog.h>
@@ -123,19 +126,133 @@ std::optional<std::filesystem::path> moveAside(const std::filesystem::path& path
   return std::nullopt;
 }
 
+
+// A record's fields from its text, or what is wrong with it in `why`.
+std::optional<CanaryRecord> parseRecord(const std::string& text, std::string& why) noexcept {
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    why = "not valid JSON (" + std::to_string(text.size()) + " bytes)";
+    return std::nullopt;
+  }
+  if (!j.is_object()) {
+    why = std::string("a JSON ") + j.type_name() + ", not an object";
+    return std::nullopt;
+  }
+  const auto model = hexField(j, "model_identity", why);
+  const auto weights = model ? hexField(j, "weight_digest", why) : std::nullopt;
+  const auto logits = weights ? hexField(j, "logits_digest", why) : std::nullopt;
+  if (!logits) return std::nullopt;  // `why` says which field
+  const auto b = j.find("backend");
+  if (b == j.end() || !b->is_string()) {
+    why = b == j.end() ? "backend: missing" : "backend: " + shown(*b) + " is not a string";
+    return std::nullopt;
+  }
+  return CanaryRecord{*model, b->get_ref<const std::string&>(), *weights, *logits};
+}
+
 }  // namespace
 
 std::vector<uint32_t> canaryTokens(uint32_t vocab_size) {
-  std::vector<uint32_t> tokens(16);
+  std::vector<uint32_t> tokens(kCanaryPrefix + 1);
   for (uint32_t i = 0; i < tokens.size(); ++i)
     tokens[i] = uint32_t((uint64_t(i) * 2654435761ull + 12345) % vocab_size);
   return tokens;
 }
 
-uint64_t canaryDigest(std::span<const std::span<const float>> rows) {
+uint64_t canaryDigest(std::span<const uint64_t> row_checksums) {
+  return checksumBytes(std::as_bytes(row_checksums));
+}
+
+uint64_t canaryDigestOf(std::span<const std::span<const float>> rows) {
   std::vector<uint64_t> sums;
   for (const auto& row : rows) sums.push_back(checksumBytes(std::as_bytes(row)));
-  return checksumBytes(std::as_bytes(std::span(sums)));
+  return canaryDigest(sums);
+}
+
+float canaryTolerance(const std::string& backend) {
+  // The CPU engine is the reference: the same code on the same checkpoint must agree bit for bit.
+  // Other engines round differently (bf16 products, other summation orders); 2% of the largest
+  // logit keeps the argmax meaningful while allowing that.
+  return backend == "cpu" ? 0.0f : 0.02f;
+}
+
+Status qualifyRows(std::span<const std::span<const float>> worker,
+                   std::span<const std::vector<float>> reference, float tolerance) {
+  if (worker.size() != reference.size())
+    return failedPrecondition("canary: the worker gave " + std::to_string(worker.size()) +
+                              " rows, the reference engine " + std::to_string(reference.size()));
+  auto argmax = [](std::span<const float> row) {
+    size_t best = 0;
+    for (size_t i = 1; i < row.size(); ++i)
+      if (row[i] > row[best]) best = i;
+    return best;
+  };
+  for (size_t r = 0; r < worker.size(); ++r) {
+    const std::span<const float> w = worker[r];
+    const std::vector<float>& ref = reference[r];
+    const std::string which = "canary row " + std::to_string(r);
+    if (w.size() != ref.size())
+      return failedPrecondition(which + " has " + std::to_string(w.size()) +
+                                " logits, the reference engine's " + std::to_string(ref.size()));
+    float scale = 1.0f;
+    for (float v : ref) scale = std::max(scale, std::fabs(v));
+    const float bound = tolerance * scale;
+    size_t worst = 0;
+    float worst_error = 0.0f;
+    for (size_t i = 0; i < w.size(); ++i) {
+      const float e = std::fabs(w[i] - ref[i]);
+      if (!(e <= worst_error)) {  // NaN counts as the worst
+        worst = i;
+        worst_error = std::isnan(e) ? std::numeric_limits<float>::infinity() : e;
+      }
+    }
+    const size_t wa = argmax(w), ra = argmax(ref);
+    if (wa != ra || worst_error > bound) {
+      char buf[200];
+      std::snprintf(buf, sizeof(buf),
+                    ": argmax %zu, the reference engine's %zu; largest error %.6g at token %zu "
+                    "(%.9g against %.9g), tolerance %.6g",
+                    wa, ra, double(worst_error), worst, double(w[worst]), double(ref[worst]),
+                    double(bound));
+      return failedPrecondition(which + " disagrees with the reference engine" + buf);
+    }
+  }
+  return okStatus();
+}
+
+Result<CanaryRecord> readCanaryRecord(const std::filesystem::path& path) {
+  std::string why;
+  auto text = readRecordFile(path, why);
+  if (!text) return failedPrecondition("canary record " + path.string() + ": " +
+                                       (why.empty() ? "no such file" : why));
+  auto record = parseRecord(*text, why);
+  if (!record) return failedPrecondition("canary record " + path.string() + ": " + why);
+  return *record;
+}
+
+Status writeCanaryRecord(const std::filesystem::path& path, const CanaryRecord& record) {
+  const nlohmann::json j = {{"model_identity", hex(record.model_identity)},
+                            {"backend", record.backend},
+                            {"weight_digest", hex(record.weight_digest)},
+                            {"logits_digest", hex(record.logits_digest)}};
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  std::error_code ec;
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    out.close();
+    if (!out) {
+      std::filesystem::remove(tmp, ec);
+      return internalError("cannot write " + tmp.string());
+    }
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    const std::string why = ec.message();
+    std::filesystem::remove(tmp, ec);
+    return internalError("cannot rename " + tmp.string() + " to " + path.string() + ": " + why);
+  }
+  return okStatus();
 }
 
 std::filesystem::path CanaryStore::pathFor(uint64_t identity, const std::string& backend) const {
@@ -147,98 +264,75 @@ std::filesystem::path CanaryStore::pathFor(uint64_t identity, const std::string&
 
 std::optional<CanaryStore::Record> CanaryStore::load(const std::filesystem::path& path,
                                                      uint64_t identity, const std::string& backend,
-                                                     bool& keep_out) const noexcept {
+                                                     bool& keep_out) noexcept {
   keep_out = false;
   std::string why;
   std::optional<Record> record;
   if (auto text = readRecordFile(path, why)) {
-    const auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) {
-      why = "not valid JSON (" + std::to_string(text->size()) + " bytes)";
-    } else if (!j.is_object()) {
-      why = std::string("a JSON ") + j.type_name() + ", not an object";
-    } else {
-      const auto model = hexField(j, "model_identity", why);
-      const auto weights = model ? hexField(j, "weight_digest", why) : std::nullopt;
-      const auto logits = weights ? hexField(j, "logits_digest", why) : std::nullopt;
-      const auto b = j.find("backend");
-      if (!logits) {
-        // `why` says which field
-      } else if (*model != identity) {
-        why = "model_identity: " + hex(*model) + " is not the " + hex(identity) + " it is filed as";
-      } else if (b == j.end() || !b->is_string()) {
-        why = b == j.end() ? "backend: missing" : "backend: " + shown(*b) + " is not a string";
-      } else if (b->get_ref<const std::string&>() != backend) {
-        why = "backend: " + shown(*b) + " is not the \"" + backend + "\" it is filed as";
+    if (auto r = parseRecord(*text, why)) {
+      if (r->model_identity != identity) {
+        why = "model_identity: " + hex(r->model_identity) + " is not the " + hex(identity) +
+              " it is filed as";
+      } else if (r->backend != backend) {
+        why = "backend: \"" + r->backend + "\" is not the \"" + backend + "\" it is filed as";
       } else {
-        record = Record{*weights, *logits};
+        record = Record{r->weight_digest, r->logits_digest};
       }
     }
   }
   if (record || why.empty()) return record;
-  // Corrupt. Keep the bytes for whoever investigates, and re-qualify with this worker's canary.
+  // Corrupt. Keep the bytes for whoever investigates, and qualify this worker's canary afresh.
   if (auto aside = moveAside(path)) {
     spdlog::error(
         "canary record {} is corrupt ({}); moved it aside to {} and treating the record as "
-        "absent: this worker's canary will be recorded in its place",
+        "absent: this worker's canary will be qualified and recorded in its place",
         path.string(), why, aside->string());
   } else {
     keep_out = true;
     spdlog::error(
         "canary record {} is corrupt ({}) and could not be moved aside; treating the record as "
-        "absent and keeping this worker's canary in memory only",
+        "absent and keeping a qualified canary in memory only",
         path.string(), why);
   }
   return std::nullopt;
 }
 
-void CanaryStore::store(const std::filesystem::path& path, uint64_t identity,
-                        const std::string& backend, const Record& record) const noexcept {
+void CanaryStore::record(uint64_t identity, const std::string& backend, uint64_t weight_digest,
+                         uint64_t logits_digest) noexcept {
+  if (pinned_) return;
+  const auto key = std::make_pair(identity, backend);
+  memory_[key] = Record{weight_digest, logits_digest};
+  spdlog::info("canary qualified and recorded for model {} on {}: {}", hex(identity), backend,
+               hex(logits_digest));
+  if (dir_.empty() || keep_out_[key]) return;
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
-  if (ec) {
-    spdlog::error("cannot record canary at {}: cannot create {}: {}", path.string(), dir_.string(),
-                  ec.message());
-    return;
-  }
-  const nlohmann::json j = {{"model_identity", hex(identity)},
-                            {"backend", backend},
-                            {"weight_digest", hex(record.weight_digest)},
-                            {"logits_digest", hex(record.logits_digest)}};
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-    out.close();
-    if (!out) {
-      spdlog::error("cannot record canary at {}: writing {} failed", path.string(), tmp.string());
-      std::filesystem::remove(tmp, ec);
-      return;
-    }
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    spdlog::error("cannot record canary at {}: {}", path.string(), ec.message());
-    std::filesystem::remove(tmp, ec);
-  }
+  const std::filesystem::path path = pathFor(identity, backend);
+  Status written =
+      ec ? internalError("cannot create " + dir_.string() + ": " + ec.message())
+         : writeCanaryRecord(path, {identity, backend, weight_digest, logits_digest});
+  if (!written.ok())
+    spdlog::error("cannot record canary at {}: {}", path.string(), written.message());
 }
 
 Status CanaryStore::check(uint64_t identity, const std::string& backend, uint64_t weight_digest,
                           uint64_t logits_digest) noexcept {
   const auto key = std::make_pair(identity, backend);
   std::optional<Record> record;
-  bool keep_out = false;
-  if (auto it = memory_.find(key); it != memory_.end()) record = it->second;
-  if (!record && !dir_.empty())
-    record = load(pathFor(identity, backend), identity, backend, keep_out);
-  if (!record) {
-    const Record fresh{weight_digest, logits_digest};
-    memory_[key] = fresh;
-    if (!dir_.empty() && !keep_out) store(pathFor(identity, backend), identity, backend, fresh);
-    spdlog::info("canary recorded for model {} on {}: {}", hex(identity), backend,
-                 hex(logits_digest));
-    return okStatus();
+  if (pinned_) {
+    if (pinned_->model_identity != identity || pinned_->backend != backend)
+      return failedPrecondition("the pinned canary record is for model " +
+                                hex(pinned_->model_identity) + " on " + pinned_->backend +
+                                "; this worker serves model " + hex(identity) + " on " + backend);
+    record = Record{pinned_->weight_digest, pinned_->logits_digest};
   }
+  if (auto it = memory_.find(key); !record && it != memory_.end()) record = it->second;
+  if (!record && !dir_.empty()) {
+    bool keep_out = false;
+    record = load(pathFor(identity, backend), identity, backend, keep_out);
+    keep_out_[key] = keep_out;
+  }
+  if (!record) return Status(Code::kNotFound, "no canary record: the canary must be qualified");
   memory_[key] = *record;
   if (record->weight_digest != weight_digest)
     return dataLoss("canary: the weights (digest " + hex(weight_digest) +

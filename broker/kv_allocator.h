@@ -12,11 +12,12 @@ class KvBlockAllocator {
  public:
   explicit KvBlockAllocator(uint32_t count = 0) { reset(count); }
 
-  // Forgets every allocation (a new worker incarnation has an empty cache).
-  void reset(uint32_t count) {
-    total_ = count;
+  // Forgets every allocation (a new worker incarnation has an empty cache). Blocks below
+  // `reserved` are the worker's own (the canary's) and never handed out.
+  void reset(uint32_t count, uint32_t reserved = 0) {
+    total_ = count > reserved ? count - reserved : 0;
     free_.clear();
-    for (uint32_t b = count; b > 0; --b) free_.push_back(b - 1);
+    for (uint32_t b = count; b > reserved; --b) free_.push_back(b - 1);
   }
   std::optional<uint32_t> allocate() {
     if (free_.empty()) return std::nullopt;

@@ -22,6 +22,7 @@
 #include "broker/scheduler.h"
 #include "broker/worker_client.h"
 #include "shared/model_config.h"
+#include "worker/reference_engine.h"
 
 namespace {
 
@@ -72,6 +73,13 @@ int main(int argc, char** argv) {
   app.add_option("--canary-interval-s", canary_interval_s,
                  "Run the canary between generations this often (0: only at worker start)");
   uint32_t heartbeat_ms = 2'000;
+  app.add_option("--canary-every-steps", options.canary_every_steps,
+                 "The canary rides along with every N-th step under load (0: never)");
+  std::string canary_record;
+  app.add_option("--canary-record", canary_record,
+                 "A canary record pinned by `bulkhead qualify`: the only reference, nothing is "
+                 "recorded (default: qualify against the CPU reference engine and record in the "
+                 "state directory)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "Heartbeat an idle worker this often");
   std::optional<double> scrub_share;
   app.add_option("--scrub-share", scrub_share,
@@ -99,6 +107,21 @@ int main(int argc, char** argv) {
     }
   }
   options.state_dir = state_dir;
+  if (!canary_record.empty()) {
+    auto pinned = readCanaryRecord(canary_record);
+    if (!pinned.ok()) {
+      spdlog::critical("--canary-record: {}", pinned.status().message());
+      return 2;
+    }
+    options.pinned_canary = *pinned;
+  }
+  // The reference a new canary is qualified against: the CPU engine on the same checkpoint, in
+  // this process.
+  options.canary_reference = [model_dir](const WorkerHello& hello,
+                                         std::span<const uint32_t> tokens,
+                                         std::span<const uint32_t> rows) {
+    return referenceLogits(model_dir, hello.weight_digest, tokens, rows);
+  };
 
   auto config = ModelConfig::load(model_dir);
   if (!config.ok()) {

@@ -23,7 +23,7 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
     : model_(std::move(model)),
       options_(std::move(options)),
       sampler_(pool),
-      canaries_(options_.state_dir),
+      canaries_(options_.state_dir, options_.pinned_canary),
       queues_(model_.max_context, model_.eos_token_ids,
               [this](const Status& status) { onFinished(status); }),
       slot_(
@@ -40,6 +40,8 @@ WorkerSlotOptions Scheduler::slotOptions(const SchedulerOptions& o, const ModelL
                           .backoff_max = o.restart_backoff_max},
           .request_timeout = o.step_timeout_base,
           .canary_interval = o.canary_interval,
+          .canary_every_steps = o.canary_every_steps,
+          .reference = o.canary_reference,
           .heartbeat_interval = o.heartbeat_interval,
           .vocab_size = model.vocab_size};
 }
@@ -217,7 +219,8 @@ bool Scheduler::serveOnce() {
   if (worker == nullptr) return false;
   if (worker->hello().incarnation != blocks_incarnation_) {
     // A new worker's cache is empty (every sequence was requeued when the last one was lost).
-    queues_.resetBlocks(worker->hello().kv_block_count, worker->hello().kv_block_size);
+    queues_.resetBlocks(worker->hello().kv_block_count, worker->hello().kv_block_size,
+                        slot_.reservedBlocks());
     blocks_incarnation_ = worker->hello().incarnation;
   }
   slot_.armPendingFault(options_.step_timeout_base);
@@ -281,15 +284,27 @@ void Scheduler::handleRestart() {
 bool Scheduler::stepOnce(WorkerConnection& worker) {
   const WorkerHello& hello = worker.hello();
   const std::vector<RunningSequence> view = queues_.runningView();
-  const StepPlan plan =
-      planStep(view, {.token_budget = std::min(options_.max_batch_tokens, hello.max_step_tokens),
-                      .max_rows = hello.arena_slots,
-                      .block_size = hello.kv_block_size,
-                      .free_blocks = queues_.blocks().freeCount()});
+  uint32_t token_budget = std::min(options_.max_batch_tokens, hello.max_step_tokens);
+  uint32_t max_rows = hello.arena_slots;
+  // The canary rides along when due and the step has room for it beside one client token.
+  const SequenceStep* ride = slot_.canaryRide();
+  if (ride != nullptr && (token_budget < 2 || max_rows < 2)) ride = nullptr;
+  if (ride != nullptr) {
+    --token_budget;
+    --max_rows;
+  }
+  const StepPlan plan = planStep(view, {.token_budget = token_budget,
+                                        .max_rows = max_rows,
+                                        .block_size = hello.kv_block_size,
+                                        .free_blocks = queues_.blocks().freeCount()});
   for (size_t i = 0; i < plan.preempt; ++i) queues_.preemptLast();
   if (plan.chunks.empty()) return false;
 
-  const StepRequest request = queues_.assemble(plan);
+  StepRequest request = queues_.assemble(plan);
+  if (ride != nullptr) {
+    request.steps.push_back(*ride);
+    request.tokens += 1;
+  }
   const std::vector<Sequence*>& batch = request.batch;
   const auto timeout =
       options_.step_timeout_base +
@@ -303,7 +318,8 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   if (!reply.ok()) return handleStepFailure(reply.error(), batch);
 
   std::vector<SampledRow> sampled;
-  if (WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, step_id, sampled); !bad.ok())
+  if (WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, ride, step_id, sampled);
+      !bad.ok())
     return handleStepFailure(bad, batch);
   step_failures_in_a_row_ = 0;
   slot_.stepCompleted();
@@ -322,11 +338,13 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   return true;
 }
 
-// Verification and sampling in one pass over each row, spread over the pool. A row that fails
-// fails the step: none of its rows is used.
+// Verification and sampling in one pass over each row, spread over the pool; the canary's row,
+// when it rode along, is verified in the same pass and then checked against its qualified digest.
+// A row that fails fails the step: none of its rows is used.
 WorkerFailure Scheduler::sampleRows(const std::vector<Sequence*>& batch,
                                     std::span<const PlannedChunk> chunks, const StepReply& reply,
-                                    uint64_t step_id, std::vector<SampledRow>& sampled) {
+                                    const SequenceStep* ride, uint64_t step_id,
+                                    std::vector<SampledRow>& sampled) {
   std::vector<RowToSample> jobs;
   size_t r = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -340,9 +358,16 @@ WorkerFailure Scheduler::sampleRows(const std::vector<Sequence*>& batch,
                     .position = s.ledger.tokens().size()});
     ++r;
   }
+  if (ride != nullptr)
+    jobs.push_back({.logits = reply.rows[r].payload, .expected_checksum = reply.rows[r].checksum});
   sampled.resize(jobs.size());
   sampler_.verifyAndSample(jobs, sampled);
-  return firstFailedRow(sampled, " of step " + std::to_string(step_id));
+  WorkerFailure bad = firstFailedRow(sampled, " of step " + std::to_string(step_id));
+  if (ride != nullptr) {
+    if (bad.ok()) bad = slot_.checkRide(reply.rows[r].checksum, step_id);
+    sampled.pop_back();
+  }
+  return bad;
 }
 
 bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch) {

@@ -43,6 +43,12 @@ struct SchedulerOptions {
   std::chrono::milliseconds restart_backoff_max{5'000};
   // Canary between generations, when idle for this long since the last one (0: only at start).
   std::chrono::milliseconds canary_interval{60'000};
+  // The canary's continuation rides along with every N-th client step (0: never).
+  uint32_t canary_every_steps = 16;
+  // Qualifies a canary that no record vouches for (the CPU reference engine, in-process).
+  CanaryReference canary_reference;
+  // A record an operator pinned (`bulkhead qualify`): the only reference, nothing is recorded.
+  std::optional<CanaryRecord> pinned_canary;
   // A sequence that stopped waits at most about this long before the broker asks the worker for a
   // full scrub pass to vouch for its last tokens (instead of waiting for the background pass).
   std::chrono::milliseconds finish_vouch_interval{10};
@@ -96,7 +102,8 @@ class Scheduler {
   bool handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch);
   WorkerFailure sampleRows(const std::vector<Sequence*>& batch,
                            std::span<const PlannedChunk> chunks, const StepReply& reply,
-                           uint64_t step_id, std::vector<SampledRow>& sampled);
+                           const SequenceStep* ride, uint64_t step_id,
+                           std::vector<SampledRow>& sampled);
   void applyScrub(const ScrubStatus& scrub, bool gated);
   void setServing(bool serving);
   void onFinished(const Status& status);

@@ -14,8 +14,8 @@ SequenceQueues::SequenceQueues(uint32_t max_context, std::vector<uint32_t> eos_t
                                std::function<void(const Status&)> finished)
     : max_context_(max_context), eos_(std::move(eos_token_ids)), finished_(std::move(finished)) {}
 
-void SequenceQueues::resetBlocks(uint32_t blocks, uint32_t block_size) {
-  blocks_.reset(blocks);
+void SequenceQueues::resetBlocks(uint32_t blocks, uint32_t block_size, uint32_t reserved) {
+  blocks_.reset(blocks, reserved);
   block_size_ = block_size;
 }
 

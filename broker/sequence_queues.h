@@ -62,7 +62,8 @@ class SequenceQueues {
   KvBlockAllocator& blocks() { return blocks_; }
 
   // A new worker with `blocks` KV blocks of `block_size` positions; all sequences must be waiting.
-  void resetBlocks(uint32_t blocks, uint32_t block_size);
+  // A new worker's cache: `blocks` in all, of which the first `reserved` are never handed out.
+  void resetBlocks(uint32_t blocks, uint32_t block_size, uint32_t reserved = 0);
   uint32_t blockSize() const { return block_size_; }
 
   // Starts what the batch planner admits, first come first served.

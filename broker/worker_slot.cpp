@@ -3,9 +3,10 @@
 
 #include <poll.h>
 
+#include <cstdio>
+
 #include <spdlog/spdlog.h>
 
-#include "broker/batch_planner.h"
 #include "broker/sampler.h"
 #include "broker/step_rows.h"
 
@@ -56,57 +57,101 @@ bool WorkerSlot::start() {
   if (!passesCanary()) return false;
   ready_ = true;
   supervision_.onReady();
+  // Serving first: that ends a crash loop, so whoever sees the state "ready" can submit.
+  callbacks_.serving(true);
   board_.update([&](SchedulerStats&, WorkerStatus& w) {
     w.state = std::string(workerStateName(supervision_.state()));
     w.incarnation = h.incarnation;
     w.pid = h.pid;
     w.backend = h.backend;
-    w.kv_blocks_total = h.kv_block_count;
+    w.kv_blocks_total = h.kv_block_count - reservedBlocks();  // the canary holds the rest
   });
   spdlog::info("worker incarnation {} ready (pid {}, {} backend, {} KV blocks)", h.incarnation,
                h.pid, h.backend, h.kv_block_count);
-  callbacks_.serving(true);
   return true;
 }
 
 bool WorkerSlot::passesCanary() {
   const WorkerHello& h = worker_->hello();
-  const std::vector<uint32_t> tokens = canaryTokens(h.vocab_size);
-  std::vector<uint32_t> blocks;
-  for (uint32_t b = 0; b < blocksFor(tokens.size(), h.kv_block_size); ++b) blocks.push_back(b);
-  // The last row only: it depends on every token and layer, and on no broker setting.
-  const std::vector<uint32_t> rows = {uint32_t(tokens.size() - 1)};
-  if (blocks.size() > h.kv_block_count || h.max_step_tokens < tokens.size()) {
+  canary_ = CanaryPlan::forWorker(h);
+  if (!canary_) {
     spdlog::warn("the worker is too small for the canary; serving without it");
     return true;
   }
-  const SequenceStep step{.sequence_id = 0,
-                          .start_position = 0,
-                          .tokens = tokens,
-                          .kv_blocks = blocks,
-                          .logits_rows = rows};
-  auto result = worker_->step(nextStepId(), {&step, 1}, options_.request_timeout);
+  ride_ = canary_->ride();
+  auto run = runCanary(*worker_, sampler_, *canary_, [this] { return nextStepId(); },
+                       options_.request_timeout);
   last_canary_ = last_contact_ = Clock::now();
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
+  Status s = run.status();
+  if (run.ok()) {
+    s = canaries_.check(h.model_identity, h.backend, h.weight_digest, run->digest);
+    if (s.code() == Code::kNotFound) {
+      // No record vouches for this model and backend yet: the reference engine must.
+      s = qualifyCanary(h, *canary_, *run, options_.reference);
+      if (s.ok()) canaries_.record(h.model_identity, h.backend, h.weight_digest, run->digest);
+    }
+  }
+  if (s.ok()) {
+    ride_checksum_ = run->checksums[1];
+    steps_since_ride_ = 0;
+    return true;
+  }
+  quarantine(s.message());
+  return false;
+}
+
+bool WorkerSlot::passesRide() {
+  auto result = worker_->step(nextStepId(), {&ride_, 1}, options_.request_timeout);
+  last_canary_ = last_contact_ = Clock::now();
   std::string why;
   if (!result.ok()) {
+    board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
     why = "canary step failed: " + result.error().toString();
-  } else if (!result->scrub.corruptions.empty()) {
-    why = "canary: worker found corrupted weights in " + result->scrub.corruptions[0].tensor;
   } else if (WorkerFailure bad = verifyRows(sampler_, result->rows); !bad.ok()) {
+    board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
     why = "canary row: " + bad.toString();
+  } else if (WorkerFailure bad = checkRide(result->rows[0].checksum, 0); !bad.ok()) {
+    why = bad.message;
   } else {
-    const std::span<const float> row = result->rows[0].payload;
-    Status s = canaries_.check(h.model_identity, h.backend, h.weight_digest,
-                               canaryDigest(std::span(&row, 1)));
-    if (s.ok()) return true;
-    why = s.message();
+    return true;
   }
-  spdlog::error("worker incarnation {} quarantined: {}", h.incarnation, why);
-  board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_failures; });
   failed(why);
   replace(why);
   return false;
+}
+
+const SequenceStep* WorkerSlot::canaryRide() const {
+  if (!ready_ || !canary_ || options_.canary_every_steps == 0) return nullptr;
+  return steps_since_ride_ + 1 >= options_.canary_every_steps ? &ride_ : nullptr;
+}
+
+WorkerFailure WorkerSlot::checkRide(uint64_t row_checksum, uint64_t step_id) {
+  rode_ = true;
+  const bool ok = row_checksum == ride_checksum_;
+  board_.update([&](SchedulerStats& s, WorkerStatus&) {
+    ++s.canary_runs;
+    if (!ok) ++s.canary_failures;
+  });
+  if (ok) return {};
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "has checksum %016llx, the qualified one is %016llx",
+                static_cast<unsigned long long>(row_checksum),
+                static_cast<unsigned long long>(ride_checksum_));
+  WorkerFailure f = workerFailure(
+      WorkerFailure::Kind::kIntegrityFailure,
+      (step_id ? "the canary row riding along with step " + std::to_string(step_id)
+               : std::string("the idle canary's row")) +
+          " " + buf);
+  f.check = IntegrityCheck::kCanary;
+  return f;
+}
+
+void WorkerSlot::quarantine(const std::string& why) {
+  spdlog::error("worker incarnation {} quarantined: {}", worker_->hello().incarnation, why);
+  board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_failures; });
+  failed(why);
+  replace(why);
 }
 
 void WorkerSlot::checkExited() {
@@ -122,7 +167,7 @@ void WorkerSlot::idle() {
   if (!ready_) return;
   const auto now = Clock::now();
   if (options_.canary_interval.count() > 0 && now - last_canary_ >= options_.canary_interval) {
-    if (passesCanary()) last_contact_ = Clock::now();
+    if (!canary_ || passesRide()) last_contact_ = Clock::now();
     return;
   }
   if (now - last_contact_ < options_.heartbeat_interval) return;
@@ -147,6 +192,8 @@ void WorkerSlot::stepCompleted() {
   last_contact_ = Clock::now();
   supervision_.onStepCompleted();
   injector_.stepCompleted();
+  steps_since_ride_ = rode_ ? 0 : steps_since_ride_ + 1;
+  rode_ = false;
 }
 
 void WorkerSlot::failed(const std::string& what) {

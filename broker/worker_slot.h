@@ -8,10 +8,12 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "broker/broker_stats.h"
 #include "broker/canary.h"
+#include "broker/canary_run.h"
 #include "broker/fault_injection.h"
 #include "broker/row_sampling.h"
 #include "broker/supervision.h"
@@ -26,7 +28,9 @@ using WorkerFactory =
 struct WorkerSlotOptions {
   SupervisionOptions supervision;
   std::chrono::milliseconds request_timeout{10'000};  // canary, ping and heartbeat deadlines
-  std::chrono::milliseconds canary_interval{60'000};  // 0: only at start
+  std::chrono::milliseconds canary_interval{60'000};  // idle canary; 0: only at start
+  uint32_t canary_every_steps = 16;  // the canary rides along every N client steps; 0: never
+  CanaryReference reference;  // qualifies a canary no record vouches for; empty: none can be
   std::chrono::milliseconds heartbeat_interval{2'000};
   uint32_t vocab_size = 0;  // the model's; a worker reporting another is refused
 };
@@ -51,6 +55,16 @@ class WorkerSlot {
   WorkerState state() const { return supervision_.state(); }
   uint64_t nextStepId() { return next_step_id_++; }
 
+  // The canary's KV blocks (0 .. n-1 of every worker), never handed to a sequence; 0 when the
+  // worker is too small for the canary.
+  uint32_t reservedBlocks() const { return canary_ ? canary_->blocks() : 0; }
+  // The canary continuation when it is due to ride along with the next client step (one token,
+  // one row, appended after the client sequences); null otherwise.
+  const SequenceStep* canaryRide() const;
+  // The verdict on a ride-along row that passed row verification: its checksum against the
+  // worker's qualified one. kIntegrityFailure (check kCanary) on a mismatch.
+  WorkerFailure checkRide(uint64_t row_checksum, uint64_t step_id);
+
   // Notices a worker process that exited while idle.
   void checkExited();
   // Idle duties: a canary when one is due, else a heartbeat when one is due.
@@ -73,7 +87,13 @@ class WorkerSlot {
 
  private:
   bool start();
+  // The full canary of a new worker: the prefix, then the continuation; qualified against the
+  // reference engine when no record vouches for it.
   bool passesCanary();
+  // The continuation alone (idle canaries).
+  bool passesRide();
+  // Quarantines the worker: logs, counts, replaces.
+  void quarantine(const std::string& why);
 
   const WorkerFactory factory_;
   const WorkerSlotOptions options_;
@@ -88,6 +108,13 @@ class WorkerSlot {
   uint64_t next_incarnation_ = 1;
   uint64_t next_step_id_ = 1;
   Clock::time_point last_canary_{}, last_contact_{};
+  // The current worker's canary, its continuation step (spans into the plan), the qualified
+  // checksum of the continuation's row, and client steps since it last rode along.
+  std::optional<CanaryPlan> canary_;
+  SequenceStep ride_{};
+  uint64_t ride_checksum_ = 0;
+  uint32_t steps_since_ride_ = 0;
+  bool rode_ = false;  // the step being completed carried the canary
 };
 
 }  // namespace bulkhead

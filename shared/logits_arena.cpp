@@ -87,6 +87,8 @@ std::string_view integrityCheckName(IntegrityCheck check) {
       return "slot tag";
     case IntegrityCheck::kArithmetic:
       return "arithmetic check";
+    case IntegrityCheck::kCanary:
+      return "canary";
   }
   return "?";
 }

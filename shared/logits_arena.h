@@ -31,6 +31,7 @@ enum class IntegrityCheck {
   kWeightReads,  // the step's own check of the weight words it read failed (worker-reported)
   kSlotTag,      // a weight binding was not its tensor's tagged slot (worker-reported)
   kArithmetic,   // a product failed the column-sum check (worker-reported)
+  kCanary,       // the canary row riding along differs from its qualified digest
 };
 std::string_view integrityCheckName(IntegrityCheck check);
 

@@ -10,12 +10,19 @@
 #include "tools/chaos.h"
 #include "tools/commands.h"
 #include "tools/make_model.h"
+#include "tools/qualify.h"
 #include "tools/remote.h"
 #include "tools/sample_bench.h"
 #include "tools/serve_bench.h"
 #include "tools/step_bench.h"
 
 namespace {
+
+// An executable installed next to this one.
+std::string besideThis(const std::string& name) {
+  std::error_code ec;
+  return (std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / name).string();
+}
 
 int fail(const std::string& command, const bulkhead::Status& status) {
   std::fprintf(stderr, "bulkhead %s: %s\n", command.c_str(), status.toString().c_str());
@@ -151,6 +158,18 @@ int main(int argc, char** argv) {
   chaos->add_option("--broker", chaos_opts.broker_path,
                     "bulkhead-broker executable (default: next to this one)");
 
+  QualifyOptions qualify_opts;
+  auto* qualify = app.add_subcommand(
+      "qualify", "Qualify a backend's canary against the CPU reference engine; write its record");
+  qualify->add_option("--model", qualify_opts.model_dir, "Checkpoint directory")->required();
+  qualify->add_option("--backend", qualify_opts.backend, "cpu | cuda | auto");
+  qualify->add_option("--out", qualify_opts.out_path, "The record (for --canary-record)")
+      ->required();
+  qualify->add_option("--worker", qualify_opts.worker_path,
+                      "bulkhead-worker executable (default: next to this one)");
+  qualify->add_option("--worker-arg", qualify_opts.worker_args, "Extra worker flag (repeatable)")
+      ->allow_extra_args(false);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -206,32 +225,30 @@ int main(int argc, char** argv) {
     if (!parsed.ok())
       return fail("serve-bench", invalidArgument("--concurrency: expected e.g. 1,32,64"));
     serve_opts.concurrency = *parsed;
-    std::error_code ec;
-    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
-    serve_opts.broker_path = (self / "bulkhead-broker").string();
-    serve_opts.worker_path = (self / "bulkhead-worker").string();
+    serve_opts.broker_path = besideThis("bulkhead-broker");
+    serve_opts.worker_path = besideThis("bulkhead-worker");
     Status s = runServeBench(serve_opts);
     if (!s.ok()) return fail("serve-bench", s);
   } else if (*bench) {
     Status s = runBench(bench_cmd);
     if (!s.ok()) return fail("bench", s);
+  } else if (*qualify) {
+    if (qualify_opts.worker_path.empty()) qualify_opts.worker_path = besideThis("bulkhead-worker");
+    auto record = runQualify(qualify_opts);
+    if (!record.ok()) return fail("qualify", record.status());
+    std::printf("qualified: model %016llx on %s, canary digest %016llx; wrote %s\n",
+                static_cast<unsigned long long>(record->model_identity), record->backend.c_str(),
+                static_cast<unsigned long long>(record->logits_digest),
+                qualify_opts.out_path.c_str());
   } else if (*chaos) {
-    if (chaos_opts.broker_path.empty()) {
-      std::error_code ec;
-      auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-      chaos_opts.broker_path = (self.parent_path() / "bulkhead-broker").string();
-    }
+    if (chaos_opts.broker_path.empty()) chaos_opts.broker_path = besideThis("bulkhead-broker");
     return runChaos(chaos_opts);
   } else if (*step_bench) {
     auto parsed = parseTokenList(batches);
     if (!parsed.ok()) return fail("step-bench", invalidArgument("--batches: expected e.g. 1,32"));
     step_opts.batches = *parsed;
     step_opts.in_step_checks = !no_in_step_checks;
-    if (step_opts.worker_path.empty()) {
-      std::error_code ec;
-      auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-      step_opts.worker_path = (self.parent_path() / "bulkhead-worker").string();
-    }
+    if (step_opts.worker_path.empty()) step_opts.worker_path = besideThis("bulkhead-worker");
     auto s = runStepBench(step_opts);
     if (!s.ok()) return fail("step-bench", s.status());
   } else if (*sample_bench) {

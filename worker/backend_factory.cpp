@@ -12,6 +12,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     CpuBackend::Options cpu;
     cpu.kv_blocks = options.kv_blocks;
     cpu.check_weight_reads = options.check_weight_reads;
+    cpu.attention_scale_factor = options.attention_scale_factor;
     BULKHEAD_ASSIGN_OR_RETURN(auto backend, CpuBackend::create(std::move(checkpoint), cpu));
     return std::unique_ptr<Backend>(std::move(backend));
   }

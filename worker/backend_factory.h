@@ -13,6 +13,7 @@ struct BackendOptions {
   uint32_t kv_blocks = 0;  // 0: the backend's default for its memory budget
   // Check every step's weight reads (off only to measure what the checks cost).
   bool check_weight_reads = true;
+  float attention_scale_factor = 1.0f;  // fault injection (CpuBackend::Options)
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

@@ -17,6 +17,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   std::unique_ptr<CpuBackend> b(new CpuBackend());
   b->checkpoint_ = checkpoint;
   b->parallel_macs_ = options.parallel_macs;
+  b->attention_scale_factor_ = options.attention_scale_factor;
   const ModelConfig& c = checkpoint->config();
   const ModelTensors& t = checkpoint->tensors();
 
@@ -406,7 +407,7 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
       vec[i + pairs] = b * cs[i] + a * sn[i];
     }
   };
-  const float scale = float(1.0 / std::sqrt(double(head_dim)));
+  const float scale = float(1.0 / std::sqrt(double(head_dim))) * attention_scale_factor_;
   // Norm weights and biases of the current layer, converted to float32.
   auto floats = [&](const Vector& v, std::vector<float>& out) -> const float* {
     if (v.data == nullptr) return nullptr;

@@ -26,6 +26,10 @@ class CpuBackend final : public Backend {
     int64_t parallel_macs = int64_t(1) << 18;
     // Fold and check every weight word the kernels read, in every step (worker/backend.h).
     bool check_weight_reads = true;
+    // Fault injection: the attention's score scale is multiplied by this, a kernel that computes
+    // wrongly while every weight read and product checks out (only the canary's qualification
+    // against the reference engine can see it).
+    float attention_scale_factor = 1.0f;
   };
 
   // Copies the weights out of the checkpoint: the engine computes from its own copy, so the
@@ -93,6 +97,7 @@ class CpuBackend final : public Backend {
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
   int64_t parallel_macs_ = 0;
+  float attention_scale_factor_ = 1.0f;
   std::unique_ptr<std::byte[]> weight_bytes_;
   // checkpoint_->usedTensors(), and the resident copy of each, in that order.
   std::vector<const TensorView*> used_;

@@ -64,6 +64,10 @@ int main(int argc, char** argv) {
   app.add_option("--perturb-weight", perturb,
                  "BYTE:BIT to flip in the resident weights at start (needs "
                  "--enable-fault-injection; simulates a worker that computes wrongly from birth)");
+  app.add_option("--perturb-attention", backend_options.attention_scale_factor,
+                 "Multiply the attention's score scale by this (needs --enable-fault-injection; "
+                 "simulates a kernel that computes wrongly from birth while its weight reads and "
+                 "products all check out)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   CLI11_PARSE(app, argc, argv);
 
@@ -78,6 +82,10 @@ int main(int argc, char** argv) {
   }
 
   backend_options.check_weight_reads = !no_in_step_checks;
+  if (backend_options.attention_scale_factor != 1.0f && !options.enable_fault_injection) {
+    spdlog::critical("--perturb-attention needs --enable-fault-injection");
+    return 2;
+  }
   auto checkpoint = Checkpoint::open(options.model_dir);
   if (!checkpoint.ok()) {
     spdlog::critical("{}", checkpoint.status().toString());

@@ -282,5 +282,127 @@ TEST(Canary, MismatchIsCaughtBeforeAnyClientTraffic) {
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
+// The canary records in a state directory.
+std::vector<std::filesystem::path> canaryRecords(const test::TempDir& state) {
+  std::vector<std::filesystem::path> out;
+  for (const auto& e : std::filesystem::directory_iterator(state.path()))
+    if (e.path().filename().string().rfind("canary-", 0) == 0) out.push_back(e.path());
+  return out;
+}
+
+// A worker that computes its attention slightly wrongly from birth: every weight read and every
+// product checks out in the step, so only qualification against the reference engine can tell.
+std::string miscomputingWorker(const test::TempDir& dir) {
+  return writeScript(dir, "worker.sh",
+                     "exec '" + test::binDir() +
+                         "/bulkhead-worker' \"$@\" --enable-fault-injection --perturb-attention "
+                         "1.01");
+}
+
+// Waits until the worker is marked failed, and checks that it never served.
+void expectNeverServed(test::BrokerProcess& broker, const std::string& why) {
+  const v1::WorkerInfo info = test::waitForWorker(
+      *broker.channel(), [](const v1::WorkerInfo& w) { return w.state() == "failed"; }, 60s);
+  ASSERT_EQ(info.state(), "failed") << "a miscomputing worker was allowed to serve";
+  EXPECT_NE(info.last_failure().find(why), std::string::npos) << info.last_failure();
+  EXPECT_EQ(health(*broker.channel()), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  auto admin = v1::Admin::NewStub(broker.channel());
+  grpc::ClientContext ctx;
+  v1::Stats stats;
+  ASSERT_TRUE(admin->GetStats(&ctx, {}, &stats).ok());
+  EXPECT_EQ(stats.tokens_generated(), 0u) << "client traffic reached a quarantined worker";
+}
+
+TEST(Canary, AWorkerBrokenFromBirthNeverServesAndRecordsNothing) {
+  test::TempDir state, dir;
+  {
+    test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                               {"--worker", miscomputingWorker(dir), "--state-dir", state.path()},
+                               /*wait_serving=*/false);
+    ASSERT_TRUE(broker.ok());
+    expectNeverServed(broker, "disagrees with the reference engine");
+  }
+  EXPECT_TRUE(canaryRecords(state).empty()) << "a worker broken from birth recorded its canary";
+  // A healthy worker then qualifies, is recorded, and serves.
+  test::BrokerProcess healthy(test::fixtureDir("tiny-qwen2"), {"--state-dir", state.path()});
+  ASSERT_TRUE(healthy.ok());
+  EXPECT_EQ(canaryRecords(state).size(), 1u);
+  EXPECT_TRUE(generate(*healthy.channel(), request({1, 2, 3}, 4)).status.ok());
+}
+
+TEST(Canary, ACorruptRecordFallsBackToQualification) {
+  test::TempDir state, dir;
+  {
+    test::BrokerProcess healthy(test::fixtureDir("tiny-qwen2"), {"--state-dir", state.path()});
+    ASSERT_TRUE(healthy.ok());
+  }
+  const auto records = canaryRecords(state);
+  ASSERT_EQ(records.size(), 1u);
+  const std::string record = records[0].string();
+  test::writeFile(record, "{\"model_identity\": \"not hex\"}");
+  // Had the corrupt record been dropped and the first canary trusted, this worker would serve.
+  {
+    test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                               {"--worker", miscomputingWorker(dir), "--state-dir", state.path()},
+                               /*wait_serving=*/false);
+    ASSERT_TRUE(broker.ok());
+    expectNeverServed(broker, "disagrees with the reference engine");
+  }
+  EXPECT_FALSE(std::filesystem::exists(record)) << "the corrupt record was not moved aside";
+  test::BrokerProcess healthy(test::fixtureDir("tiny-qwen2"), {"--state-dir", state.path()});
+  ASSERT_TRUE(healthy.ok());
+  EXPECT_TRUE(std::filesystem::exists(record));
+}
+
+TEST(Canary, APinnedRecordFromQualifyIsTheReference) {
+  test::TempDir state, dir;
+  const std::string pinned = dir.file("pinned.json");
+  const test::CommandResult q = test::runBulkhead(
+      dir, {"qualify", "--model", test::fixtureDir("tiny-qwen2"), "--backend", "cpu", "--out",
+            pinned});
+  ASSERT_EQ(q.exit_code, 0) << q.err;
+  EXPECT_NE(q.out.find("qualified"), std::string::npos) << q.out;
+  {
+    test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                               {"--canary-record", pinned, "--state-dir", state.path()});
+    ASSERT_TRUE(broker.ok());
+    EXPECT_TRUE(generate(*broker.channel(), request({1, 2, 3}, 4)).status.ok());
+  }
+  {
+    test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                               {"--worker", miscomputingWorker(dir), "--canary-record", pinned,
+                                "--state-dir", state.path()},
+                               /*wait_serving=*/false);
+    ASSERT_TRUE(broker.ok());
+    expectNeverServed(broker, "canary mismatch");
+  }
+  EXPECT_TRUE(canaryRecords(state).empty()) << "a pinned record must be the only one";
+  // qualify refuses a miscomputing worker and writes nothing.
+  const std::string refused = dir.file("refused.json");
+  const test::CommandResult bad = test::runBulkhead(
+      dir, {"qualify", "--model", test::fixtureDir("tiny-qwen2"), "--backend", "cpu", "--out",
+            refused, "--worker", miscomputingWorker(dir)});
+  EXPECT_NE(bad.exit_code, 0) << bad.out;
+  EXPECT_NE(bad.err.find("disagrees with the reference engine"), std::string::npos) << bad.err;
+  EXPECT_FALSE(std::filesystem::exists(refused));
+}
+
+TEST(Canary, RidesAlongUnderLoad) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--canary-every-steps", "4"});
+  ASSERT_TRUE(broker.ok());
+  v1::GenerateRequest r = request({1, 2, 3}, 64);
+  r.set_ignore_eos(true);
+  test::Generation g = generate(*broker.channel(), r);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  ASSERT_EQ(g.tokens.size(), 64u);
+  auto admin = v1::Admin::NewStub(broker.channel());
+  grpc::ClientContext ctx;
+  v1::Stats stats;
+  ASSERT_TRUE(admin->GetStats(&ctx, {}, &stats).ok());
+  // The start's canary, then one ride every 4 of the generation's 64 steps or more.
+  EXPECT_GE(stats.canary_runs(), 1u + 64 / 4 - 1);
+  EXPECT_EQ(stats.canary_failures(), 0u);
+}
+
 }  // namespace
 }  // namespace bulkhead

@@ -12,34 +12,8 @@
 namespace bulkhead {
 namespace {
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) {
-    if (c == '\'') {
-      q.append("'\\''");
-    } else {
-      q.push_back(c);
-    }
-  }
-  return q + "'";
-}
-
-CommandResult runBulkhead(const test::TempDir& dir, const std::vector<std::string>& args) {
-  std::string cmd = quote(test::binDir() + "/bulkhead");
-  for (const auto& a : args) cmd += " " + quote(a);
-  cmd += " > " + quote(dir.file("stdout")) + " 2> " + quote(dir.file("stderr"));
-  const int status = std::system(cmd.c_str());
-  CommandResult r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = test::readFile(dir.file("stdout"));
-  r.err = test::readFile(dir.file("stderr"));
-  return r;
-}
+using test::CommandResult;
+using test::runBulkhead;
 
 size_t lineCount(const std::string& s) {
   return size_t(std::count(s.begin(), s.end(), '\n'));

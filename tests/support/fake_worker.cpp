@@ -17,6 +17,15 @@ std::vector<float> fakeLogits(std::span<const uint32_t> history, uint32_t vocab)
   return row;
 }
 
+CanaryReference fakeReference() {
+  return [](const WorkerHello& hello, std::span<const uint32_t> tokens,
+            std::span<const uint32_t> rows) -> Result<std::vector<std::vector<float>>> {
+    std::vector<std::vector<float>> out;
+    for (uint32_t r : rows) out.push_back(fakeLogits(tokens.first(r + 1), hello.vocab_size));
+    return out;
+  };
+}
+
 void FakeWorkerControl::scheduleFault(uint32_t after_steps, FakeFault fault) {
   std::lock_guard lock(mu_);
   faults_.emplace_back(after_steps, fault);
@@ -25,6 +34,11 @@ void FakeWorkerControl::scheduleFault(uint32_t after_steps, FakeFault fault) {
 void FakeWorkerControl::failStarts(uint32_t count) {
   std::lock_guard lock(mu_);
   failing_starts_ = count;
+}
+
+void FakeWorkerControl::miscomputeFromBirth(uint32_t count) {
+  std::lock_guard lock(mu_);
+  miscomputing_starts_ = count;
 }
 
 std::vector<FakeStepRecord> FakeWorkerControl::steps() const {
@@ -67,6 +81,11 @@ FakeWorker::FakeWorker(std::shared_ptr<FakeWorkerControl> control, uint64_t inca
   hello_.scrubbing = true;
   hello_.model_identity = 42;
   kv_.assign(size_t(c.blocks) * c.block_size, UINT32_MAX);
+  std::lock_guard lock(control_->mu_);
+  if (control_->miscomputing_starts_ > 0) {
+    --control_->miscomputing_starts_;
+    miscompute_ = true;
+  }
 }
 
 std::optional<FakeFault> FakeWorker::takeFault() {
@@ -108,6 +127,10 @@ WorkerResult<StepReply> FakeWorker::step(uint64_t step_id, std::span<const Seque
     }
   }
   std::optional<FakeFault> fault = rows_.empty() ? std::nullopt : takeFault();
+  if (fault && fault->kind == FakeFault::Kind::kMiscompute) miscompute_ = true;
+  if (miscompute_) {
+    for (auto& row : rows_) std::rotate(row.begin(), row.begin() + 1, row.end());
+  }
   if (fault && fault->kind == FakeFault::Kind::kFailStep) {
     WorkerFailure f = workerFailure(fault->failure, "scripted failure");
     if (f.kind != WorkerFailure::Kind::kRejected &&

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <vector>
 
+#include "broker/canary.h"
 #include "broker/worker_connection.h"
 #include "broker/worker_slot.h"
 
@@ -19,6 +20,9 @@ namespace bulkhead::test {
 
 // The logits of the row that follows `history` (its last token at position history.size() - 1).
 std::vector<float> fakeLogits(std::span<const uint32_t> history, uint32_t vocab);
+
+// The reference engine for the fake's model: fakeLogits of each requested row's history.
+CanaryReference fakeReference();
 
 struct FakeStepRecord {
   uint64_t incarnation = 0, step_id = 0;
@@ -32,6 +36,9 @@ struct FakeFault {
     kFailStep,          // the step fails with `failure` (kExited breaks the connection)
     kCorruptRow,        // the first row's payload no longer matches its checksum
     kReportCorruption,  // the scrub report names a corrupted tensor, suspect from a past step
+    // From this step on, this incarnation computes every row wrongly (as from another history),
+    // with checksums that match: only the canary can tell.
+    kMiscompute,
   };
   Kind kind = Kind::kFailStep;
   WorkerFailure::Kind failure = WorkerFailure::Kind::kExited;
@@ -48,6 +55,8 @@ class FakeWorkerControl {
   void scheduleFault(uint32_t after_steps, FakeFault fault);
   // The next `count` starts fail.
   void failStarts(uint32_t count);
+  // The next `count` incarnations compute every row wrongly from their first step.
+  void miscomputeFromBirth(uint32_t count);
 
   std::vector<FakeStepRecord> steps() const;
   uint32_t starts() const;
@@ -60,6 +69,7 @@ class FakeWorkerControl {
   std::vector<FakeStepRecord> steps_;
   std::deque<std::pair<uint32_t, FakeFault>> faults_;
   uint32_t failing_starts_ = 0;
+  uint32_t miscomputing_starts_ = 0;
   uint32_t starts_ = 0;
 };
 
@@ -84,6 +94,7 @@ class FakeWorker final : public WorkerConnection {
   std::vector<std::vector<float>> rows_;
   uint64_t last_step_ = 0;
   WorkerFailure broken_;
+  bool miscompute_ = false;
 };
 
 }  // namespace bulkhead::test

@@ -2,6 +2,7 @@
 #include "support/test_support.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,6 +14,34 @@
 #include <nlohmann/json.hpp>
 
 namespace bulkhead::test {
+
+namespace {
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      q.append("'\\''");
+    } else {
+      q.push_back(c);
+    }
+  }
+  return q + "'";
+}
+
+}  // namespace
+
+CommandResult runBulkhead(const TempDir& dir, const std::vector<std::string>& args) {
+  std::string cmd = quote(binDir() + "/bulkhead");
+  for (const auto& a : args) cmd += " " + quote(a);
+  cmd += " > " + quote(dir.file("stdout")) + " 2> " + quote(dir.file("stderr"));
+  const int status = std::system(cmd.c_str());
+  CommandResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = readFile(dir.file("stdout"));
+  r.err = readFile(dir.file("stderr"));
+  return r;
+}
 
 TempDir::TempDir() {
   const char* base = std::getenv("TMPDIR");

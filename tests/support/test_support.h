@@ -29,6 +29,13 @@ void copyDir(const std::string& from, const std::string& to);
 // Where the executables under test are: $BULKHEAD_BIN_DIR, else the build's bin directory.
 std::string binDir();
 
+// The `bulkhead` executable run with `args` to its end; its output lands in `dir`.
+struct CommandResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+CommandResult runBulkhead(const TempDir& dir, const std::vector<std::string>& args);
+
 // ../shared/fixtures/<name>; aborts the test with a clear message when absent.
 std::string fixtureDir(const std::string& name);
 

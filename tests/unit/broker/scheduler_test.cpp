@@ -7,10 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <filesystem>
 #include <functional>
 #include <mutex>
+#include <thread>
 
 #include "support/fake_worker.h"
+#include "support/test_support.h"
 
 namespace bulkhead {
 namespace {
@@ -75,6 +78,7 @@ class SchedulerTest : public ::testing::Test {
     o.restart_backoff_initial = 1ms;
     o.restart_backoff_max = 2ms;
     o.canary_interval = 0ms;
+    if (!o.canary_reference) o.canary_reference = test::fakeReference();
     scheduler_ = std::make_unique<Scheduler>(control_->factory(control_),
                                              ModelLimits{control_->vocab, 4096, {}}, o, pool_);
     scheduler_->start();
@@ -115,6 +119,14 @@ class SchedulerTest : public ::testing::Test {
         replayed.insert(s.sequence_id);
     }
     return replayed.size();
+  }
+
+  // Waits (bounded) until the worker slot reports `state`.
+  bool waitForState(const std::string& state) const {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (scheduler_->workerStatus().state != state && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+    return scheduler_->workerStatus().state == state;
   }
 
   std::shared_ptr<test::FakeWorkerControl> control_ = std::make_shared<test::FakeWorkerControl>();
@@ -218,12 +230,83 @@ TEST_F(SchedulerTest, ACrashLoopFailsRequestsUntilAStartSucceeds) {
   EXPECT_EQ(scheduler_->submit(r, std::make_shared<CollectSink>()).code(), Code::kUnavailable);
   control_->failStarts(0);
   // Starts keep being tried with backoff; once one succeeds the slot serves again.
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (scheduler_->workerStatus().state != "ready" && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::yield();
-  ASSERT_EQ(scheduler_->workerStatus().state, "ready");
+  ASSERT_TRUE(waitForState("ready"));
   auto after = submit(1, 4);
   expectAllExact(after, 4);
+}
+
+TEST_F(SchedulerTest, TheCanaryRidesAlongWithClientStepsEveryNSteps) {
+  SchedulerOptions o;
+  o.canary_every_steps = 4;
+  start(o);
+  auto runs = submit(2, 40);
+  expectAllExact(runs, 40);
+  struct Seen {
+    bool canary = false, client = false;
+  };
+  std::map<uint64_t, Seen> by_step;
+  for (const auto& st : control_->steps()) {
+    Seen& seen = by_step[st.step_id];
+    if (st.sequence_id == 0 && st.start_position == kCanaryPrefix) seen.canary = true;
+    if (st.sequence_id != 0) seen.client = true;
+  }
+  size_t client_steps = 0, rides = 0;
+  for (const auto& [id, seen] : by_step) {
+    client_steps += seen.client;
+    rides += seen.client && seen.canary;
+  }
+  ASSERT_GE(client_steps, 40u);
+  EXPECT_GE(rides, client_steps / 4 - 1) << "of " << client_steps << " client steps";
+  EXPECT_LE(rides, client_steps / 4 + 1) << "of " << client_steps << " client steps";
+  const SchedulerStats s = scheduler_->stats();
+  EXPECT_EQ(s.canary_runs, 1 + rides);  // the start's full canary, then each ride
+  EXPECT_EQ(s.canary_failures, 0u);
+}
+
+TEST_F(SchedulerTest, AWorkerThatStartsMiscomputingIsCaughtByTheCanaryInThatStep) {
+  SchedulerOptions o;
+  o.canary_every_steps = 1;
+  // The 8th step with rows: the start's two canary steps, then the 6th client step, in the
+  // middle of the generations. Every row is wrong from then on, each with a matching checksum.
+  control_->scheduleFault(8, {.kind = test::FakeFault::Kind::kMiscompute});
+  start(o);
+  auto runs = submit(3, 16);
+  // Exact: no row of a miscomputing step was ever sampled.
+  expectAllExact(runs, 16);
+  const SchedulerStats s = scheduler_->stats();
+  EXPECT_EQ(s.canary_failures, 3u);  // the step and its two retries
+  EXPECT_EQ(s.integrity_failures, 3u);
+  EXPECT_EQ(control_->starts(), 2u);
+  EXPECT_EQ(replayedOnNewIncarnation(), 3u);
+  EXPECT_NE(scheduler_->workerStatus().last_failure.find("(canary)"), std::string::npos)
+      << scheduler_->workerStatus().last_failure;
+}
+
+TEST_F(SchedulerTest, AWorkerBrokenFromBirthNeverServesAndRecordsNothing) {
+  test::TempDir state;
+  control_->miscomputeFromBirth(1000);
+  SchedulerOptions o;
+  o.max_consecutive_failures = 3;
+  o.state_dir = state.path();
+  start(o);
+  ASSERT_TRUE(waitForState("failed"));
+  EXPECT_NE(scheduler_->workerStatus().last_failure.find("disagrees with the reference engine"),
+            std::string::npos)
+      << scheduler_->workerStatus().last_failure;
+  GenerationRequest r;
+  r.prompt = {1, 2};
+  r.max_tokens = 2;
+  EXPECT_EQ(scheduler_->submit(r, std::make_shared<CollectSink>()).code(), Code::kUnavailable);
+  EXPECT_TRUE(std::filesystem::is_empty(state.path())) << "a broken worker recorded its canary";
+  EXPECT_GE(scheduler_->stats().canary_failures, 3u);
+  EXPECT_EQ(scheduler_->stats().tokens_generated, 0u);
+
+  // A healthy worker qualifies, is recorded and serves.
+  control_->miscomputeFromBirth(0);
+  ASSERT_TRUE(waitForState("ready"));
+  auto after = submit(1, 4);
+  expectAllExact(after, 4);
+  EXPECT_FALSE(std::filesystem::is_empty(state.path()));
 }
 
 }  // namespace
