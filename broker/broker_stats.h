@@ -17,7 +17,7 @@ struct SchedulerStats {
   uint32_t requests_running = 0, requests_waiting = 0;
   uint64_t tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
            replayed_sequences = 0, integrity_failures = 0, weight_corruptions = 0, canary_runs = 0,
-           canary_failures = 0;
+           canary_failures = 0, rolled_back_tokens = 0;
   // From the end of a token's step to its release; and the steps themselves (last 4096 each).
   double release_latency_ms_p50 = 0, release_latency_ms_p99 = 0, step_ms_p50 = 0;
 };

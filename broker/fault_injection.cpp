@@ -29,11 +29,51 @@ FaultSpec faultSpecFor(Fault fault, uint64_t r, const WorkerHello& hello,
     case Fault::kSlowStep:
       spec.delay_ms = uint32_t(step_timeout.count() * 3);
       break;
+    case Fault::kWorkerKill:
+    case Fault::kWorkerHang:
+      spec.between_steps = (r & 1) != 0;  // half in the middle of a step, half after one
+      break;
     default:
       spec.row = uint32_t(r % 64);
       break;
   }
   return spec;
+}
+
+std::vector<std::string_view> expectedDetections(Fault fault) {
+  switch (fault) {
+    case Fault::kWorkerKill:
+      return {"worker exited"};
+    case Fault::kWorkerHang:
+    case Fault::kSlowStep:
+      return {"timed out"};
+    case Fault::kWeightBitflip:
+      // In the step that reads it, or by the scrubber when no step reads that word.
+      return {"(in-step weight reads)", "weight corruption"};
+    case Fault::kLogitsCorrupt:
+    case Fault::kTornWrite:
+      return {"(payload checksum)"};
+    case Fault::kLogitsNan:
+      return {"(non-finite value)"};
+    case Fault::kStaleIncarnation:
+      return {"(incarnation id)"};
+    case Fault::kStaleStep:
+      return {"(step id)"};
+    case Fault::kGarbageReply:
+    case Fault::kTruncatedReply:
+      return {"protocol violation"};
+    case Fault::kStaleSlot:
+      return {"(slot tag)"};
+    case Fault::kComputeFault:
+      return {"(arithmetic check)"};
+  }
+  return {};
+}
+
+bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as) {
+  for (std::string_view m : expectedDetections(fault))
+    if (detected_as.find(m) != std::string_view::npos) return true;
+  return false;
 }
 
 Result<InjectionOutcome> FaultInjector::inject(Fault fault, uint64_t random,

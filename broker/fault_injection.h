@@ -12,6 +12,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "broker/worker_connection.h"
 #include "shared/fault.h"
@@ -23,12 +25,18 @@ struct InjectionOutcome {
   bool detected = false, recovered = false;
   double detection_ms = 0, recovery_ms = 0;
   std::string detected_as;
+  bool disarmed = false;  // not detected in time, so the worker was replaced to disarm it
 };
 
 // The concrete fault for a class: `random` picks the row, the weight byte and bit. A slow step is
 // made slower than the step deadline so that supervision must notice it.
 FaultSpec faultSpecFor(Fault fault, uint64_t random, const WorkerHello& hello,
                        std::chrono::milliseconds step_timeout);
+
+// The mechanism that must catch each class, as the detection reads ("(slot tag)", "timed out",
+// ...): a fault caught by another mechanism was found by luck, or credited to the wrong fault.
+std::vector<std::string_view> expectedDetections(Fault fault);
+bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as);
 
 class FaultInjector {
  public:

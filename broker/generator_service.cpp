@@ -355,6 +355,7 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
   out->set_preemptions(s.preemptions);
   out->set_worker_restarts(s.worker_restarts);
   out->set_replayed_sequences(s.replayed_sequences);
+  out->set_rolled_back_tokens(s.rolled_back_tokens);
   out->set_integrity_failures(s.integrity_failures);
   out->set_weight_corruptions(s.weight_corruptions);
   out->set_canary_runs(s.canary_runs);
@@ -424,14 +425,17 @@ grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext*
       std::chrono::milliseconds(request->timeout_ms() != 0 ? request->timeout_ms() : 30'000);
   const uint64_t random = request->random();
   // The injection waits for detection and recovery: off the callback thread.
-  Status started = executor_.submit([this, reactor, response, f = *fault, random, timeout] {
-    auto r = scheduler_.injectFault(f, random, timeout);
+  const bool keep_armed = request->keep_armed();
+  Status started = executor_.submit([this, reactor, response, f = *fault, random, timeout,
+                                     keep_armed] {
+    auto r = scheduler_.injectFault(f, random, timeout, keep_armed);
     if (r.ok()) {
       response->set_detected(r->detected);
       response->set_recovered(r->recovered);
       response->set_detection_ms(r->detection_ms);
       response->set_recovery_ms(r->recovery_ms);
       response->set_detected_as(r->detected_as);
+      response->set_disarmed(r->disarmed);
     }
     reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
   });

@@ -30,6 +30,10 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
           std::move(factory), slotOptions(options_, model_), canaries_, sampler_, injector_, board_,
           WorkerSlot::Callbacks{.lost = [this](const std::string&) { queues_.workerLost(); },
                                 .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
+                                .fail_waiting =
+                                    [this](const std::string& why) {
+                                      queues_.failAll(unavailable("no healthy worker: " + why));
+                                    },
                                 .serving = [this](bool serving) { setServing(serving); }}) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 }
@@ -55,12 +59,9 @@ void Scheduler::onFinished(const Status& status) {
 }
 
 void Scheduler::onCrashLoop(const std::string& why) {
-  {
-    std::lock_guard lock(mu_);
-    failed_ = true;
-    failed_why_ = why;
-  }
-  queues_.failAll(unavailable("no healthy worker: " + why));
+  std::lock_guard lock(mu_);
+  failed_ = true;
+  failed_why_ = why;
 }
 
 Scheduler::~Scheduler() {
@@ -167,8 +168,16 @@ Result<std::pair<uint64_t, uint64_t>> Scheduler::restartWorker(milliseconds time
 }
 
 Result<InjectionOutcome> Scheduler::injectFault(Fault fault, uint64_t random,
-                                                milliseconds timeout) {
-  return injector_.inject(fault, random, timeout, [this] { notify(); });
+                                                milliseconds timeout, bool keep_armed) {
+  auto outcome = injector_.inject(fault, random, timeout, [this] { notify(); });
+  if (outcome.ok() && !outcome->detected && !keep_armed) {
+    // The fault may still be armed on the worker, waiting for a step that fits it. A fresh
+    // worker makes sure it can never fire later and be credited to the next injection.
+    spdlog::warn("{} was not detected in time; replacing the worker to disarm it",
+                 faultName(fault));
+    outcome->disarmed = restartWorker(timeout).ok();
+  }
+  return outcome;
 }
 
 void Scheduler::run() {
@@ -250,6 +259,7 @@ void Scheduler::publishCounts() {
     s.requests_waiting = uint32_t(queues_.waiting().size());
     s.preemptions = c.preemptions;
     s.replayed_sequences = c.replayed;
+    s.rolled_back_tokens = c.rolled_back;
     w.kv_blocks_free = queues_.blocks().freeCount();
   });
 }

@@ -84,9 +84,10 @@ class Scheduler {
   // Replaces the worker; in-flight sequences are replayed. Returns {old, new} incarnations.
   Result<std::pair<uint64_t, uint64_t>> restartWorker(std::chrono::milliseconds timeout);
   // Injects one fault (the worker must run with fault injection) and waits until it is detected
-  // and service has recovered, or `timeout`. `random` picks rows, bits and offsets.
+  // and service has recovered, or `timeout`. `random` picks rows, bits and offsets. A fault not
+  // detected in time is disarmed by replacing the worker, unless `keep_armed`.
   Result<InjectionOutcome> injectFault(Fault fault, uint64_t random,
-                                       std::chrono::milliseconds timeout);
+                                       std::chrono::milliseconds timeout, bool keep_armed = false);
 
   SchedulerStats stats() const { return board_.withLatencies(); }
   WorkerStatus workerStatus() const { return board_.worker(); }

@@ -184,6 +184,7 @@ size_t SequenceQueues::rollBack(uint64_t from_step) {
   for (auto* list : {&running_, &finishing_})
     for (auto& s : *list) dropped += s->ledger.rollBack(from_step);
   for (auto& s : waiting_) dropped += s->ledger.rollBack(from_step);
+  counters_.rolled_back += dropped;
   const size_t replayed = open();
   requeueAll();
   spdlog::warn("rolled back {} unsent tokens from step {} on; replaying {} sequences", dropped,
@@ -193,8 +194,8 @@ size_t SequenceQueues::rollBack(uint64_t from_step) {
 
 void SequenceQueues::workerLost() {
   for (auto* list : {&running_, &finishing_})
-    for (auto& s : *list) s->ledger.forgetUnreleased();
-  for (auto& s : waiting_) s->ledger.forgetUnreleased();
+    for (auto& s : *list) counters_.rolled_back += s->ledger.forgetUnreleased();
+  for (auto& s : waiting_) counters_.rolled_back += s->ledger.forgetUnreleased();
   requeueAll();
 }
 
@@ -202,6 +203,8 @@ void SequenceQueues::workerLost() {
 // stop wait only for their tokens to be released; the rest go back to waiting, in order.
 void SequenceQueues::requeueAll() {
   counters_.replayed += open();
+  for (auto* list : {&running_, &finishing_})
+    for (const auto& s : *list) counters_.rolled_back += s->computed;
   std::vector<SequencePtr> all;
   for (auto* list : {&running_, &finishing_}) {
     for (auto& s : *list) all.push_back(std::move(s));

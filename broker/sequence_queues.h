@@ -43,6 +43,8 @@ struct StepRequest {
 
 struct QueueCounters {
   uint64_t preemptions = 0, replayed = 0;
+  // Computed positions discarded (a lost cache, a rollback) plus sampled tokens dropped unsent.
+  uint64_t rolled_back = 0;
 };
 
 class SequenceQueues {

@@ -444,6 +444,7 @@ WorkerFailure WorkerClient::injectFault(const FaultSpec& fault, milliseconds tim
   f.setDelayMillis(fault.delay_ms);
   f.setByteOffset(fault.byte_offset);
   f.setBit(fault.bit);
+  f.setBetweenSteps(fault.between_steps);
   return simpleCall(message, int(wire::FromWorker::FAULT_ARMED), timeout);
 }
 

@@ -212,6 +212,14 @@ void WorkerSlot::replace(const std::string& why, bool operator_request) {
   } else {
     crash_loop = supervision_.onFailure(Clock::now());
   }
+  if (had_worker) callbacks_.lost(why);
+  // In this order: whoever sees the state "failed" finds submissions refused, and whoever sees a
+  // request fail finds the state "failed".
+  if (crash_loop) {
+    spdlog::error("worker failed {} times in a row; failing requests until a start succeeds",
+                  supervision_.consecutiveFailures());
+    callbacks_.crash_loop(why);
+  }
   board_.update([&](SchedulerStats& s, WorkerStatus& w) {
     if (had_worker) {
       ++s.worker_restarts;
@@ -220,12 +228,9 @@ void WorkerSlot::replace(const std::string& why, bool operator_request) {
     w.last_failure = why;
     w.state = std::string(workerStateName(supervision_.state()));
   });
-  if (had_worker) callbacks_.lost(why);
   if (crash_loop) {
-    spdlog::error("worker failed {} times in a row; failing requests until a start succeeds",
-                  supervision_.consecutiveFailures());
     callbacks_.serving(false);
-    callbacks_.crash_loop(why);
+    callbacks_.fail_waiting(why);
   }
 }
 

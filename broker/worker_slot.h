@@ -40,7 +40,8 @@ class WorkerSlot {
   using Clock = std::chrono::steady_clock;
   struct Callbacks {
     std::function<void(const std::string& why)> lost;        // the worker's sequences must replay
-    std::function<void(const std::string& why)> crash_loop;  // fail what waits
+    std::function<void(const std::string& why)> crash_loop;    // refuse new requests
+    std::function<void(const std::string& why)> fail_waiting;  // then fail what waits
     std::function<void(bool serving)> serving;
   };
 

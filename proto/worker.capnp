@@ -105,8 +105,8 @@ struct StepDone {
 # The fault classes of shared/fault.h, in the same order after `none`.
 enum FaultKind {
   none @0;
-  workerKill @1;        # SIGKILL itself in the middle of the next step
-  workerHang @2;        # SIGSTOP itself in the middle of the next step
+  workerKill @1;        # SIGKILL itself in the middle of the next step (or after it)
+  workerHang @2;        # SIGSTOP itself in the middle of the next step (or after it)
   slowStep @3;          # delay the next step by delayMillis
   weightBitflip @4;     # flip one bit of one resident weight
   logitsCorrupt @5;     # flip a byte of a row after its checksum is taken
@@ -128,6 +128,8 @@ struct FaultInject {
   # weightBitflip: byte offset into the resident weights and the bit.
   byteOffset @3 :UInt64;
   bit @4 :UInt8;
+  # workerKill, workerHang: right after the next step's reply went out, not in its middle.
+  betweenSteps @5 :Bool;
 }
 
 struct ToWorker {

@@ -11,8 +11,8 @@
 namespace bulkhead {
 
 enum class Fault : uint8_t {
-  kWorkerKill,        // the worker SIGKILLs itself in the middle of the next step
-  kWorkerHang,        // the worker SIGSTOPs itself in the middle of the next step
+  kWorkerKill,        // the worker SIGKILLs itself in the middle of the next step, or after it
+  kWorkerHang,        // the worker SIGSTOPs itself in the middle of the next step, or after it
   kSlowStep,          // the next step takes longer than its deadline
   kWeightBitflip,     // one bit of one resident weight flips
   kLogitsCorrupt,     // a byte of a row changes after its checksum was taken
@@ -39,6 +39,7 @@ struct FaultSpec {
   uint64_t byte_offset = 0;  // kWeightBitflip: offset into the resident weights; kStaleSlot: role;
                              // kComputeFault: layer, row and output
   uint8_t bit = 0;           // kWeightBitflip
+  bool between_steps = false;  // kWorkerKill, kWorkerHang: right after the next step's reply
 };
 
 }  // namespace bulkhead

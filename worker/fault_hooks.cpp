@@ -78,7 +78,15 @@ class InjectedFaults final : public StepFaults {
   }
 
   void afterCompute() override {
-    if (!active_) return;
+    if (active_ && !active_->between_steps) stopWorker();
+  }
+
+  void afterReply() override {
+    if (active_ && active_->between_steps) stopWorker();
+  }
+
+  // Kill, hang or slow down, when the active fault is one of those.
+  void stopWorker() {
     switch (active_->fault) {
       case Fault::kWorkerKill:
         ::raise(SIGKILL);
@@ -90,8 +98,9 @@ class InjectedFaults final : public StepFaults {
         std::this_thread::sleep_for(std::chrono::milliseconds(active_->delay_ms));
         break;
       default:
-        break;
+        return;
     }
+    active_.reset();
   }
 
   void beforePublish(uint32_t row, float* slot, RowCheck& check) override {

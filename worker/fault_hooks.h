@@ -38,6 +38,8 @@ class StepFaults {
   virtual void afterPublish(uint32_t row, const RowHeaderFields& header) {}
   // How this step's reply is sent.
   virtual ReplyForm replyForm() { return ReplyForm::kMessage; }
+  // A reply (to a step or anything else) went out; the next request has not been read.
+  virtual void afterReply() {}
 };
 
 // The fault-injecting hooks. Weight bit flips take `weights_mutex` exclusive, so they never

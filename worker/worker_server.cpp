@@ -209,6 +209,7 @@ Result<bool> WorkerServer::serveConnection(int fd) {
       spdlog::warn("reply not delivered: {}", sent.message());
       return false;
     }
+    faults_->afterReply();
     if (*stop) return true;
   }
 }
@@ -257,7 +258,8 @@ Result<bool> WorkerServer::dispatch(const std::vector<capnp::word>& words,
                                    .row = f.getRow(),
                                    .delay_ms = f.getDelayMillis(),
                                    .byte_offset = f.getByteOffset(),
-                                   .bit = f.getBit()});
+                                   .bit = f.getBit(),
+                                   .between_steps = f.getBetweenSteps()});
         if (armed.ok()) {
           reply.setFaultArmed();
         } else {

@@ -74,14 +74,16 @@ std::vector<uint32_t> expectedGreedy(std::vector<uint32_t> history, uint32_t n, 
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  void start(SchedulerOptions o = {}) {
+  // `run` false: the scheduling thread waits for scheduler_->start(), so that requests submitted
+  // before it are all in the first step (tests whose fault must find them all in flight).
+  void start(SchedulerOptions o = {}, bool run = true) {
     o.restart_backoff_initial = 1ms;
     o.restart_backoff_max = 2ms;
     o.canary_interval = 0ms;
     if (!o.canary_reference) o.canary_reference = test::fakeReference();
     scheduler_ = std::make_unique<Scheduler>(control_->factory(control_),
                                              ModelLimits{control_->vocab, 4096, {}}, o, pool_);
-    scheduler_->start();
+    if (run) scheduler_->start();
   }
 
   struct Run {
@@ -146,8 +148,9 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
   control_->scrub_lag = 2;  // some tokens are unsent when the worker dies
   control_->scheduleFault(
       6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
-  start();
+  start({}, /*run=*/false);
   auto runs = submit(4, 16);
+  scheduler_->start();
   expectAllExact(runs, 16);
   EXPECT_EQ(control_->starts(), 2u);
   EXPECT_EQ(replayedOnNewIncarnation(), 4u) << "every in-flight sequence is re-prefilled";
@@ -159,8 +162,9 @@ TEST_F(SchedulerTest, CorruptedWeightsRollBackUnsentTokensAndReplay) {
   control_->scrub_lag = 3;
   control_->scheduleFault(
       8, {.kind = test::FakeFault::Kind::kReportCorruption, .suspect_steps_back = 2});
-  start();
+  start({}, /*run=*/false);
   auto runs = submit(3, 16);
+  scheduler_->start();
   expectAllExact(runs, 16);
   const SchedulerStats s = scheduler_->stats();
   EXPECT_EQ(s.weight_corruptions, 1u);
@@ -196,7 +200,7 @@ TEST_F(SchedulerTest, AStoppedSequenceIsVouchedForWithoutWaitingForTheBackground
   control_->scrub_lag = 1'000'000;  // the background pass never vouches in time
   SchedulerOptions o;
   o.finish_vouch_interval = 0ms;
-  start(o);
+  start(o, /*run=*/false);
   Run shortRun, longRun;
   shortRun.prompt = {3, 4};
   longRun.prompt = {5, 6};
@@ -209,6 +213,7 @@ TEST_F(SchedulerTest, AStoppedSequenceIsVouchedForWithoutWaitingForTheBackground
   r.prompt = shortRun.prompt;
   r.max_tokens = 3;
   ASSERT_TRUE(scheduler_->submit(r, shortRun.sink).ok());
+  scheduler_->start();
   expectAllExact({shortRun}, 3);
   expectAllExact({longRun}, 200);
   // The short one ended while the long one was still being computed, long before its last step.
@@ -269,8 +274,9 @@ TEST_F(SchedulerTest, AWorkerThatStartsMiscomputingIsCaughtByTheCanaryInThatStep
   // The 8th step with rows: the start's two canary steps, then the 6th client step, in the
   // middle of the generations. Every row is wrong from then on, each with a matching checksum.
   control_->scheduleFault(8, {.kind = test::FakeFault::Kind::kMiscompute});
-  start(o);
+  start(o, /*run=*/false);
   auto runs = submit(3, 16);
+  scheduler_->start();
   // Exact: no row of a miscomputing step was ever sampled.
   expectAllExact(runs, 16);
   const SchedulerStats s = scheduler_->stats();
