@@ -128,6 +128,10 @@ int main(int argc, char** argv) {
   bool no_in_step_checks = false;
   step_bench->add_flag("--no-in-step-checks", no_in_step_checks,
                        "Run the worker without its in-step weight checks (their cost)");
+  bool compare_checks = false;
+  step_bench->add_flag("--compare-checks", compare_checks,
+                       "Measure what the in-step checks cost: a worker with them and one without, "
+                       "stepped in alternation");
   step_bench
       ->add_option("--scrub-share", step_opts.scrub_share,
                    "The worker's background scrubbing, a share of one core (default 0: "
@@ -249,6 +253,11 @@ int main(int argc, char** argv) {
     step_opts.batches = *parsed;
     step_opts.in_step_checks = !no_in_step_checks;
     if (step_opts.worker_path.empty()) step_opts.worker_path = besideThis("bulkhead-worker");
+    if (compare_checks) {
+      Status s = runCheckCostBench(step_opts);
+      if (!s.ok()) return fail("step-bench", s);
+      return 0;
+    }
     auto s = runStepBench(step_opts);
     if (!s.ok()) return fail("step-bench", s.status());
   } else if (*sample_bench) {

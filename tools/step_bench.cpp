@@ -14,19 +14,50 @@
 #include "tools/percentile.h"
 
 namespace bulkhead {
-namespace {}  // namespace
+namespace {
 
-Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
-  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+Result<std::unique_ptr<WorkerClient>> spawnBenchWorker(const StepBenchOptions& o,
+                                                       bool in_step_checks) {
   WorkerClient::SpawnOptions spawn;
   spawn.worker_path = o.worker_path;
   spawn.model_dir = o.model_dir;
   spawn.backend = o.backend;
-  spawn.arena_slots = max_batch;
+  spawn.arena_slots = *std::max_element(o.batches.begin(), o.batches.end());
   spawn.extra_args = {"--log-level", "warn", "--scrub-share", std::to_string(o.scrub_share)};
-  if (!o.in_step_checks) spawn.extra_args.push_back("--no-in-step-checks");
+  if (!in_step_checks) spawn.extra_args.push_back("--no-in-step-checks");
   auto client = WorkerClient::spawn(spawn);
   if (!client.ok()) return client.error().toStatus();
+  return std::move(*client);
+}
+
+// `batch` one-token decode steps at position `position`, each sequence over its own blocks.
+std::vector<SequenceStep> decodeSteps(uint32_t batch, uint32_t position, uint64_t seq_base,
+                                      const std::vector<std::vector<uint32_t>>& blocks,
+                                      std::span<const uint32_t> token,
+                                      std::span<const uint32_t> rows) {
+  std::vector<SequenceStep> steps;
+  for (uint32_t s = 0; s < batch; ++s)
+    steps.push_back({.sequence_id = seq_base + s,
+                     .start_position = position,
+                     .tokens = token,
+                     .kv_blocks = blocks[s],
+                     .logits_rows = rows});
+  return steps;
+}
+
+std::vector<std::vector<uint32_t>> blockTables(uint32_t batch, uint32_t blocks_per_seq) {
+  std::vector<std::vector<uint32_t>> blocks(batch);
+  for (uint32_t s = 0; s < batch; ++s)
+    for (uint32_t b = 0; b < blocks_per_seq; ++b) blocks[s].push_back(s * blocks_per_seq + b);
+  return blocks;
+}
+
+}  // namespace
+
+Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
+  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  auto client = spawnBenchWorker(o, o.in_step_checks);
+  if (!client.ok()) return client.status();
   const WorkerHello& hello = (*client)->hello();
   const uint32_t positions = o.iterations + 21;
   const uint32_t blocks_per_seq = (positions + hello.kv_block_size - 1) / hello.kv_block_size;
@@ -56,20 +87,12 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   std::vector<StepBenchRow> rows_out;
   uint64_t step_id = 1, seq_base = 1;
   for (uint32_t batch : o.batches) {
-    std::vector<std::vector<uint32_t>> blocks(batch), tokens(batch, std::vector<uint32_t>{1});
-    for (uint32_t s = 0; s < batch; ++s)
-      for (uint32_t b = 0; b < blocks_per_seq; ++b) blocks[s].push_back(s * blocks_per_seq + b);
-    const std::vector<uint32_t> rows = {0};
+    const auto blocks = blockTables(batch, blocks_per_seq);
+    const std::vector<uint32_t> rows = {0}, token = {1};
     std::vector<double> rtt, compute, overhead;
     for (uint32_t it = 0; it < positions - 1; ++it) {
-      std::vector<SequenceStep> steps;
-      for (uint32_t s = 0; s < batch; ++s) {
-        steps.push_back({.sequence_id = seq_base + s,
-                         .start_position = it,
-                         .tokens = tokens[s],
-                         .kv_blocks = blocks[s],
-                         .logits_rows = rows});
-      }
+      const std::vector<SequenceStep> steps =
+          decodeSteps(batch, it, seq_base, blocks, token, rows);
       const auto start = std::chrono::steady_clock::now();
       auto result = (*client)->step(step_id++, steps, std::chrono::seconds(60));
       if (!result.ok()) return result.error().toStatus();
@@ -115,6 +138,68 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
     if (!out) return internalError(o.json_path + ": write failed");
   }
   return rows_out;
+}
+
+Status runCheckCostBench(const StepBenchOptions& o) {
+  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  BULKHEAD_ASSIGN_OR_RETURN(auto with, spawnBenchWorker(o, true));
+  BULKHEAD_ASSIGN_OR_RETURN(auto without, spawnBenchWorker(o, false));
+  const WorkerHello& hello = with->hello();
+  if (!hello.in_step_checks || without->hello().in_step_checks)
+    return failedPrecondition("the workers did not start with and without in-step checks");
+  const uint32_t positions = o.iterations + 21;
+  const uint32_t blocks_per_seq = (positions + hello.kv_block_size - 1) / hello.kv_block_size;
+  if (uint64_t(blocks_per_seq) * max_batch > hello.kv_block_count)
+    return resourceExhausted("the worker's KV cache is too small for this run");
+  if (positions > hello.max_context)
+    return invalidArgument("iterations exceed the model's context");
+  std::printf(
+      "step-bench --compare-checks: %s on %s, vocab %u, %u iterations per batch size, the two "
+      "workers stepped in alternation\n",
+      o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations);
+  std::printf("%6s %16s %16s %12s %10s\n", "batch", "checks_on_p50_us", "checks_off_p50_us",
+              "cost_us", "cost");
+  nlohmann::json report = {{"model", o.model_dir},
+                           {"backend", hello.backend},
+                           {"vocab", hello.vocab_size},
+                           {"iterations", o.iterations},
+                           {"results", nlohmann::json::array()}};
+  uint64_t step_id = 1, seq_base = 1;
+  for (uint32_t batch : o.batches) {
+    const auto blocks = blockTables(batch, blocks_per_seq);
+    const std::vector<uint32_t> rows = {0}, token = {1};
+    std::vector<double> on, off;
+    for (uint32_t it = 0; it < positions - 1; ++it) {
+      const std::vector<SequenceStep> steps =
+          decodeSteps(batch, it, seq_base, blocks, token, rows);
+      // Which worker goes first alternates too.
+      WorkerClient* order[2] = {with.get(), without.get()};
+      if (it % 2 == 1) std::swap(order[0], order[1]);
+      for (WorkerClient* w : order) {
+        auto result = w->step(step_id, steps, std::chrono::seconds(60));
+        if (!result.ok()) return result.error().toStatus();
+        if (it >= 20) (w == with.get() ? on : off).push_back(double(result->compute_micros));
+      }
+      ++step_id;
+    }
+    seq_base += batch;
+    const double p_on = percentile(on, 50), p_off = percentile(off, 50);
+    std::printf("%6u %16.1f %16.1f %12.1f %9.1f%%\n", batch, p_on, p_off, p_on - p_off,
+                100.0 * (p_on - p_off) / p_off);
+    report["results"].push_back({{"batch", batch},
+                                 {"checks_on_compute_p50_us", p_on},
+                                 {"checks_off_compute_p50_us", p_off},
+                                 {"cost_us", p_on - p_off},
+                                 {"cost_share", (p_on - p_off) / p_off}});
+  }
+  (void)with->shutdown(std::chrono::seconds(10));
+  (void)without->shutdown(std::chrono::seconds(10));
+  if (!o.json_path.empty()) {
+    std::ofstream out(o.json_path);
+    out << report.dump(2) << "\n";
+    if (!out) return internalError(o.json_path + ": write failed");
+  }
+  return okStatus();
 }
 
 }  // namespace bulkhead

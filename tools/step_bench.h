@@ -32,4 +32,9 @@ struct StepBenchRow {
 // Prints the table to stdout; writes JSON when asked.
 Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& options);
 
+// What the in-step checks cost: two workers, one with them and one without, given the same decode
+// steps in alternation (so drift and neighbours on the host weigh on both alike). Prints each
+// batch's compute p50 with and without, and the difference; writes JSON when asked.
+Status runCheckCostBench(const StepBenchOptions& options);
+
 }  // namespace bulkhead
