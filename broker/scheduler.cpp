@@ -368,8 +368,12 @@ WorkerFailure Scheduler::sampleRows(const std::vector<Sequence*>& batch,
                     .position = s.ledger.tokens().size()});
     ++r;
   }
-  if (ride != nullptr)
-    jobs.push_back({.logits = reply.rows[r].payload, .expected_checksum = reply.rows[r].checksum});
+  if (ride != nullptr) {
+    RowToSample canary;  // verified only: nothing is chosen from it
+    canary.logits = reply.rows[r].payload;
+    canary.expected_checksum = reply.rows[r].checksum;
+    jobs.push_back(canary);
+  }
   sampled.resize(jobs.size());
   sampler_.verifyAndSample(jobs, sampled);
   WorkerFailure bad = firstFailedRow(sampled, " of step " + std::to_string(step_id));

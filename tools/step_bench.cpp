@@ -45,6 +45,19 @@ std::vector<SequenceStep> decodeSteps(uint32_t batch, uint32_t position, uint64_
   return steps;
 }
 
+// Blocks each sequence needs for a run of `o.iterations` measured steps after 20 warm-up ones,
+// or why the worker cannot hold the run.
+Result<uint32_t> blocksPerSequence(const StepBenchOptions& o, const WorkerHello& hello) {
+  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  const uint32_t positions = o.iterations + 21;
+  const uint32_t blocks_per_seq = (positions + hello.kv_block_size - 1) / hello.kv_block_size;
+  if (uint64_t(blocks_per_seq) * max_batch > hello.kv_block_count)
+    return resourceExhausted("the worker's KV cache is too small for this run");
+  if (positions > hello.max_context)
+    return invalidArgument("iterations exceed the model's context");
+  return blocks_per_seq;
+}
+
 std::vector<std::vector<uint32_t>> blockTables(uint32_t batch, uint32_t blocks_per_seq) {
   std::vector<std::vector<uint32_t>> blocks(batch);
   for (uint32_t s = 0; s < batch; ++s)
@@ -55,16 +68,11 @@ std::vector<std::vector<uint32_t>> blockTables(uint32_t batch, uint32_t blocks_p
 }  // namespace
 
 Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
-  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
   auto client = spawnBenchWorker(o, o.in_step_checks);
   if (!client.ok()) return client.status();
   const WorkerHello& hello = (*client)->hello();
   const uint32_t positions = o.iterations + 21;
-  const uint32_t blocks_per_seq = (positions + hello.kv_block_size - 1) / hello.kv_block_size;
-  if (uint64_t(blocks_per_seq) * max_batch > hello.kv_block_count)
-    return resourceExhausted("the worker's KV cache is too small for this run");
-  if (positions > hello.max_context)
-    return invalidArgument("iterations exceed the model's context");
+  BULKHEAD_ASSIGN_OR_RETURN(const uint32_t blocks_per_seq, blocksPerSequence(o, hello));
 
   // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
   RowPool pool(o.sampling_threads);
@@ -101,6 +109,8 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
         jobs.push_back({.logits = row.payload,
                         .expected_checksum = row.checksum,
                         .config = &greedy,
+                        .prompt = {},
+                        .generated = {},
                         .position = it + 1});
       sampled.resize(jobs.size());
       sampler.verifyAndSample(jobs, sampled);
@@ -141,18 +151,13 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
 }
 
 Status runCheckCostBench(const StepBenchOptions& o) {
-  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
   BULKHEAD_ASSIGN_OR_RETURN(auto with, spawnBenchWorker(o, true));
   BULKHEAD_ASSIGN_OR_RETURN(auto without, spawnBenchWorker(o, false));
   const WorkerHello& hello = with->hello();
   if (!hello.in_step_checks || without->hello().in_step_checks)
     return failedPrecondition("the workers did not start with and without in-step checks");
   const uint32_t positions = o.iterations + 21;
-  const uint32_t blocks_per_seq = (positions + hello.kv_block_size - 1) / hello.kv_block_size;
-  if (uint64_t(blocks_per_seq) * max_batch > hello.kv_block_count)
-    return resourceExhausted("the worker's KV cache is too small for this run");
-  if (positions > hello.max_context)
-    return invalidArgument("iterations exceed the model's context");
+  BULKHEAD_ASSIGN_OR_RETURN(const uint32_t blocks_per_seq, blocksPerSequence(o, hello));
   std::printf(
       "step-bench --compare-checks: %s on %s, vocab %u, %u iterations per batch size, the two "
       "workers stepped in alternation\n",

@@ -70,10 +70,13 @@ class InjectedFaults final : public StepFaults {
     if (isRowFault(active_->fault)) active_->row = std::min(active_->row, rows - 1);
   }
 
-  // A torn write: the payload is produced where the slot never sees it.
+  // A torn write: the payload is produced where the slot never sees it. The half that will never
+  // be written is made stale first: a row that repeats exactly (the canary's continuation) would
+  // otherwise find its own previous bytes there, and the tear would change nothing.
   float* rowDestination(uint32_t row, float* slot) override {
     if (!hits(row, Fault::kTornWrite)) return slot;
     scratch_.resize(arena_.rowFloats());
+    std::fill(slot + scratch_.size() / 2, slot + scratch_.size(), 1234.5f);
     return scratch_.data();
   }
 
