@@ -108,6 +108,9 @@ bool WorkerSlot::passesRide() {
   if (!result.ok()) {
     board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
     why = "canary step failed: " + result.error().toString();
+  } else if (!result->scrub.corruptions.empty()) {
+    board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
+    why = "canary: worker found corrupted weights in " + result->scrub.corruptions[0].tensor;
   } else if (WorkerFailure bad = verifyRows(sampler_, result->rows); !bad.ok()) {
     board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
     why = "canary row: " + bad.toString();
@@ -127,8 +130,8 @@ const SequenceStep* WorkerSlot::canaryRide() const {
 }
 
 WorkerFailure WorkerSlot::checkRide(uint64_t row_checksum, uint64_t step_id) {
-  rode_ = true;
   const bool ok = row_checksum == ride_checksum_;
+  rode_ = ok;  // a failed ride stays due: the retry carries the canary again
   board_.update([&](SchedulerStats& s, WorkerStatus&) {
     ++s.canary_runs;
     if (!ok) ++s.canary_failures;
