@@ -1,7 +1,8 @@
 // serve-bench: end-to-end tokens/s through a real broker against the worker's own compute ceiling,
 // in one run. The ceiling at concurrency C is C / (the worker's compute time of a decode step at
-// batch C), measured by step-bench first; then a broker with default flags serves `bench` load at
-// each concurrency, greedy and with temperature 0.8 + top-p 0.9, and the ratio is printed.
+// batch C), measured by step-bench first; then a fresh broker with default flags (one per row, so
+// its latency windows hold that row alone) serves `bench` load at each concurrency, greedy and
+// with temperature 0.8 + top-p 0.9, and the ratio is printed.
 #pragma once
 
 #include <string>
