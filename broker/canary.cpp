@@ -163,12 +163,6 @@ uint64_t canaryDigest(std::span<const uint64_t> row_checksums) {
   return checksumBytes(std::as_bytes(row_checksums));
 }
 
-uint64_t canaryDigestOf(std::span<const std::span<const float>> rows) {
-  std::vector<uint64_t> sums;
-  for (const auto& row : rows) sums.push_back(checksumBytes(std::as_bytes(row)));
-  return canaryDigest(sums);
-}
-
 float canaryTolerance(const std::string& backend) {
   // The CPU engine is the reference: the same code on the same checkpoint must agree bit for bit.
   // Other engines round differently (bf16 products, other summation orders); 2% of the largest

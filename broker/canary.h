@@ -35,8 +35,6 @@ constexpr uint32_t kCanaryPrefix = 16;
 std::vector<uint32_t> canaryTokens(uint32_t vocab_size);
 // Digest of the canary's rows, from each row's payload checksum (checksumBytes), in order.
 uint64_t canaryDigest(std::span<const uint64_t> row_checksums);
-// The same from the rows themselves.
-uint64_t canaryDigestOf(std::span<const std::span<const float>> rows);
 
 // The reference engine: the logits rows `rows` of a prefill of `tokens` for the model a worker
 // serves, computed in the caller's process.

@@ -37,22 +37,28 @@ SequenceStep CanaryPlan::ride() const {
           .logits_rows = std::span(rows_).subspan(1, 1)};
 }
 
+Result<PendingRow> runCanaryStep(WorkerConnection& worker, RowSampler& sampler,
+                                 const SequenceStep& step, uint64_t step_id,
+                                 std::chrono::milliseconds timeout) {
+  auto result = worker.step(step_id, {&step, 1}, timeout);
+  if (!result.ok()) return failedPrecondition("canary step failed: " + result.error().toString());
+  if (!result->scrub.corruptions.empty())
+    return failedPrecondition("canary: worker found corrupted weights in " +
+                              result->scrub.corruptions[0].tensor);
+  if (WorkerFailure bad = verifyRows(sampler, result->rows); !bad.ok())
+    return failedPrecondition("canary row: " + bad.toString());
+  return result->rows[0];
+}
+
 Result<CanaryRun> runCanary(WorkerConnection& worker, RowSampler& sampler, const CanaryPlan& plan,
                             const std::function<uint64_t()>& next_step_id,
                             std::chrono::milliseconds timeout) {
   CanaryRun run;
   for (const SequenceStep& step : {plan.prefix(), plan.ride()}) {
-    auto result = worker.step(next_step_id(), {&step, 1}, timeout);
-    if (!result.ok())
-      return failedPrecondition("canary step failed: " + result.error().toString());
-    if (!result->scrub.corruptions.empty())
-      return failedPrecondition("canary: worker found corrupted weights in " +
-                                result->scrub.corruptions[0].tensor);
-    if (WorkerFailure bad = verifyRows(sampler, result->rows); !bad.ok())
-      return failedPrecondition("canary row: " + bad.toString());
-    const std::span<const float> row = result->rows[0].payload;
-    run.rows.emplace_back(row.begin(), row.end());
-    run.checksums.push_back(result->rows[0].checksum);
+    BULKHEAD_ASSIGN_OR_RETURN(const PendingRow row,
+                              runCanaryStep(worker, sampler, step, next_step_id(), timeout));
+    run.rows.emplace_back(row.payload.begin(), row.payload.end());
+    run.checksums.push_back(row.checksum);
   }
   run.digest = canaryDigest(run.checksums);
   return run;

@@ -47,6 +47,12 @@ struct CanaryRun {
   uint64_t digest = 0;  // canaryDigest(checksums)
 };
 
+// One canary step, its row verified like any row: the row (its payload stays valid until the next
+// call on `worker`). An error names what failed.
+Result<PendingRow> runCanaryStep(WorkerConnection& worker, RowSampler& sampler,
+                                 const SequenceStep& step, uint64_t step_id,
+                                 std::chrono::milliseconds timeout);
+
 // Runs the prefix, then the continuation, each verified like any row. An error names what failed.
 Result<CanaryRun> runCanary(WorkerConnection& worker, RowSampler& sampler, const CanaryPlan& plan,
                             const std::function<uint64_t()>& next_step_id,

@@ -8,7 +8,6 @@
 #include <spdlog/spdlog.h>
 
 #include "broker/sampler.h"
-#include "broker/step_rows.h"
 
 namespace bulkhead {
 
@@ -102,19 +101,13 @@ bool WorkerSlot::passesCanary() {
 }
 
 bool WorkerSlot::passesRide() {
-  auto result = worker_->step(nextStepId(), {&ride_, 1}, options_.request_timeout);
+  auto row = runCanaryStep(*worker_, sampler_, ride_, nextStepId(), options_.request_timeout);
   last_canary_ = last_contact_ = Clock::now();
   std::string why;
-  if (!result.ok()) {
+  if (!row.ok()) {
     board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
-    why = "canary step failed: " + result.error().toString();
-  } else if (!result->scrub.corruptions.empty()) {
-    board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
-    why = "canary: worker found corrupted weights in " + result->scrub.corruptions[0].tensor;
-  } else if (WorkerFailure bad = verifyRows(sampler_, result->rows); !bad.ok()) {
-    board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
-    why = "canary row: " + bad.toString();
-  } else if (WorkerFailure bad = checkRide(result->rows[0].checksum, 0); !bad.ok()) {
+    why = row.status().message();
+  } else if (WorkerFailure bad = checkRide(row->checksum, 0); !bad.ok()) {  // counts the run
     why = bad.message;
   } else {
     return true;

@@ -101,19 +101,22 @@ TEST(FaultInjection, AFaultStillArmedAfterItsTimeoutIsNotCreditedToTheNext) {
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--enable-fault-injection"});
   ASSERT_TRUE(broker.ok());
   auto admin = v1::Admin::NewStub(broker.channel());
-  auto inject = [&](Fault fault, uint32_t timeout_ms) {
+  auto inject = [&](Fault fault, uint32_t timeout_ms, bool keep_armed = false) {
     grpc::ClientContext ctx;
     v1::InjectFaultRequest req;
     req.set_fault(std::string(faultName(fault)));
     req.set_random(3);
     req.set_timeout_ms(timeout_ms);
+    req.set_keep_armed(keep_armed);
     v1::InjectFaultResponse resp;
     grpc::Status s = admin->InjectFault(&ctx, req, &resp);
     EXPECT_TRUE(s.ok()) << s.error_message();
     return resp;
   };
-  // No traffic: a NaN row fault waits for a step with rows, and none comes in time.
-  const v1::InjectFaultResponse idle = inject(Fault::kLogitsNan, 300);
+  // No traffic: a faulty multiply waits in the backend for the next step that computes, and none
+  // comes in time. Left armed, it would fire in the next injection's first step, be caught by the
+  // arithmetic check and be credited to that injection.
+  const v1::InjectFaultResponse idle = inject(Fault::kComputeFault, 300);
   EXPECT_FALSE(idle.detected());
   EXPECT_TRUE(idle.disarmed());
   // Now with traffic: a stale step id, caught as itself.
