@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -126,7 +126,6 @@ std::optional<std::filesystem::path> moveAside(const std::filesystem::path& path
   return std::nullopt;
 }
 
-
 // A record's fields from its text, or what is wrong with it in `why`.
 std::optional<CanaryRecord> parseRecord(const std::string& text, std::string& why) noexcept {
   const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -217,8 +216,9 @@ Status qualifyRows(std::span<const std::span<const float>> worker,
 Result<CanaryRecord> readCanaryRecord(const std::filesystem::path& path) {
   std::string why;
   auto text = readRecordFile(path, why);
-  if (!text) return failedPrecondition("canary record " + path.string() + ": " +
-                                       (why.empty() ? "no such file" : why));
+  if (!text)
+    return failedPrecondition("canary record " + path.string() + ": " +
+                              (why.empty() ? "no such file" : why));
   auto record = parseRecord(*text, why);
   if (!record) return failedPrecondition("canary record " + path.string() + ": " + why);
   return *record;
@@ -302,9 +302,8 @@ void CanaryStore::record(uint64_t identity, const std::string& backend, uint64_t
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   const std::filesystem::path path = pathFor(identity, backend);
-  Status written =
-      ec ? internalError("cannot create " + dir_.string() + ": " + ec.message())
-         : writeCanaryRecord(path, {identity, backend, weight_digest, logits_digest});
+  Status written = ec ? internalError("cannot create " + dir_.string() + ": " + ec.message())
+                      : writeCanaryRecord(path, {identity, backend, weight_digest, logits_digest});
   if (!written.ok())
     spdlog::error("cannot record canary at {}: {}", path.string(), written.message());
 }

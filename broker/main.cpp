@@ -117,8 +117,7 @@ int main(int argc, char** argv) {
   }
   // The reference a new canary is qualified against: the CPU engine on the same checkpoint, in
   // this process.
-  options.canary_reference = [model_dir](const WorkerHello& hello,
-                                         std::span<const uint32_t> tokens,
+  options.canary_reference = [model_dir](const WorkerHello& hello, std::span<const uint32_t> tokens,
                                          std::span<const uint32_t> rows) {
     return referenceLogits(model_dir, hello.weight_digest, tokens, rows);
   };

@@ -270,8 +270,7 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   if (!reply.ok()) return handleStepFailure(reply.error(), batch);
 
   std::vector<SampledRow> sampled;
-  if (WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, ride, step_id, sampled);
-      !bad.ok())
+  if (WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, ride, step_id, sampled); !bad.ok())
     return handleStepFailure(bad, batch);
   step_failures_in_a_row_ = 0;
   slot_.stepCompleted();

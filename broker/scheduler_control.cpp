@@ -40,8 +40,8 @@ Result<std::pair<uint64_t, uint64_t>> Scheduler::restartWorker(milliseconds time
   return last_restart_;
 }
 
-Result<InjectionOutcome> Scheduler::injectFault(Fault fault, uint64_t random,
-                                                milliseconds timeout, bool keep_armed) {
+Result<InjectionOutcome> Scheduler::injectFault(Fault fault, uint64_t random, milliseconds timeout,
+                                                bool keep_armed) {
   auto outcome = injector_.inject(fault, random, timeout, [this] { notify(); });
   if (outcome.ok() && !outcome->detected && !keep_armed) {
     // The fault may still be armed on the worker, waiting for a step that fits it. A fresh

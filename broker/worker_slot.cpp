@@ -78,8 +78,8 @@ bool WorkerSlot::passesCanary() {
     return true;
   }
   ride_ = canary_->ride();
-  auto run = runCanary(*worker_, sampler_, *canary_, [this] { return nextStepId(); },
-                       options_.request_timeout);
+  auto run = runCanary(
+      *worker_, sampler_, *canary_, [this] { return nextStepId(); }, options_.request_timeout);
   last_canary_ = last_contact_ = Clock::now();
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
   Status s = run.status();
@@ -134,11 +134,11 @@ WorkerFailure WorkerSlot::checkRide(uint64_t row_checksum, uint64_t step_id) {
   std::snprintf(buf, sizeof(buf), "has checksum %016llx, the qualified one is %016llx",
                 static_cast<unsigned long long>(row_checksum),
                 static_cast<unsigned long long>(ride_checksum_));
-  WorkerFailure f = workerFailure(
-      WorkerFailure::Kind::kIntegrityFailure,
-      (step_id ? "the canary row riding along with step " + std::to_string(step_id)
-               : std::string("the idle canary's row")) +
-          " " + buf);
+  WorkerFailure f =
+      workerFailure(WorkerFailure::Kind::kIntegrityFailure,
+                    (step_id ? "the canary row riding along with step " + std::to_string(step_id)
+                             : std::string("the idle canary's row")) +
+                        " " + buf);
   f.check = IntegrityCheck::kCanary;
   return f;
 }

@@ -30,7 +30,7 @@ struct WorkerSlotOptions {
   std::chrono::milliseconds request_timeout{10'000};  // canary, ping and heartbeat deadlines
   std::chrono::milliseconds canary_interval{60'000};  // idle canary; 0: only at start
   uint32_t canary_every_steps = 16;  // the canary rides along every N client steps; 0: never
-  CanaryReference reference;  // qualifies a canary no record vouches for; empty: none can be
+  CanaryReference reference;         // qualifies a canary no record vouches for; empty: none can be
   std::chrono::milliseconds heartbeat_interval{2'000};
   uint32_t vocab_size = 0;  // the model's; a worker reporting another is refused
 };
@@ -39,7 +39,7 @@ class WorkerSlot {
  public:
   using Clock = std::chrono::steady_clock;
   struct Callbacks {
-    std::function<void(const std::string& why)> lost;        // the worker's sequences must replay
+    std::function<void(const std::string& why)> lost;          // the worker's sequences must replay
     std::function<void(const std::string& why)> crash_loop;    // refuse new requests
     std::function<void(const std::string& why)> fail_waiting;  // then fail what waits
     std::function<void(bool serving)> serving;

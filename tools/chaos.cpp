@@ -159,7 +159,7 @@ int runChaos(const ChaosOptions& o) {
 
   struct ClassStats {
     uint32_t injected = 0, detected = 0, recovered = 0;
-    uint32_t misattributed = 0;  // caught by another class's mechanism
+    uint32_t misattributed = 0;                   // caught by another class's mechanism
     std::map<std::string, uint32_t> detected_as;  // which mechanism caught it, and how often
     std::vector<double> detection_ms, recovery_ms;
   };
@@ -233,10 +233,14 @@ int runChaos(const ChaosOptions& o) {
                 c.injected, c.detected, c.recovered, c.detected - c.misattributed, d50, d99, r50,
                 r99);
     undetected |= c.detected != c.injected || c.recovered != c.injected || c.misattributed != 0;
-    report["classes"][name] = {{"injected", c.injected},   {"detected", c.detected},
-                               {"recovered", c.recovered}, {"detection_ms_p50", d50},
-                               {"detection_ms_p99", d99},  {"recovery_ms_p50", r50},
-                               {"recovery_ms_p99", r99},   {"detected_as", c.detected_as},
+    report["classes"][name] = {{"injected", c.injected},
+                               {"detected", c.detected},
+                               {"recovered", c.recovered},
+                               {"detection_ms_p50", d50},
+                               {"detection_ms_p99", d99},
+                               {"recovery_ms_p50", r50},
+                               {"recovery_ms_p99", r99},
+                               {"detected_as", c.detected_as},
                                {"detected_as_own_class", c.detected - c.misattributed}};
   }
   report["requests"] = {
@@ -247,12 +251,13 @@ int runChaos(const ChaosOptions& o) {
                         {"integrity_failures", stats.integrity_failures()},
                         {"canary_runs", stats.canary_runs()},
                         {"canary_failures", stats.canary_failures()}};
-  std::printf("\nrecovery: %llu worker restarts, %llu sequences replayed, %llu tokens rolled back, "
-              "%llu canary runs\n",
-              static_cast<unsigned long long>(stats.worker_restarts()),
-              static_cast<unsigned long long>(stats.replayed_sequences()),
-              static_cast<unsigned long long>(stats.rolled_back_tokens()),
-              static_cast<unsigned long long>(stats.canary_runs()));
+  std::printf(
+      "\nrecovery: %llu worker restarts, %llu sequences replayed, %llu tokens rolled back, "
+      "%llu canary runs\n",
+      static_cast<unsigned long long>(stats.worker_restarts()),
+      static_cast<unsigned long long>(stats.replayed_sequences()),
+      static_cast<unsigned long long>(stats.rolled_back_tokens()),
+      static_cast<unsigned long long>(stats.canary_runs()));
   // With this many faults some must land in the middle of generations; if none did, the run
   // proved nothing about replay.
   if (o.faults >= 50 && (stats.replayed_sequences() == 0 || stats.rolled_back_tokens() == 0))

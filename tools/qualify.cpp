@@ -26,9 +26,9 @@ Result<CanaryRecord> runQualify(const QualifyOptions& o) {
   RowPool pool(0);
   RowSampler sampler(pool);
   uint64_t step_id = 1;
-  BULKHEAD_ASSIGN_OR_RETURN(
-      CanaryRun run,
-      runCanary(worker, sampler, *plan, [&] { return step_id++; }, std::chrono::seconds(600)));
+  BULKHEAD_ASSIGN_OR_RETURN(CanaryRun run, runCanary(
+                                               worker, sampler, *plan, [&] { return step_id++; },
+                                               std::chrono::seconds(600)));
   const std::string model_dir = o.model_dir;
   const CanaryReference reference = [model_dir](const WorkerHello& h,
                                                 std::span<const uint32_t> tokens,

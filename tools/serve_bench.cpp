@@ -44,7 +44,8 @@ Status runServeBench(const ServeBenchOptions& o) {
   };
   const Mode modes[] = {{"greedy", 0, 1}, {"t0.8-p0.9", 0.8f, 0.9f}};
   std::printf(
-      "\n== end to end through a fresh broker per row (prompt %u, gen %u); release_p99 and step_p50 "
+      "\n== end to end through a fresh broker per row (prompt %u, gen %u); release_p99 and "
+      "step_p50 "
       "are the broker's own, decode_step the in-run step-bench round trip at that batch ==\n",
       o.prompt_len, o.gen_len);
   std::printf("%11s %10s %12s %12s %8s %10s %10s %12s %10s %12s\n", "concurrency", "sampling",

@@ -99,8 +99,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
     const std::vector<uint32_t> rows = {0}, token = {1};
     std::vector<double> rtt, compute, overhead;
     for (uint32_t it = 0; it < positions - 1; ++it) {
-      const std::vector<SequenceStep> steps =
-          decodeSteps(batch, it, seq_base, blocks, token, rows);
+      const std::vector<SequenceStep> steps = decodeSteps(batch, it, seq_base, blocks, token, rows);
       const auto start = std::chrono::steady_clock::now();
       auto result = (*client)->step(step_id++, steps, std::chrono::seconds(60));
       if (!result.ok()) return result.error().toStatus();
@@ -175,8 +174,7 @@ Status runCheckCostBench(const StepBenchOptions& o) {
     const std::vector<uint32_t> rows = {0}, token = {1};
     std::vector<double> on, off;
     for (uint32_t it = 0; it < positions - 1; ++it) {
-      const std::vector<SequenceStep> steps =
-          decodeSteps(batch, it, seq_base, blocks, token, rows);
+      const std::vector<SequenceStep> steps = decodeSteps(batch, it, seq_base, blocks, token, rows);
       // Which worker goes first alternates too.
       WorkerClient* order[2] = {with.get(), without.get()};
       if (it % 2 == 1) std::swap(order[0], order[1]);

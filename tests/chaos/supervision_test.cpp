@@ -89,8 +89,8 @@ TEST_P(FaultClassTest, IsDetectedRecoveredAndInvisibleToClients) {
   // check), never by another one by luck.
   const std::string as = outcome.detected_as();
   EXPECT_TRUE(detectedByItsOwnMechanism(fault, as))
-      << faultName(fault) << " was detected as \"" << as << "\", expected one of: "
-      << expectedDetections(fault)[0];
+      << faultName(fault) << " was detected as \"" << as
+      << "\", expected one of: " << expectedDetections(fault)[0];
   RecordProperty("detected_as", as);
   RecordProperty("detection_ms", std::to_string(outcome.detection_ms()));
 }
@@ -390,8 +390,8 @@ TEST(Canary, APinnedRecordFromQualifyIsTheReference) {
   test::TempDir state, dir;
   const std::string pinned = dir.file("pinned.json");
   const test::CommandResult q = test::runBulkhead(
-      dir, {"qualify", "--model", test::fixtureDir("tiny-qwen2"), "--backend", "cpu", "--out",
-            pinned});
+      dir,
+      {"qualify", "--model", test::fixtureDir("tiny-qwen2"), "--backend", "cpu", "--out", pinned});
   ASSERT_EQ(q.exit_code, 0) << q.err;
   EXPECT_NE(q.out.find("qualified"), std::string::npos) << q.out;
   {
@@ -411,9 +411,9 @@ TEST(Canary, APinnedRecordFromQualifyIsTheReference) {
   EXPECT_TRUE(canaryRecords(state).empty()) << "a pinned record must be the only one";
   // qualify refuses a miscomputing worker and writes nothing.
   const std::string refused = dir.file("refused.json");
-  const test::CommandResult bad = test::runBulkhead(
-      dir, {"qualify", "--model", test::fixtureDir("tiny-qwen2"), "--backend", "cpu", "--out",
-            refused, "--worker", miscomputingWorker(dir)});
+  const test::CommandResult bad =
+      test::runBulkhead(dir, {"qualify", "--model", test::fixtureDir("tiny-qwen2"), "--backend",
+                              "cpu", "--out", refused, "--worker", miscomputingWorker(dir)});
   EXPECT_NE(bad.exit_code, 0) << bad.out;
   EXPECT_NE(bad.err.find("disagrees with the reference engine"), std::string::npos) << bad.err;
   EXPECT_FALSE(std::filesystem::exists(refused));
