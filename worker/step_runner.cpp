@@ -120,12 +120,16 @@ StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
   }
 
   const auto start = std::chrono::steady_clock::now();
+  scrubber_.stepStarted();
   {
     std::shared_lock weights(weights_mutex_);
     Status s = backend_.enqueueStep(batch_, rows_);
-    if (s.code() == Code::kInvalidArgument) return {StepVerdict::kRejected, s};
+    const bool rejected = s.code() == Code::kInvalidArgument;
     if (s.ok()) s = backend_.waitStep(verdict_);
-    if (!s.ok()) return {StepVerdict::kFatal, s};
+    if (!s.ok()) {
+      scrubber_.stepAbandoned();
+      return {rejected ? StepVerdict::kRejected : StepVerdict::kFatal, s};
+    }
   }
   scrubber_.stepCompleted(step_id);
   faults_.afterCompute();

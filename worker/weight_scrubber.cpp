@@ -67,7 +67,13 @@ void WeightScrubber::run() {
   // After each granule, idle long enough that busy / (busy + idle) <= share.
   const double idle_per_busy = (1.0 - share_) / share_;
   std::unique_lock wake(wake_mu_);
-  while (!stopping_) {
+  while (true) {
+    // A quiet moment first: seq_cst on both flags, so either stepCompleted sees this wait and
+    // notifies, or this check sees the step done.
+    awaiting_quiet_.store(true, std::memory_order_seq_cst);
+    wake_.wait(wake, [this] { return stopping_ || !computing_.load(std::memory_order_seq_cst); });
+    awaiting_quiet_.store(false, std::memory_order_relaxed);
+    if (stopping_) return;
     wake.unlock();
     Clock::duration busy;
     {
@@ -79,6 +85,19 @@ void WeightScrubber::run() {
     wake.lock();
     const auto idle = std::chrono::duration_cast<Clock::duration>(busy * idle_per_busy);
     wake_.wait_for(wake, idle, [this] { return stopping_; });
+  }
+}
+
+void WeightScrubber::stepCompleted(uint64_t step_id) {
+  last_step_.store(step_id, std::memory_order_release);
+  stepAbandoned();
+}
+
+void WeightScrubber::stepAbandoned() {
+  computing_.store(false, std::memory_order_seq_cst);
+  if (awaiting_quiet_.load(std::memory_order_seq_cst)) {
+    { std::lock_guard lock(wake_mu_); }
+    wake_.notify_all();
   }
 }
 
@@ -103,6 +122,7 @@ void WeightScrubber::scrubNext() {
   } else {
     g.clean_after_step = seen_after;
   }
+  granules_scrubbed_.fetch_add(1, std::memory_order_release);
   if (++cursor_ == granules_.size()) {
     cursor_ = 0;
     finishPass(pass_clean_, pass_started_after_);

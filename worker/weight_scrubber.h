@@ -19,18 +19,16 @@
 
 namespace bulkhead {
 
-// Busy at most this share of one core's wall time. A pass over B bytes takes B / (T * share) at a
-// single-core checksum throughput T. Measured on the 2-core build host: T = 3.9 GB/s; step-bench
-// on tiny-v152k (19.6 MB) with CPU-backend compute at batch 1 / 64: share 0 -> 0.55 / 32 ms,
-// 0.05 -> 0.65 / 34 ms, 0.25 -> 2.55 / 41 ms. The cost is about the share, not share / cores:
-// a burst preempts one thread of a statically scheduled OpenMP region and the whole region waits.
-// So the default keeps the step cost small; its price is pass length, i.e. token release latency
-// during generation: ~100 ms here for 19.6 MB, ~230 ms for 80 MB at an estimated 7 GB/s server
-// core. Deployments that need faster release raise --scrub-share (0.25 passes 80 MB in ~45 ms);
-// an idle broker's Ping runs a parallel full pass and is not paced. Granules are small
-// (kScrubGranuleBytes, ~0.13 ms of work) so each burst is short.
+// Busy at most this share of one core's wall time, and only between steps: a granule starts
+// only while no step computes, so a step meets at most the end of one granule (~30 us of one
+// core). A burst that lands inside a step preempts one thread of an OpenMP region and the whole
+// region waits for it: before this gate, the 2-core build host measured step-bench compute on
+// tiny-v152k (19.6 MB) at batch 1 / 64: share 0 -> 0.55 / 32 ms, 0.05 -> 0.65 / 34 ms, 0.25 ->
+// 2.55 / 41 ms. A pass over B bytes takes at least B / (T * share) at a single-core checksum
+// throughput T (3.9 GB/s there), longer when steps leave few gaps; by default (in-step checks
+// on) no token waits for a pass. An idle broker's Ping runs a parallel full pass, not paced.
 constexpr double kDefaultScrubShare = 0.05;
-constexpr uint64_t kScrubGranuleBytes = uint64_t(512) << 10;
+constexpr uint64_t kScrubGranuleBytes = uint64_t(128) << 10;
 
 struct WeightCorruption {
   std::string tensor;
@@ -74,8 +72,12 @@ class WeightScrubber {
   // Stops and joins the scrub thread; returns within one granule's work.
   void stop();
 
-  // The server calls this after each step completes (waitStep returned).
-  void stepCompleted(uint64_t step_id) { last_step_.store(step_id, std::memory_order_release); }
+  // The server calls these around each step's compute: stepStarted before the backend is given
+  // the step, then stepCompleted once waitStep returned or stepAbandoned if the step failed. No
+  // granule starts in between.
+  void stepStarted() { computing_.store(true, std::memory_order_seq_cst); }
+  void stepCompleted(uint64_t step_id);
+  void stepAbandoned();
 
   // A complete pass starting now, all granules at once (Backend::residentChecksums in parallel);
   // returns the report, which vouches for every step completed before the call.
@@ -88,6 +90,12 @@ class WeightScrubber {
 
   uint64_t totalBytes() const { return total_bytes_; }
   uint64_t passes() const { return passes_.load(std::memory_order_acquire); }
+  // Granules the scrub thread has checked, and whether it now waits for a step to end.
+  uint64_t granulesScrubbed() const { return granules_scrubbed_.load(std::memory_order_acquire); }
+  bool waitingForStepToEnd() const {
+    return awaiting_quiet_.load(std::memory_order_acquire) &&
+           computing_.load(std::memory_order_acquire);
+  }
   double share() const { return share_; }
 
  private:
@@ -112,6 +120,9 @@ class WeightScrubber {
   uint64_t total_bytes_ = 0;
   std::atomic<uint64_t> last_step_{0};
   std::atomic<uint64_t> passes_{0};
+  std::atomic<uint64_t> granules_scrubbed_{0};
+  std::atomic<bool> computing_{false};
+  std::atomic<bool> awaiting_quiet_{false};  // the scrub thread waits for a step to end
 
   std::mutex pass_mu_;
   std::vector<Granule> granules_;    // guarded by pass_mu_
@@ -126,7 +137,7 @@ class WeightScrubber {
 
   std::mutex wake_mu_;
   std::condition_variable wake_;
-  bool stopping_ = false;  // guarded by wake_mu_
+  bool stopping_ = false;  // guarded by wake_mu_; wake_ also signals the end of a step
   std::thread thread_;
 };
 

@@ -1,6 +1,7 @@
 // The weight scrubber: its thread finds and repairs a flipped bit and names the first step that
 // may have used it, clean_through never vouches for such a step, a full pass is complete when it
-// returns, and stop() joins the thread without waiting out its idle time.
+// returns, no granule starts while a step computes, and stop() joins the thread without waiting out
+// its idle time.
 #include "worker/weight_scrubber.h"
 
 #include <gtest/gtest.h>
@@ -41,10 +42,12 @@ class WeightScrubberTest : public ::testing::Test {
         WeightScrubber::Options{.share = share, .granule_bytes = granule_bytes});
   }
 
-  // One step of a fresh sequence, as the server runs it: shared lock, then stepCompleted. A step
+  // One step of a fresh sequence, as the server runs it: stepStarted, the compute under the
+  // shared lock, then stepCompleted. A step
   // that computes with a corrupted weight also fails its own in-step check; that is counted.
   test::Rows step(WeightScrubber& s, uint64_t step_id) {
     test::Rows rows;
+    s.stepStarted();
     {
       std::shared_lock lock(weights_mutex_);
       test::BackendDriver driver(*backend_, /*tolerate_failed_reads=*/true);
@@ -150,6 +153,25 @@ TEST_F(WeightScrubberTest, FullPassWhileTheThreadRunsReportsWhatEitherFound) {
   EXPECT_EQ(report.corruptions.size(), 1u);
   EXPECT_TRUE(residentMatchesCheckpoint());
   EXPECT_EQ(s->fullPass().clean_through, 2u);
+  s->stop();
+}
+
+TEST_F(WeightScrubberTest, NoGranuleStartsWhileAStepComputes) {
+  auto s = scrubber(1.0);  // never idle: only the step holds it back
+  s->stepStarted();
+  s->start();
+  const auto deadline = std::chrono::steady_clock::now() + kPatience;
+  while (!s->waitingForStepToEnd()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the scrub thread never waited";
+    std::this_thread::yield();
+  }
+  EXPECT_EQ(s->granulesScrubbed(), 0u) << "a granule was scrubbed while the step computed";
+  s->stepCompleted(1);
+  while (s->passes() == 0) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no pass after the step ended";
+    std::this_thread::yield();
+  }
+  EXPECT_GT(s->granulesScrubbed(), 0u);
   s->stop();
 }
 
