@@ -20,6 +20,10 @@ struct SchedulerStats {
            canary_failures = 0, rolled_back_tokens = 0;
   // From the end of a token's step to its release; and the steps themselves (last 4096 each).
   double release_latency_ms_p50 = 0, release_latency_ms_p99 = 0, step_ms_p50 = 0;
+  // Where a step's time goes: the worker's own compute (as it reports it), the broker's
+  // verification and sampling of the step's rows, and the broker's time from one step's reply
+  // to the next step's request when it went straight on (no wait for work in between).
+  double compute_ms_p50 = 0, sample_ms_p50 = 0, between_steps_ms_p50 = 0;
 };
 
 struct WorkerStatus {
@@ -52,15 +56,25 @@ class StatsBoard {
     out.release_latency_ms_p50 = release_ms_.percentile(50);
     out.release_latency_ms_p99 = release_ms_.percentile(99);
     out.step_ms_p50 = step_ms_.percentile(50);
+    out.compute_ms_p50 = compute_ms_.percentile(50);
+    out.sample_ms_p50 = sample_ms_.percentile(50);
+    out.between_steps_ms_p50 = between_ms_.percentile(50);
     return out;
   }
   void addReleaseLatencies(const std::vector<double>& ms) {
     std::lock_guard lock(mu_);
     for (double v : ms) release_ms_.add(v);
   }
-  void addStepTime(double ms) {
+  // A completed step: its round trip, the worker's compute and the broker's sampling.
+  void addStepTimes(double step_ms, double compute_ms, double sample_ms) {
     std::lock_guard lock(mu_);
-    step_ms_.add(ms);
+    step_ms_.add(step_ms);
+    compute_ms_.add(compute_ms);
+    sample_ms_.add(sample_ms);
+  }
+  void addBetweenSteps(double ms) {
+    std::lock_guard lock(mu_);
+    between_ms_.add(ms);
   }
   WorkerStatus worker() const {
     std::lock_guard lock(mu_);
@@ -71,7 +85,7 @@ class StatsBoard {
   mutable std::mutex mu_;
   SchedulerStats stats_;
   WorkerStatus worker_;
-  LatencyWindow release_ms_, step_ms_;
+  LatencyWindow release_ms_, step_ms_, compute_ms_, sample_ms_, between_ms_;
 };
 
 }  // namespace bulkhead

@@ -363,6 +363,9 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
   out->set_release_latency_ms_p50(s.release_latency_ms_p50);
   out->set_release_latency_ms_p99(s.release_latency_ms_p99);
   out->set_step_ms_p50(s.step_ms_p50);
+  out->set_compute_ms_p50(s.compute_ms_p50);
+  out->set_sample_ms_p50(s.sample_ms_p50);
+  out->set_between_steps_ms_p50(s.between_steps_ms_p50);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -42,7 +42,11 @@ inline uint32_t firstBucketHigh(uint32_t b) {
 constexpr uint32_t kFirstBuckets = ((0x3f800000u - kFirstLow) >> kFirstShift) + 2;
 static_assert(kFirstBuckets <= kBuckets);
 
-enum class Stage { kPrepare, kRead, kWeights, kRefine, kTies, kKept, kDone };
+enum class Stage { kPrepare, kRead, kWeights, kHistogram, kRefine, kTies, kKept, kDone };
+
+// Top-p draws from the whole candidate set first and tests the token; this many draws are tried
+// before the kept set is found by radix selection and drawn from directly.
+constexpr uint32_t kRejectionDraws = 4;
 
 struct ChunkStats {
   uint64_t checksum = 0;
@@ -55,6 +59,7 @@ struct ChunkStats {
   uint32_t adj_arg = 0;
   uint64_t mass = 0;
   uint64_t kept_mass = 0;
+  uint32_t kept_count = 0;
   uint32_t ties = 0;
   uint32_t candidates = 0;
 };
@@ -189,6 +194,9 @@ struct RowSampler::RowWork {
 
   // Selection: the kept set is {key > cut_key} + {key == cut_key and id <= cut_id}.
   bool radix = false;
+  // Top-p by rejection: `testing` while the kept pass measures the tokens before test_token.
+  bool reject = false, testing = false;
+  uint32_t attempt = 0, test_token = 0;
   uint32_t top_k = 0;
   uint64_t total = 0, mass_goal = 0;
   int level = 0;
@@ -204,6 +212,7 @@ struct RowSampler::RowWork {
 
   void readChunk(uint32_t c);
   void weightsChunk(uint32_t c);
+  void histogramChunk(uint32_t c);
   void refineChunk(uint32_t c);
   void tiesChunk(uint32_t c);
   void keptChunk(uint32_t c);
@@ -211,13 +220,16 @@ struct RowSampler::RowWork {
   void finishRead();
   void walk(const uint32_t* count, const uint64_t* mass);
   void applyMinP();
+  uint32_t pick();
+  void test(uint32_t token);
+  void judge();
   void draw();
   void finish(IntegrityCheck failed);
   uint32_t begin(uint32_t c) const { return c * kChunk; }
   uint32_t size(uint32_t c) const { return std::min(kChunk, n - c * kChunk); }
   bool hasChunkWork() const {
-    return stage == Stage::kRead || stage == Stage::kWeights || stage == Stage::kRefine ||
-           stage == Stage::kTies || stage == Stage::kKept;
+    return stage == Stage::kRead || stage == Stage::kWeights || stage == Stage::kHistogram ||
+           stage == Stage::kRefine || stage == Stage::kTies || stage == Stage::kKept;
   }
 };
 
@@ -364,12 +376,6 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
   float* dst = buf->weights.data() + base;
   const __m256 m = _mm256_set1_ps(amax), scale = _mm256_set1_ps(inv_t);
   __m256i mass = _mm256_setzero_si256();
-  uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
-  uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
-  if (radix) {
-    std::fill_n(count, kBuckets, 0);
-    std::fill_n(hmass, kBuckets, 0);
-  }
   for (uint32_t i = 0; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);
     const __m256 x = _mm256_mul_ps(_mm256_sub_ps(loadLanes(src + i, valid), m), scale);
@@ -378,11 +384,19 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
     mass = _mm256_add_epi64(mass, mass8Sum(e));
   }
   s.mass = sum64(mass);
-  if (!radix) return;
-  for (uint32_t i = 0; i < len; ++i) {
-    const uint32_t b = firstBucket(bitsOf(dst[i]));
+  if (radix && !reject) histogramChunk(c);
+}
+
+void RowSampler::RowWork::histogramChunk(uint32_t c) {
+  const float* w = buf->weights.data() + begin(c);
+  uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
+  uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
+  std::fill_n(count, kBuckets, 0);
+  std::fill_n(hmass, kBuckets, 0);
+  for (uint32_t i = 0, len = size(c); i < len; ++i) {
+    const uint32_t b = firstBucket(bitsOf(w[i]));
     ++count[b];
-    hmass[b] += massOf(dst[i]);
+    hmass[b] += massOf(w[i]);
   }
 }
 
@@ -447,6 +461,7 @@ void RowSampler::RowWork::keptChunk(uint32_t c) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i key = _mm256_set1_epi32(int(cut_key)), id_cut = _mm256_set1_epi32(int(cut_id));
   __m256i mass = _mm256_setzero_si256();
+  uint32_t count = 0;
   for (uint32_t i = 0; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);
     const __m256 e = loadLanes(w + i, valid);
@@ -455,11 +470,12 @@ void RowSampler::RowWork::keptChunk(uint32_t c) {
     const __m256i kept = _mm256_or_si256(
         _mm256_cmpgt_epi32(k, key),
         _mm256_andnot_si256(_mm256_cmpgt_epi32(id, id_cut), _mm256_cmpeq_epi32(k, key)));
-    mass = _mm256_add_epi64(
-        mass,
-        mass8Sum(_mm256_and_ps(e, _mm256_castsi256_ps(_mm256_and_si256(kept, laneMask(valid))))));
+    const __m256 in = _mm256_castsi256_ps(_mm256_and_si256(kept, laneMask(valid)));
+    count += uint32_t(__builtin_popcount(unsigned(_mm256_movemask_ps(in))));
+    mass = _mm256_add_epi64(mass, mass8Sum(_mm256_and_ps(e, in)));
   }
   stats[c].kept_mass = sum64(mass);
+  stats[c].kept_count = count;
 }
 
 void RowSampler::RowWork::chunk(uint32_t c) {
@@ -468,6 +484,8 @@ void RowSampler::RowWork::chunk(uint32_t c) {
       return readChunk(c);
     case Stage::kWeights:
       return weightsChunk(c);
+    case Stage::kHistogram:
+      return histogramChunk(c);
     case Stage::kRefine:
       return refineChunk(c);
     case Stage::kTies:
@@ -524,6 +542,9 @@ void RowSampler::RowWork::finishRead() {
   inv_t = std::min(1.0f / cfg->temperature, FLT_MAX);
   top_k = cfg->top_k != 0 && cfg->top_k < n ? cfg->top_k : n;
   radix = top_k < n || cfg->top_p < 1.0f;
+  reject = cfg->top_p < 1.0f;
+  testing = false;
+  attempt = 0;
   if (radix) {
     buf->hist_count.resize(size_t(chunks) * kBuckets);
     buf->hist_mass.resize(size_t(chunks) * kBuckets);
@@ -590,16 +611,16 @@ void RowSampler::RowWork::applyMinP() {
   }
 }
 
-void RowSampler::RowWork::draw() {
+// The draw number `attempt` from the kept set (per-chunk kept masses in stats): the first kept
+// token, in ascending id order, whose running mass exceeds the target.
+uint32_t RowSampler::RowWork::pick() {
   uint64_t kept = 0;
   for (const ChunkStats& s : stats) kept += s.kept_mass;
-  const uint64_t u = uint64_t(uniformAt(in->config->seed, in->position) * 0x1p53);
+  const uint64_t u = uint64_t(drawUniform(in->config->seed, in->position, attempt) * 0x1p53);
   const uint64_t target = uint64_t((unsigned __int128)u * kept >> 53);
   uint64_t running = 0;
   uint32_t c = 0;
   while (c < chunks && running + stats[c].kept_mass <= target) running += stats[c++].kept_mass;
-  uint32_t token = aarg, last_kept = aarg;
-  bool found = false;
   auto isKept = [&](uint32_t i) {
     const uint32_t k = bitsOf(buf->weights[i]);
     return k > cut_key || (k == cut_key && i <= cut_id);
@@ -608,26 +629,61 @@ void RowSampler::RowWork::draw() {
     for (uint32_t i = begin(c); i < begin(c) + size(c); ++i) {
       if (!isKept(i)) continue;
       running += massOf(buf->weights[i]);
-      last_kept = i;
-      if (running > target) {
-        token = i;
-        found = true;
-        break;
-      }
+      if (running > target) return i;
     }
   }
-  if (!found) {
-    for (uint32_t i = n; i-- > 0;) {
-      if (isKept(i)) {
-        last_kept = i;
-        break;
-      }
-    }
-    token = last_kept;
-  }
+  for (uint32_t i = n; i-- > 0;)
+    if (isKept(i)) return i;
+  return aarg;
+}
+
+void RowSampler::RowWork::draw() {
+  const uint32_t token = pick();
   out->choice.token = token;
   out->choice.logprob = float(double(buf->values[token]) - log_z);
   finish(IntegrityCheck::kNone);
+}
+
+// Measures the tokens ordered before `token` (e desc, id asc) in a kept pass; judge() decides.
+void RowSampler::RowWork::test(uint32_t token) {
+  test_token = token;
+  const uint32_t key = bitsOf(buf->weights[token]);
+  if (token == 0) {
+    cut_key = key + 1;  // keys are below 2^30
+    cut_id = kAllIds;
+  } else {
+    cut_key = key;
+    cut_id = token - 1;
+  }
+  testing = true;
+  stage = Stage::kKept;
+}
+
+// The tested token is kept when it is the most likely, or when fewer than top_k tokens and less
+// than the top-p goal's mass precede it and its weight reaches min_p. Otherwise every kept token
+// precedes it, so the next draw is from the tokens before it; after kRejectionDraws draws the
+// kept set is selected exactly and drawn from.
+void RowSampler::RowWork::judge() {
+  uint64_t before_mass = 0;
+  uint32_t before_count = 0;
+  for (const ChunkStats& s : stats) {
+    before_mass += s.kept_mass;
+    before_count += s.kept_count;
+  }
+  const float min_p = in->config->min_p;
+  const bool kept =
+      before_count == 0 ||
+      (before_count < top_k && before_mass < mass_goal &&
+       (!(min_p > 0.0f) || bitsOf(buf->weights[test_token]) >= bitsOf(std::min(min_p, 1.0f))));
+  if (kept) {
+    out->choice.token = test_token;
+    out->choice.logprob = float(double(buf->values[test_token]) - log_z);
+    return finish(IntegrityCheck::kNone);
+  }
+  ++attempt;
+  if (attempt < kRejectionDraws) return test(pick());
+  testing = false;
+  stage = Stage::kHistogram;
 }
 
 void RowSampler::RowWork::combine() {
@@ -642,22 +698,23 @@ void RowSampler::RowWork::combine() {
       const float top_p = in->config->top_p;
       mass_goal = top_p < 1.0f ? uint64_t(std::ceil(double(top_p) * double(total)))
                                : std::numeric_limits<uint64_t>::max();
-      if (!radix) {
+      if (!radix || reject) {
         cut_key = 0;
         cut_id = kAllIds;
+        for (ChunkStats& s : stats) s.kept_mass = s.mass;
+        if (reject) return test(pick());
         applyMinP();
-        if (cut_key == 0) {
-          for (ChunkStats& s : stats) s.kept_mass = s.mass;
-          return draw();
-        }
+        if (cut_key == 0) return draw();
         stage = Stage::kKept;
         return;
       }
+      [[fallthrough]];
+    }
+    case Stage::kHistogram:
       level = 0;
       count_above = 0;
       mass_above = 0;
       [[fallthrough]];
-    }
     case Stage::kRefine: {
       // Merge the chunks' histograms: integer sums, so the order does not matter.
       uint32_t count[kBuckets] = {};
@@ -689,7 +746,7 @@ void RowSampler::RowWork::combine() {
       return;
     }
     case Stage::kKept:
-      return draw();
+      return testing ? judge() : draw();
     case Stage::kDone:
       return;
   }

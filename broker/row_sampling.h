@@ -12,11 +12,19 @@
 //   broker/vector_exp.h (e of the top token is exactly 1). Masses m_i = round(e_i * 2^40) are
 //   integers, so every mass sum is exact and order-free.
 // - Kept set: the shortest prefix of the tokens ordered by (e desc, id asc) with at most top_k
-//   tokens and prefix mass >= ceil(top_p * total mass), cut to the tokens with e >= min_p. The
-//   boundary comes from radix selection on the bit patterns of e, never from a sort.
-// - Draw: u = uniformAt(seed, position) = U * 2^-53; target = floor(U * kept mass / 2^53); the
-//   chosen token is the first kept token, in ascending id order, whose running mass sum exceeds
-//   target (the last kept token if none does).
+//   tokens and prefix mass >= ceil(top_p * total mass), cut to the tokens with e >= min_p.
+// - Draw from a set S: u = drawUniform(seed, position, attempt) = U * 2^-53; target =
+//   floor(U * mass(S) / 2^53); the chosen token is the first token of S, in ascending id order,
+//   whose running mass sum exceeds target.
+// - Without top-p, one draw (attempt 0) from the kept set, whose boundary comes from radix
+//   selection on the bit patterns of e, never from a sort.
+// - With top-p, by rejection: S starts as every token; draw t from S (attempt 0, 1, ...); t is
+//   kept if it is the most likely token, or if fewer than top_k tokens and less than the goal's
+//   mass precede it and e_t >= min_p. Then t is the token. Otherwise every kept token precedes t,
+//   so S becomes the tokens before t and the next attempt draws. After kRejectionDraws (4)
+//   rejected draws, attempt 4 draws from the kept set, selected as above. Each accepted token is
+//   distributed as a draw from the kept set, and the common case costs one extra vector pass
+//   over the row instead of a selection.
 // - logprob = r_t - (R + log(sum_c s_c * exp32(R_c - R))), R the raw max, R_c a 4096-token
 //   chunk's raw max and s_c the chunk's float sum of exp32(r_i - R_c) over 8 fixed lanes.
 //   top_logprobs: the N largest r_i (value desc, id asc) with their logprobs.

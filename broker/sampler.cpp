@@ -16,6 +16,11 @@ double uniformAt(uint64_t seed, uint64_t position) {
   return double(bits >> 11) * 0x1.0p-53;
 }
 
+double drawUniform(uint64_t seed, uint64_t position, uint32_t attempt) {
+  if (attempt == 0) return uniformAt(seed, position);
+  return uniformAt(splitmix64(seed ^ (0x9e3779b97f4a7c15ull * attempt)), position);
+}
+
 Sampler::Sampler()
     : pool_(std::make_unique<RowPool>(1)), rows_(std::make_unique<RowSampler>(*pool_)) {}
 Sampler::~Sampler() = default;

@@ -35,6 +35,9 @@ struct TokenChoice {
 
 // Uniform in [0, 1) from (seed, position): splitmix64 over both.
 double uniformAt(uint64_t seed, uint64_t position);
+// The uniform of a token's draw number `attempt` (top-p sampling may draw more than once):
+// attempt 0 is uniformAt(seed, position), later ones use a seed derived from both.
+double drawUniform(uint64_t seed, uint64_t position, uint32_t attempt);
 
 class RowPool;
 class RowSampler;

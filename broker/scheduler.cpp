@@ -18,6 +18,12 @@ namespace bulkhead {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+namespace {
+double msBetween(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+}  // namespace
+
 Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options,
                      RowPool& pool)
     : model_(std::move(model)),
@@ -152,6 +158,7 @@ void Scheduler::run() {
     if (idle && incoming_.empty()) idle_.notify_all();
     if (worked || !incoming_.empty() || stopping_) continue;
     lock.unlock();
+    last_reply_.reset();  // the next step follows a wait for work, not this one's reply
     sleepUntilWork();
   }
   // Shutting down: every open request ends.
@@ -263,15 +270,19 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
       std::chrono::duration_cast<milliseconds>(options_.step_timeout_per_token * request.tokens);
   const uint64_t step_id = slot_.nextStepId();
   const auto sent = Clock::now();
+  if (last_reply_) board_.addBetweenSteps(msBetween(*last_reply_, sent));
+  last_reply_.reset();
   auto reply = worker.step(step_id, request.steps, timeout);
   const auto step_done = Clock::now();
-  board_.addStepTime(std::chrono::duration<double, std::milli>(step_done - sent).count());
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.steps; });
   if (!reply.ok()) return handleStepFailure(reply.error(), batch);
 
   std::vector<SampledRow> sampled;
-  if (WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, ride, step_id, sampled); !bad.ok())
-    return handleStepFailure(bad, batch);
+  WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, ride, step_id, sampled);
+  board_.addStepTimes(msBetween(sent, step_done), double(reply->compute_micros) / 1000.0,
+                      msBetween(step_done, Clock::now()));
+  last_reply_ = step_done;
+  if (!bad.ok()) return handleStepFailure(bad, batch);
   step_failures_in_a_row_ = 0;
   slot_.stepCompleted();
   // A worker that checks every step's weight reads vouches for the step by itself; otherwise

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "broker/batch_planner.h"
@@ -141,6 +142,8 @@ class Scheduler {
   uint64_t blocks_incarnation_ = 0;  // the worker the KV blocks were sized for
   uint32_t step_failures_in_a_row_ = 0;
   std::chrono::steady_clock::time_point last_vouch_{};
+  // The last step's reply when the loop went straight on from it (for between_steps_ms).
+  std::optional<std::chrono::steady_clock::time_point> last_reply_;
 };
 
 }  // namespace bulkhead

@@ -36,7 +36,7 @@ struct BenchCommand {
   uint32_t gen_len = 64;
   uint32_t requests = 0;  // 0: 4 x concurrency
   uint64_t seed = 1;
-  std::string json_path;
+  std::string json_path = {};
 };
 
 struct BenchResult {

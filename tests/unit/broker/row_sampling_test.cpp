@@ -117,22 +117,33 @@ uint32_t referenceToken(const std::vector<float>& raw, const SamplingConfig& c, 
     keep = std::min(keep, above);
   }
   std::vector<bool> kept(n, false);
-  uint64_t kept_mass = 0;
-  for (uint32_t i = 0; i < keep; ++i) {
-    kept[order[i]] = true;
-    kept_mass += m[order[i]];
+  for (uint32_t i = 0; i < keep; ++i) kept[order[i]] = true;
+  // One draw from the tokens `in`, in ascending id order.
+  auto drawFrom = [&](const std::vector<bool>& in, uint32_t attempt) {
+    uint64_t in_mass = 0;
+    for (uint32_t i = 0; i < n; ++i)
+      if (in[i]) in_mass += m[i];
+    const uint64_t u = uint64_t(drawUniform(c.seed, position, attempt) * 0x1p53);
+    const uint64_t target = uint64_t((unsigned __int128)u * in_mass >> 53);
+    uint64_t running = 0;
+    uint32_t last = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      if (!in[i]) continue;
+      last = i;
+      running += m[i];
+      if (running > target) return i;
+    }
+    return last;
+  };
+  if (!(c.top_p < 1.0f)) return drawFrom(kept, 0);
+  // Top-p: draws from the shrinking set of tokens before the last rejected one, then the kept set.
+  std::vector<bool> candidates(n, true);
+  for (uint32_t attempt = 0; attempt < 4; ++attempt) {
+    const uint32_t t = drawFrom(candidates, attempt);
+    if (kept[t]) return t;
+    for (uint32_t i = 0; i < n; ++i) candidates[i] = e[i] > e[t] || (e[i] == e[t] && i < t);
   }
-  const uint64_t u = uint64_t(uniformAt(c.seed, position) * 0x1p53);
-  const uint64_t target = uint64_t((unsigned __int128)u * kept_mass >> 53);
-  uint64_t running = 0;
-  uint32_t last = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    if (!kept[i]) continue;
-    last = i;
-    running += m[i];
-    if (running > target) return i;
-  }
-  return last;
+  return drawFrom(kept, 4);
 }
 
 double referenceLogprob(const std::vector<float>& raw, uint32_t t) {
@@ -402,6 +413,36 @@ TEST(VerifyAndSample, TemperatureFrequenciesFollowTheSoftmax) {
   }
 }
 
+// Top-p by rejection must still draw from the kept set in proportion to the masses: with p
+// sorted as {2.0, 1.0, 0.5, 0.0, -1.0, -30.0} / 0.8 (cumulative 0.647, 0.832, 0.932, ...) and
+// top-p 0.9, the kept set is the three most likely tokens; top_k 2 on top keeps two, the draws that
+// exhaust their rejections included.
+TEST(VerifyAndSample, TopPFrequenciesFollowTheKeptSoftmax) {
+  RowPool pool(2);
+  const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -1.0f, 0.5f, -30.0f};
+  std::vector<double> w(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) w[i] = std::exp((logits[i] - 2.0) / 0.8);
+  for (uint32_t top_k : {0u, 2u}) {
+    SamplingConfig c = temperature(0.8f, 77);
+    c.top_p = 0.9f;
+    c.top_k = top_k;
+    const std::vector<size_t> kept =
+        top_k == 2 ? std::vector<size_t>{2, 1} : std::vector<size_t>{2, 1, 4};
+    double z = 0;
+    for (size_t i : kept) z += w[i];
+    constexpr int kDraws = 20000;
+    std::vector<int> counts(logits.size(), 0);
+    for (uint64_t pos = 0; pos < kDraws; ++pos)
+      ++counts[sampleOne(pool, rowOf(logits, &c, pos)).choice.token];
+    for (size_t i = 0; i < logits.size(); ++i) {
+      const bool in = std::find(kept.begin(), kept.end(), i) != kept.end();
+      const double q = in ? w[i] / z : 0.0, sd = std::sqrt(q * (1 - q) / kDraws);
+      EXPECT_NEAR(counts[i] / double(kDraws), q, std::max(5 * sd, 0.002))
+          << "top_k " << top_k << " token " << i;
+    }
+  }
+}
+
 TEST(VerifyAndSample, SeededDrawsRepeatAndDependOnSeedAndPosition) {
   RowPool pool(2);
   const auto logits = syntheticRow(5, kVocab, 1.0f);
@@ -446,7 +487,7 @@ TEST(VerifyAndSample, PinnedResults) {
   // [row][config]: big then small.
   const Pinned pinned[2][6] = {{{150484, -10.531126f},
                                 {115891, -10.7312803f},
-                                {78524, -11.0081501f},
+                                {78485, -11.0412273f},
                                 {62474, -10.5319042f},
                                 {22333, -12.4563208f},
                                 {39859, -11.0788631f}},
