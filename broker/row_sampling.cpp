@@ -219,6 +219,11 @@ struct RowSampler::RowWork {
 
   void finishRead();
   void walk(const uint32_t* count, const uint64_t* mass);
+  // The key of the smallest weight min_p keeps (0: min_p is off; e of the top token is 1).
+  uint32_t minPKey() const {
+    const float min_p = in->config->min_p;
+    return min_p > 0.0f ? bitsOf(std::min(min_p, 1.0f)) : 0;
+  }
   void applyMinP();
   uint32_t pick();
   void test(uint32_t token);
@@ -602,9 +607,7 @@ void RowSampler::RowWork::walk(const uint32_t* count, const uint64_t* mass) {
 }
 
 void RowSampler::RowWork::applyMinP() {
-  const float min_p = in->config->min_p;
-  if (!(min_p > 0.0f)) return;
-  const uint32_t floor_key = bitsOf(std::min(min_p, 1.0f));  // e of the top token is 1
+  const uint32_t floor_key = minPKey();
   if (floor_key > cut_key) {
     cut_key = floor_key;
     cut_id = kAllIds;
@@ -670,11 +673,8 @@ void RowSampler::RowWork::judge() {
     before_mass += s.kept_mass;
     before_count += s.kept_count;
   }
-  const float min_p = in->config->min_p;
-  const bool kept =
-      before_count == 0 ||
-      (before_count < top_k && before_mass < mass_goal &&
-       (!(min_p > 0.0f) || bitsOf(buf->weights[test_token]) >= bitsOf(std::min(min_p, 1.0f))));
+  const bool kept = before_count == 0 || (before_count < top_k && before_mass < mass_goal &&
+                                          bitsOf(buf->weights[test_token]) >= minPKey());
   if (kept) {
     out->choice.token = test_token;
     out->choice.logprob = float(double(buf->values[test_token]) - log_z);

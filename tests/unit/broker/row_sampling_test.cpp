@@ -415,8 +415,7 @@ TEST(VerifyAndSample, TemperatureFrequenciesFollowTheSoftmax) {
 
 // Top-p by rejection must still draw from the kept set in proportion to the masses: with p
 // sorted as {2.0, 1.0, 0.5, 0.0, -1.0, -30.0} / 0.8 (cumulative 0.647, 0.832, 0.932, ...) and
-// top-p 0.9, the kept set is the three most likely tokens; top_k 2 on top keeps two, the draws that
-// exhaust their rejections included.
+// top-p 0.9, the kept set is the three most likely tokens; top_k 2 on top keeps two.
 TEST(VerifyAndSample, TopPFrequenciesFollowTheKeptSoftmax) {
   RowPool pool(2);
   const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -1.0f, 0.5f, -30.0f};
