@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
     spawn.extra_args.push_back(std::to_string(*scrub_share));
   }
   // Verification and sampling of logits rows, spread over the host's cores.
-  RowPool pool(sampling_threads);
+  WorkPool pool(sampling_threads);
   Scheduler scheduler(
       [spawn](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
         WorkerClient::SpawnOptions o = spawn;

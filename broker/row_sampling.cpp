@@ -752,7 +752,7 @@ void RowSampler::RowWork::combine() {
   }
 }
 
-RowSampler::RowSampler(RowPool& pool) : pool_(pool) {}
+RowSampler::RowSampler(WorkPool& pool) : pool_(pool) {}
 RowSampler::~RowSampler() = default;
 
 void RowSampler::verifyAndSample(std::span<const RowToSample> rows, std::span<SampledRow> out) {
@@ -800,7 +800,7 @@ void RowSampler::verifyAndSample(std::span<const RowToSample> rows, std::span<Sa
   }
 }
 
-void verifyAndSample(RowPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out) {
+void verifyAndSample(WorkPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out) {
   RowSampler sampler(pool);
   sampler.verifyAndSample(rows, out);
 }

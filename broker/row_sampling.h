@@ -1,4 +1,4 @@
-// Verification and sampling of a step's logits rows, fused and spread over a RowPool. A row is
+// Verification and sampling of a step's logits rows, fused and spread over a WorkPool. A row is
 // read from shared memory exactly once, into a private copy that is checksummed as it is read;
 // everything after works on that copy, so what is sampled is what was verified.
 //
@@ -34,7 +34,7 @@
 #include <memory>
 #include <span>
 
-#include "broker/row_pool.h"
+#include "shared/work_pool.h"
 #include "broker/sampler.h"
 #include "shared/logits_arena.h"
 
@@ -57,7 +57,7 @@ struct SampledRow {
 // thread, and a few kilobytes per row. One RowSampler per calling thread.
 class RowSampler {
  public:
-  explicit RowSampler(RowPool& pool);
+  explicit RowSampler(WorkPool& pool);
   ~RowSampler();
   RowSampler(const RowSampler&) = delete;
   RowSampler& operator=(const RowSampler&) = delete;
@@ -71,12 +71,12 @@ class RowSampler {
  private:
   struct Buffers;
   struct RowWork;
-  RowPool& pool_;
+  WorkPool& pool_;
   std::vector<std::unique_ptr<Buffers>> buffers_;
   std::vector<std::unique_ptr<RowWork>> work_;
 };
 
 // The same, with scratch allocated for this call only: for tests and one-off use.
-void verifyAndSample(RowPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out);
+void verifyAndSample(WorkPool& pool, std::span<const RowToSample> rows, std::span<SampledRow> out);
 
 }  // namespace bulkhead

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "broker/row_pool.h"
+#include "shared/work_pool.h"
 #include "broker/row_sampling.h"
 #include "shared/checksum.h"
 #include "shared/mix.h"
@@ -22,7 +22,7 @@ double drawUniform(uint64_t seed, uint64_t position, uint32_t attempt) {
 }
 
 Sampler::Sampler()
-    : pool_(std::make_unique<RowPool>(1)), rows_(std::make_unique<RowSampler>(*pool_)) {}
+    : pool_(std::make_unique<WorkPool>(1)), rows_(std::make_unique<RowSampler>(*pool_)) {}
 Sampler::~Sampler() = default;
 
 TokenChoice Sampler::sample(std::span<const float> logits, const SamplingConfig& config,

@@ -39,7 +39,7 @@ double uniformAt(uint64_t seed, uint64_t position);
 // attempt 0 is uniformAt(seed, position), later ones use a seed derived from both.
 double drawUniform(uint64_t seed, uint64_t position, uint32_t attempt);
 
-class RowPool;
+class WorkPool;
 class RowSampler;
 
 // One row at a time on the calling thread, with the semantics of broker/row_sampling.h.
@@ -59,7 +59,7 @@ class Sampler {
                      uint64_t position);
 
  private:
-  std::unique_ptr<RowPool> pool_;
+  std::unique_ptr<WorkPool> pool_;
   std::unique_ptr<RowSampler> rows_;
 };
 

@@ -25,7 +25,7 @@ double msBetween(Clock::time_point from, Clock::time_point to) {
 }  // namespace
 
 Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options,
-                     RowPool& pool)
+                     WorkPool& pool)
     : model_(std::move(model)),
       options_(std::move(options)),
       sampler_(pool),

@@ -22,7 +22,7 @@
 #include "broker/broker_stats.h"
 #include "broker/canary.h"
 #include "broker/fault_injection.h"
-#include "broker/row_pool.h"
+#include "shared/work_pool.h"
 #include "broker/row_sampling.h"
 #include "broker/sequence_queues.h"
 #include "broker/worker_slot.h"
@@ -67,7 +67,7 @@ struct ModelLimits {
 class Scheduler {
  public:
   // `pool` verifies and samples logits rows; it may be shared with other schedulers.
-  Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options, RowPool& pool);
+  Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options, WorkPool& pool);
   ~Scheduler();
 
   // Starts the scheduling thread (which starts the worker).

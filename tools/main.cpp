@@ -125,6 +125,9 @@ int main(int argc, char** argv) {
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
   step_bench->add_option("--sampling-threads", step_opts.sampling_threads,
                          "Threads verifying and sampling rows (0: one per core)");
+  step_bench->add_option("--worker-arg", step_opts.worker_args,
+                         "An argument passed on to the worker (repeatable; e.g. "
+                         "--worker-arg=--cpu-threads=8)");
   bool no_in_step_checks = false;
   step_bench->add_flag("--no-in-step-checks", no_in_step_checks,
                        "Run the worker without its in-step weight checks (their cost)");

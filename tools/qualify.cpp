@@ -2,7 +2,7 @@
 #include "tools/qualify.h"
 
 #include "broker/canary_run.h"
-#include "broker/row_pool.h"
+#include "shared/work_pool.h"
 #include "broker/worker_client.h"
 #include "worker/reference_engine.h"
 
@@ -23,7 +23,7 @@ Result<CanaryRecord> runQualify(const QualifyOptions& o) {
   const WorkerHello& hello = worker.hello();
   auto plan = CanaryPlan::forWorker(hello);
   if (!plan) return failedPrecondition("the worker is too small for the canary");
-  RowPool pool(0);
+  WorkPool pool(0);
   RowSampler sampler(pool);
   uint64_t step_id = 1;
   BULKHEAD_ASSIGN_OR_RETURN(CanaryRun run, runCanary(

@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "broker/row_pool.h"
+#include "shared/work_pool.h"
 #include "broker/row_sampling.h"
 #include "shared/checksum.h"
 #include "shared/mix.h"
@@ -45,7 +45,7 @@ Status runSampleBench(const SampleBenchOptions& o) {
     checksums[r] =
         checksumBytes(std::as_bytes(std::span(block).subspan(size_t(r) * o.vocab, o.vocab)));
 
-  RowPool pool(o.threads);
+  WorkPool pool(o.threads);
   RowSampler sampler(pool);
   std::printf("sample-bench: vocab %u, %u threads, %u iterations; microseconds per call\n", o.vocab,
               pool.threads(), o.iterations);

@@ -8,9 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "broker/row_pool.h"
 #include "broker/row_sampling.h"
 #include "broker/worker_client.h"
+#include "shared/work_pool.h"
 #include "tools/percentile.h"
 
 namespace bulkhead {
@@ -25,6 +25,7 @@ Result<std::unique_ptr<WorkerClient>> spawnBenchWorker(const StepBenchOptions& o
   spawn.arena_slots = *std::max_element(o.batches.begin(), o.batches.end());
   spawn.extra_args = {"--log-level", "warn", "--scrub-share", std::to_string(o.scrub_share)};
   if (!in_step_checks) spawn.extra_args.push_back("--no-in-step-checks");
+  spawn.extra_args.insert(spawn.extra_args.end(), o.worker_args.begin(), o.worker_args.end());
   auto client = WorkerClient::spawn(spawn);
   if (!client.ok()) return client.error().toStatus();
   return std::move(*client);
@@ -75,7 +76,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   BULKHEAD_ASSIGN_OR_RETURN(const uint32_t blocks_per_seq, blocksPerSequence(o, hello));
 
   // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
-  RowPool pool(o.sampling_threads);
+  WorkPool pool(o.sampling_threads);
   RowSampler sampler(pool);
   std::printf(
       "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g, "

@@ -11,6 +11,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
   if (name == "cpu" || name == "auto") {
     CpuBackend::Options cpu;
     cpu.kv_blocks = options.kv_blocks;
+    cpu.threads = options.cpu_threads;
     cpu.check_weight_reads = options.check_weight_reads;
     cpu.attention_scale_factor = options.attention_scale_factor;
     BULKHEAD_ASSIGN_OR_RETURN(auto backend, CpuBackend::create(std::move(checkpoint), cpu));

@@ -3,6 +3,7 @@
 #include "worker/cpu_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -16,7 +17,8 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
                                                        const Options& options) {
   std::unique_ptr<CpuBackend> b(new CpuBackend());
   b->checkpoint_ = checkpoint;
-  b->parallel_macs_ = options.parallel_macs;
+  b->threads_.min_macs = options.parallel_macs;
+  b->setThreads(options.threads);
   b->attention_scale_factor_ = options.attention_scale_factor;
   const ModelConfig& c = checkpoint->config();
   const ModelTensors& t = checkpoint->tensors();
@@ -248,13 +250,12 @@ Status CpuBackend::residentChecksums(std::span<const WeightRange> ranges, std::s
     return invalidArgument(std::to_string(ranges.size()) + " ranges but " +
                            std::to_string(out.size()) + " checksum destinations");
   for (const WeightRange& r : ranges) BULKHEAD_RETURN_IF_ERROR(checkRange(r));
-    // One range per task: a batch (a full pass) spreads over every core, a single range stays on
-    // the calling thread.
-#pragma omp parallel for schedule(dynamic, 1) if (ranges.size() > 1)
-  for (size_t i = 0; i < ranges.size(); ++i) {
+  // One range per task: a batch (a full pass) spreads over every core, a single range stays on
+  // the calling thread.
+  pool_->parallelFor(ranges.size(), [&](size_t i) {
     const WeightRange& r = ranges[i];
     out[i] = checksumBytes(std::span(resident_[r.tensor] + r.offset, r.bytes));
-  }
+  });
   return okStatus();
 }
 
@@ -288,6 +289,11 @@ float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, ui
   return cache + index;
 }
 
+void CpuBackend::setThreads(unsigned threads) {
+  pool_ = std::make_unique<WorkPool>(threads);
+  threads_.pool = pool_.get();
+}
+
 Status CpuBackend::enqueueStep(std::span<const SequenceStep> batch,
                                std::span<const RowOutput> rows) {
   if (pending_.queued)
@@ -319,6 +325,7 @@ Status CpuBackend::enqueueStep(std::span<const SequenceStep> batch,
   }
   pending_.rows.assign(rows.begin(), rows.end());
   pending_.queued = true;
+  pool_->keepWarm(true);  // the helpers wake while the caller gets to waitStep
   return okStatus();
 }
 
@@ -343,6 +350,10 @@ WeightReadVerdict CpuBackend::verifySlots() const {
 Status CpuBackend::waitStep(WeightReadVerdict& verdict) {
   if (!pending_.queued) return failedPrecondition("waitStep without an enqueued step");
   pending_.queued = false;
+  struct Cool {
+    WorkPool& pool;
+    ~Cool() { pool.keepWarm(false); }
+  } cool{*pool_};
   if (limits_.checks_weight_reads) {
     // A binding that is not its tensor's slot fails the step before anything is computed.
     verdict = verifySlots();
@@ -429,9 +440,9 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
       cpu::rmsNorm(x.data() + size_t(r) * hidden, input_norm.data(), c.rms_norm_eps, hidden,
                    xn.data() + size_t(r) * hidden);
     }
-    cpu::matmul(xn.data(), n, L.q, qb, q.data(), false, parallel_macs_);
-    cpu::matmul(xn.data(), n, L.k, kb, k.data(), false, parallel_macs_);
-    cpu::matmul(xn.data(), n, L.v, vb, v.data(), false, parallel_macs_);
+    cpu::matmul(xn.data(), n, L.q, qb, q.data(), false, threads_);
+    cpu::matmul(xn.data(), n, L.k, kb, k.data(), false, threads_);
+    cpu::matmul(xn.data(), n, L.v, vb, v.data(), false, threads_);
     for (int r = 0; r < n; ++r) {
       for (int h = 0; h < heads; ++h) rope(q.data() + size_t(r) * q_dim + h * head_dim, r);
       for (int h = 0; h < kv_heads; ++h) {
@@ -449,11 +460,11 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
     // back from the cache in position order: the same arithmetic for prefill and decode.
     int64_t attention_work = 0;
     for (const Row& row : rows) attention_work += int64_t(row.position + 1) * heads * head_dim;
-#pragma omp parallel if (attention_work >= parallel_macs_)
-    {
-      std::vector<float> scores(limits_.max_context);
-#pragma omp for schedule(dynamic, 1)
-      for (int task = 0; task < n * heads; ++task) {
+    std::atomic<int> next_task{0};
+    auto member = [&](size_t) {
+      thread_local std::vector<float> scores;
+      scores.resize(std::max<size_t>(scores.size(), limits_.max_context));
+      for (int task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < n * heads;) {
         const int r = task / heads, h = task % heads, kvh = h / group;
         const Row& row = rows[size_t(r)];
         const float* qv = q.data() + size_t(r) * q_dim + h * head_dim;
@@ -477,20 +488,25 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
           for (int d = 0; d < head_dim; ++d) out[d] += weight * vv[d];
         }
       }
+    };
+    if (threads_.worthIt(attention_work)) {
+      pool_->parallelFor(pool_->threads(), member);
+    } else {
+      member(0);
     }
-    cpu::matmul(attn.data(), n, L.o, ob, x.data(), true, parallel_macs_);
+    cpu::matmul(attn.data(), n, L.o, ob, x.data(), true, threads_);
 
     for (int r = 0; r < n; ++r) {
       cpu::rmsNorm(x.data() + size_t(r) * hidden, post_norm.data(), c.rms_norm_eps, hidden,
                    xn.data() + size_t(r) * hidden);
     }
-    cpu::matmul(xn.data(), n, L.gate, nullptr, gate.data(), false, parallel_macs_);
-    cpu::matmul(xn.data(), n, L.up, nullptr, up.data(), false, parallel_macs_);
+    cpu::matmul(xn.data(), n, L.gate, nullptr, gate.data(), false, threads_);
+    cpu::matmul(xn.data(), n, L.up, nullptr, up.data(), false, threads_);
     for (size_t i = 0; i < gate.size(); ++i) {
       const float g = gate[i];
       gate[i] = (g / (1.0f + std::exp(-g))) * up[i];
     }
-    cpu::matmul(gate.data(), n, L.down, nullptr, x.data(), true, parallel_macs_);
+    cpu::matmul(gate.data(), n, L.down, nullptr, x.data(), true, threads_);
   }
 
   // Final norm and lm_head only for the rows whose logits were asked for.
@@ -512,7 +528,7 @@ void CpuBackend::forward(std::span<const SequenceStep> batch, std::span<const Ro
     std::vector<RowCheck> checks(logits.size());
     for (size_t i = 0; i < logits.size(); ++i) payloads[i] = logits[i].payload;
     cpu::matmulCheckedRows(selected.data(), int(logits.size()), lm_head_, payloads.data(),
-                           checks.data(), parallel_macs_);
+                           checks.data(), threads_);
     for (size_t i = 0; i < logits.size(); ++i) *logits[i].check = checks[i];
   }
 }

@@ -24,6 +24,7 @@ class CpuBackend final : public Backend {
     uint32_t max_step_tokens = 8192;
     // Work below which a kernel runs on one thread (multiply-adds; tests lower it to 0).
     int64_t parallel_macs = int64_t(1) << 18;
+    unsigned threads = 0;  // the kernels' thread team, the calling thread included (0: one a core)
     // Fold and check every weight word the kernels read, in every step (worker/backend.h).
     bool check_weight_reads = true;
     // Fault injection: the attention's score scale is multiplied by this, a kernel that computes
@@ -47,6 +48,9 @@ class CpuBackend final : public Backend {
   Result<std::string> computeFault(uint64_t selector) override;
   Status residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) override;
   Status repairResident(const WeightRange& range) override;
+
+  // Replaces the kernels' thread team (tests: the logits must not depend on it).
+  void setThreads(unsigned threads);
 
  private:
   // A norm weight or bias kept in its checkpoint dtype, converted when a step uses it, so every
@@ -96,7 +100,9 @@ class CpuBackend final : public Backend {
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
-  int64_t parallel_macs_ = 0;
+  // Warm from enqueueStep to the end of waitStep only: between steps its cores are the host's.
+  std::unique_ptr<WorkPool> pool_;
+  cpu::Threads threads_;
   float attention_scale_factor_ = 1.0f;
   std::unique_ptr<std::byte[]> weight_bytes_;
   // checkpoint_->usedTensors(), and the resident copy of each, in that order.

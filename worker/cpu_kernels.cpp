@@ -1,6 +1,7 @@
 // CPU kernels: AVX2/FMA dot products over bf16/f16/f32 weights, with a portable fallback.
 #include "worker/cpu_kernels.h"
 
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -106,7 +107,8 @@ constexpr int kRowBlock = 16;
 constexpr int kBlocksPerClaim = 8;
 
 // Where matmulTyped's outputs go. A sink makes one Local per thread; the Local receives every
-// (token, column, value) that thread produces, and finish() runs once per thread at the end.
+// (token, column, value) that thread produces, and finish() runs once per thread at the end
+// (concurrently with other threads' finish()).
 struct AddToMatrix {
   struct Local {
     const AddToMatrix& sink;
@@ -140,12 +142,9 @@ struct WriteCheckedRows {
     }
     void finish() {
       for (size_t t = 0; t < sums.size(); ++t) {
-#pragma omp atomic
-        sink.checks[t].checksum += sums[t];
-        if (non_finite[t] != 0) {
-#pragma omp atomic write
-          sink.non_finite[t] = 1u;
-        }
+        std::atomic_ref(sink.checks[t].checksum).fetch_add(sums[t], std::memory_order_relaxed);
+        if (non_finite[t] != 0)
+          std::atomic_ref(sink.non_finite[t]).store(1u, std::memory_order_relaxed);
       }
     }
   };
@@ -184,12 +183,12 @@ void checkColumnSums(const float* x, int tokens, const WeightMatrix& w,
 
 template <DType D, class Sink>
 void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& sink,
-                 int64_t parallel_macs) {
+                 const Threads& threads) {
   const int rows = w.rows, cols = w.cols;
   const size_t row_bytes = size_t(cols) * dtypeSize(D);
   const int blocks = (rows + kRowBlock - 1) / kRowBlock;
-  // Threads only where the work pays for waking them: small products run on the caller.
-  const bool parallel = int64_t(rows) * cols * tokens >= parallel_macs;
+  // Threads only where the work pays for them: small products run on the caller.
+  const bool parallel = threads.worthIt(int64_t(rows) * cols * tokens);
   const uint64_t row_words = weightRowWords(row_bytes);
   if (w.reads != nullptr) w.reads->uses.fetch_add(1, std::memory_order_relaxed);
   // Each token's sum of outputs, for the arithmetic check (threads add their partial sums).
@@ -205,91 +204,96 @@ void matmulTyped(const float* x, int tokens, const WeightMatrix& w, const Sink& 
   // Blocks are handed out dynamically: a thread the OS preempts (the broker samples on the same
   // cores) leaves its share to the others instead of holding up the whole product. Which thread
   // computes a block never changes its values, and the checksum partial sums are order-free.
-#pragma omp parallel if (parallel)
-  {
+  std::atomic<int> next_block{0};
+  // One member of the team: claims blocks until none is left.
+  auto member = [&](size_t) {
     auto out = sink.local();
     uint64_t read_sum = 0, read_words = 0;
     std::vector<double> sums(out_sums.size(), 0.0);
-#pragma omp for schedule(dynamic, kBlocksPerClaim)
-    for (int b = 0; b < blocks; ++b) {
-      const int j0 = b * kRowBlock;
-      const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
-      if (w.reads != nullptr) {
-        // The block's rows, through the pointer the products below read them from. Rows of
-        // whole words are contiguous words, so the block folds in one call.
-        if (row_bytes % 4 == 0) {
-          read_sum += foldWeightRow(w.data + size_t(j0) * row_bytes, size_t(j1 - j0) * row_bytes,
-                                    uint64_t(j0) * row_words, w.salt);
-        } else {
-          for (int j = j0; j < j1; ++j)
-            read_sum += foldWeightRow(w.data + size_t(j) * row_bytes, row_bytes,
-                                      uint64_t(j) * row_words, w.salt);
+    for (int claim;
+         (claim = next_block.fetch_add(kBlocksPerClaim, std::memory_order_relaxed)) < blocks;)
+      for (int b = claim; b < claim + kBlocksPerClaim && b < blocks; ++b) {
+        const int j0 = b * kRowBlock;
+        const int j1 = j0 + kRowBlock < rows ? j0 + kRowBlock : rows;
+        if (w.reads != nullptr) {
+          // The block's rows, through the pointer the products below read them from. Rows of
+          // whole words are contiguous words, so the block folds in one call.
+          if (row_bytes % 4 == 0) {
+            read_sum += foldWeightRow(w.data + size_t(j0) * row_bytes, size_t(j1 - j0) * row_bytes,
+                                      uint64_t(j0) * row_words, w.salt);
+          } else {
+            for (int j = j0; j < j1; ++j)
+              read_sum += foldWeightRow(w.data + size_t(j) * row_bytes, row_bytes,
+                                        uint64_t(j) * row_words, w.salt);
+          }
+          read_words += uint64_t(j1 - j0) * row_words;
         }
-        read_words += uint64_t(j1 - j0) * row_words;
-      }
-      int t = 0;
-      for (; t + 4 <= tokens; t += 4) {
-        const float* xs[4] = {x + size_t(t) * cols, x + size_t(t + 1) * cols,
-                              x + size_t(t + 2) * cols, x + size_t(t + 3) * cols};
-        for (int j = j0; j < j1; ++j) {
-          float dots[4];
-          dotRows<D, 4>(xs, w.data + size_t(j) * row_bytes, cols, dots);
-          for (int r = 0; r < 4; ++r) {
-            faulty(t + r, j, dots[r]);
-            if (abft) sums[size_t(t + r)] += dots[r];
-            out.emit(t + r, j, dots[r]);
+        int t = 0;
+        for (; t + 4 <= tokens; t += 4) {
+          const float* xs[4] = {x + size_t(t) * cols, x + size_t(t + 1) * cols,
+                                x + size_t(t + 2) * cols, x + size_t(t + 3) * cols};
+          for (int j = j0; j < j1; ++j) {
+            float dots[4];
+            dotRows<D, 4>(xs, w.data + size_t(j) * row_bytes, cols, dots);
+            for (int r = 0; r < 4; ++r) {
+              faulty(t + r, j, dots[r]);
+              if (abft) sums[size_t(t + r)] += dots[r];
+              out.emit(t + r, j, dots[r]);
+            }
+          }
+        }
+        for (; t < tokens; ++t) {
+          const float* xs[1] = {x + size_t(t) * cols};
+          for (int j = j0; j < j1; ++j) {
+            float dots[1];
+            dotRows<D, 1>(xs, w.data + size_t(j) * row_bytes, cols, dots);
+            faulty(t, j, dots[0]);
+            if (abft) sums[size_t(t)] += dots[0];
+            out.emit(t, j, dots[0]);
           }
         }
       }
-      for (; t < tokens; ++t) {
-        const float* xs[1] = {x + size_t(t) * cols};
-        for (int j = j0; j < j1; ++j) {
-          float dots[1];
-          dotRows<D, 1>(xs, w.data + size_t(j) * row_bytes, cols, dots);
-          faulty(t, j, dots[0]);
-          if (abft) sums[size_t(t)] += dots[0];
-          out.emit(t, j, dots[0]);
-        }
-      }
-    }
     out.finish();
-    for (size_t t = 0; t < sums.size(); ++t) {
-#pragma omp atomic
-      out_sums[t] += sums[t];
-    }
+    for (size_t t = 0; t < sums.size(); ++t)
+      std::atomic_ref(out_sums[t]).fetch_add(sums[t], std::memory_order_relaxed);
     if (w.reads != nullptr) {
       w.reads->sum.fetch_add(read_sum, std::memory_order_relaxed);
       w.reads->words.fetch_add(read_words, std::memory_order_relaxed);
     }
+  };
+  if (parallel) {
+    threads.pool->parallelFor(threads.pool->threads(), member);
+  } else {
+    member(0);
   }
   if (abft) checkColumnSums(x, tokens, w, out_sums);
 }
 
 template <class Sink>
 void matmulTo(const float* x, int tokens, const WeightMatrix& w, const Sink& sink,
-              int64_t parallel_macs) {
+              const Threads& threads) {
   switch (w.dtype) {
     case DType::kF32:
-      return matmulTyped<DType::kF32>(x, tokens, w, sink, parallel_macs);
+      return matmulTyped<DType::kF32>(x, tokens, w, sink, threads);
     case DType::kF16:
-      return matmulTyped<DType::kF16>(x, tokens, w, sink, parallel_macs);
+      return matmulTyped<DType::kF16>(x, tokens, w, sink, threads);
     case DType::kBF16:
-      return matmulTyped<DType::kBF16>(x, tokens, w, sink, parallel_macs);
+      return matmulTyped<DType::kBF16>(x, tokens, w, sink, threads);
   }
 }
 
 }  // namespace
 
 void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
-            bool accumulate, int64_t parallel_macs) {
-  matmulTo(x, tokens, w, AddToMatrix{y, bias, w.rows, accumulate}, parallel_macs);
+            bool accumulate, const Threads& threads) {
+  matmulTo(x, tokens, w, AddToMatrix{y, bias, w.rows, accumulate}, threads);
 }
 
 void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float* const* rows,
-                       RowCheck* checks, int64_t parallel_macs) {
+                       RowCheck* checks, const Threads& threads) {
   std::vector<uint32_t> non_finite(size_t(tokens), 0);
   for (int t = 0; t < tokens; ++t) checks[t] = {0, true};
-  matmulTo(x, tokens, w, WriteCheckedRows{rows, checks, non_finite.data(), tokens}, parallel_macs);
+  matmulTo(x, tokens, w, WriteCheckedRows{rows, checks, non_finite.data(), tokens}, threads);
   for (int t = 0; t < tokens; ++t) checks[t].finite = non_finite[size_t(t)] == 0;
 }
 

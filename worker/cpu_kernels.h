@@ -10,8 +10,19 @@
 
 #include "shared/checksum.h"
 #include "shared/dtype.h"
+#include "shared/work_pool.h"
 
 namespace bulkhead::cpu {
+
+// Where a kernel's parallel part runs: on `pool` when the kernel has at least `min_macs`
+// multiply-adds (waking threads costs more than small products pay back), else on the caller.
+struct Threads {
+  WorkPool* pool = nullptr;  // null: always on the caller
+  int64_t min_macs = 0;
+  bool worthIt(int64_t macs) const {
+    return pool != nullptr && pool->threads() > 1 && macs >= min_macs;
+  }
+};
 
 // What one step's kernels read of one weight, folded as they read it: the sum of
 // foldWeightRow() over every row they loaded through the pointer they were handed, the words
@@ -62,16 +73,16 @@ struct WeightMatrix {
 };
 
 // y[t * w.rows + j] = dot(x[t * w.cols ...], row j of w) (+ bias[j]) (+ y when accumulate), for
-// t < tokens. Parallel over j when the product has at least `parallel_macs` multiply-adds (waking
-// threads costs more than small products); each dot product has a fixed reduction order.
+// t < tokens. Parallel over j when `threads` say the product is worth it; each dot product has a
+// fixed reduction order.
 void matmul(const float* x, int tokens, const WeightMatrix& w, const float* bias, float* y,
-            bool accumulate, int64_t parallel_macs);
+            bool accumulate, const Threads& threads);
 
 // The same products as matmul (no bias), token t's outputs written to rows[t][0..w.rows) and
 // checks[t] = checkRow() of what was written, folded in as each value is stored (no second pass
 // over the rows).
 void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float* const* rows,
-                       RowCheck* checks, int64_t parallel_macs);
+                       RowCheck* checks, const Threads& threads);
 
 // The column sums of `w` (from these bytes: the checkpoint's), for its arithmetic check.
 ColumnSums columnSums(const WeightMatrix& w);

@@ -15,29 +15,8 @@
 #include "worker/backend_factory.h"
 #include "worker/worker_server.h"
 
-namespace {
-
-// The CPU backend's OpenMP threads spin this many times waiting for the next parallel region
-// before they sleep. libgomp's default (300000, about 0.3 ms) keeps every core busy well past the
-// end of a step, exactly when the broker on the same host verifies and samples the step's rows;
-// a few thousand bridges the gaps between one step's regions and then gives the cores back.
-constexpr const char* kGompSpinCount = "10000";
-
-// libgomp reads its settings once, when it is loaded, so a default is set by executing this
-// program again with it in the environment. An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT
-// is left alone.
-void setOpenMpWaitDefault(char** argv) {
-  if (std::getenv("GOMP_SPINCOUNT") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) return;
-  ::setenv("GOMP_SPINCOUNT", kGompSpinCount, 1);
-  ::execv("/proc/self/exe", argv);
-  std::perror("bulkhead-worker: re-executing with GOMP_SPINCOUNT set");  // runs on as it is
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   using namespace bulkhead;
-  setOpenMpWaitDefault(argv);
   CLI::App app{"bulkhead-worker: runs model steps for the bulkhead broker"};
   WorkerOptions options;
   std::string backend_name = "auto", log_level = "info";
@@ -46,6 +25,8 @@ int main(int argc, char** argv) {
   app.add_option("--socket", options.socket_path, "Unix socket path to listen on")->required();
   app.add_option("--backend", backend_name, "cpu | cuda | auto");
   app.add_option("--kv-blocks", backend_options.kv_blocks, "KV cache blocks (0: from budget)");
+  app.add_option("--cpu-threads", backend_options.cpu_threads,
+                 "CPU backend: kernel threads, this one included (0: one a core)");
   app.add_option("--arena-slots", options.arena_slots, "Most logits rows one step may ask for")
       ->check(CLI::Range(1u, 1u << 16));
   app.add_option("--incarnation", options.incarnation, "Incarnation id (0: random)");

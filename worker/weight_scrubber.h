@@ -21,8 +21,8 @@ namespace bulkhead {
 
 // Busy at most this share of one core's wall time, and only between steps: a granule starts
 // only while no step computes, so a step meets at most the end of one granule (~30 us of one
-// core). A burst that lands inside a step preempts one thread of an OpenMP region and the whole
-// region waits for it: before this gate, the 2-core build host measured step-bench compute on
+// core). A burst that lands inside a step preempts one thread of a kernel's team and the whole
+// kernel waits for it: before this gate, the 2-core build host measured step-bench compute on
 // tiny-v152k (19.6 MB) at batch 1 / 64: share 0 -> 0.55 / 32 ms, 0.05 -> 0.65 / 34 ms, 0.25 ->
 // 2.55 / 41 ms. A pass over B bytes takes at least B / (T * share) at a single-core checksum
 // throughput T (3.9 GB/s there), longer when steps leave few gaps; by default (in-step checks

@@ -92,7 +92,7 @@ class WorkerProcessTest : public ::testing::Test {
   test::TempDir dir_;
   uint64_t next_incarnation_ = 0x1000 + uint64_t(::getpid()) * 1000;
   uint64_t next_step_ = 1;
-  RowPool pool_{2};
+  WorkPool pool_{2};
   RowSampler sampler_{pool_};
   std::chrono::steady_clock::duration last_detection_{};
 };

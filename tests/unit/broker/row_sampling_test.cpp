@@ -46,7 +46,7 @@ RowToSample rowOf(const std::vector<float>& logits, const SamplingConfig* config
                      .position = position};
 }
 
-SampledRow sampleOne(RowPool& pool, const RowToSample& row) {
+SampledRow sampleOne(WorkPool& pool, const RowToSample& row) {
   SampledRow out;
   verifyAndSample(pool, std::span(&row, 1), std::span(&out, 1));
   return out;
@@ -174,7 +174,7 @@ TEST(VectorExp, MatchesTheLibraryWithinTwoUlp) {
 }
 
 TEST(VerifyAndSample, FlippedBitNaNAndInfinityFailOnlyTheirRows) {
-  RowPool pool(3);
+  WorkPool pool(3);
   const SamplingConfig cfg = temperature(0.8f);
   std::vector<std::vector<float>> logits;
   for (uint32_t r = 0; r < 6; ++r) logits.push_back(syntheticRow(r, r == 0 ? 5000 : 1000, 6));
@@ -195,7 +195,7 @@ TEST(VerifyAndSample, FlippedBitNaNAndInfinityFailOnlyTheirRows) {
   // Row 4: verify only, and clean.
   rows[4].config = nullptr;
   for (unsigned threads : {1u, 4u}) {
-    RowPool p(threads);
+    WorkPool p(threads);
     std::vector<SampledRow> out(rows.size());
     verifyAndSample(p, rows, out);
     EXPECT_EQ(out[0].failed, IntegrityCheck::kNone);
@@ -218,7 +218,7 @@ TEST(VerifyAndSample, FlippedBitNaNAndInfinityFailOnlyTheirRows) {
 }
 
 TEST(VerifyAndSample, ChecksumIsTheSharedOneForEveryLengthAndAlignment) {
-  RowPool pool(2);
+  WorkPool pool(2);
   for (uint32_t n : {1u, 7u, 8u, 9u, 4095u, 4096u, 4097u, 10001u}) {
     std::vector<float> backing = syntheticRow(n, n + 3, 10);
     for (uint32_t skew = 0; skew < 3; ++skew) {
@@ -277,11 +277,11 @@ void expectSame(const SampledRow& a, const SampledRow& b, const std::string& wha
 
 TEST(VerifyAndSample, ResultsIndependentOfThreadsAndBatch) {
   Batch batch;
-  RowPool serial(1);
+  WorkPool serial(1);
   std::vector<SampledRow> want(64);
   verifyAndSample(serial, batch.rows, want);
   for (unsigned threads : {1u, 2u, 3u, 8u}) {
-    RowPool pool(threads);
+    WorkPool pool(threads);
     RowSampler sampler(pool);
     for (int repeat = 0; repeat < 2; ++repeat) {  // scratch reused between calls
       std::vector<SampledRow> got(64);
@@ -303,7 +303,7 @@ TEST(VerifyAndSample, ResultsIndependentOfThreadsAndBatch) {
 }
 
 TEST(VerifyAndSample, KeptSetsAndDrawsMatchASortBasedReference) {
-  RowPool pool(3);
+  WorkPool pool(3);
   struct Case {
     uint32_t n;
     float spread;
@@ -346,7 +346,7 @@ TEST(VerifyAndSample, KeptSetsAndDrawsMatchASortBasedReference) {
 }
 
 TEST(VerifyAndSample, PenalisedDrawsMatchTheReference) {
-  RowPool pool(2);
+  WorkPool pool(2);
   const auto logits = syntheticRow(7, 20000, 3.0f);
   std::vector<uint32_t> prompt, generated;
   for (uint32_t i = 0; i < 300; ++i) prompt.push_back(uint32_t(splitmix64(i) % 20000));
@@ -364,7 +364,7 @@ TEST(VerifyAndSample, PenalisedDrawsMatchTheReference) {
 }
 
 TEST(VerifyAndSample, GreedyIsTheFirstArgmax) {
-  RowPool pool(2);
+  WorkPool pool(2);
   const SamplingConfig greedy;
   for (uint64_t seed = 0; seed < 6; ++seed) {
     // Quantised rows: the maximum is shared by many tokens, the lowest id wins.
@@ -377,7 +377,7 @@ TEST(VerifyAndSample, GreedyIsTheFirstArgmax) {
 }
 
 TEST(VerifyAndSample, TopLogprobsAreTheLargestRawLogitsWithTiesByLowerId) {
-  RowPool pool(2);
+  WorkPool pool(2);
   const auto logits = syntheticRow(3, 9000, 4.0f, 40);
   SamplingConfig c = temperature(1.0f);
   c.top_logprobs = 20;
@@ -396,7 +396,7 @@ TEST(VerifyAndSample, TopLogprobsAreTheLargestRawLogitsWithTiesByLowerId) {
 }
 
 TEST(VerifyAndSample, TemperatureFrequenciesFollowTheSoftmax) {
-  RowPool pool(2);
+  WorkPool pool(2);
   const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -1.0f, 0.5f, -30.0f};
   const SamplingConfig c = temperature(0.8f, 2024);
   std::vector<double> p(logits.size());
@@ -417,7 +417,7 @@ TEST(VerifyAndSample, TemperatureFrequenciesFollowTheSoftmax) {
 // sorted as {2.0, 1.0, 0.5, 0.0, -1.0, -30.0} / 0.8 (cumulative 0.647, 0.832, 0.932, ...) and
 // top-p 0.9, the kept set is the three most likely tokens; top_k 2 on top keeps two.
 TEST(VerifyAndSample, TopPFrequenciesFollowTheKeptSoftmax) {
-  RowPool pool(2);
+  WorkPool pool(2);
   const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -1.0f, 0.5f, -30.0f};
   std::vector<double> w(logits.size());
   for (size_t i = 0; i < logits.size(); ++i) w[i] = std::exp((logits[i] - 2.0) / 0.8);
@@ -443,7 +443,7 @@ TEST(VerifyAndSample, TopPFrequenciesFollowTheKeptSoftmax) {
 }
 
 TEST(VerifyAndSample, SeededDrawsRepeatAndDependOnSeedAndPosition) {
-  RowPool pool(2);
+  WorkPool pool(2);
   const auto logits = syntheticRow(5, kVocab, 1.0f);
   SamplingConfig c = temperature(0.8f, 99);
   c.top_p = 0.9f;
@@ -463,7 +463,7 @@ TEST(VerifyAndSample, SeededDrawsRepeatAndDependOnSeedAndPosition) {
 // Fixed rows and configs with their results written down: any change to the arithmetic (exp,
 // masses, selection, draw, log-sum-exp) shows up here. Regenerate only for an intended change.
 TEST(VerifyAndSample, PinnedResults) {
-  RowPool pool(2);
+  WorkPool pool(2);
   const auto big = syntheticRow(20260101, kVocab, 4.0f);
   const auto small = syntheticRow(20260102, 1000, 16.0f);
   const std::vector<uint32_t> prompt = {1, 2, 3, 500, 700}, generated = {700, 700, 12, 999};

@@ -132,7 +132,7 @@ class SchedulerTest : public ::testing::Test {
   }
 
   std::shared_ptr<test::FakeWorkerControl> control_ = std::make_shared<test::FakeWorkerControl>();
-  RowPool pool_{2};
+  WorkPool pool_{2};
   std::unique_ptr<Scheduler> scheduler_;
 };
 

@@ -2,7 +2,6 @@
 // it runs alone or batched, prefilled at once, in chunks, or token by token, and whatever the
 // thread count. Lossless replay after a worker restart depends on this.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <random>
 
@@ -108,12 +107,11 @@ TEST_P(InvarianceTest, ThreadCountDoesNotChangeLogits) {
   test::BackendDriver driver(*backend_);
   const auto tokens = randomTokens(20, 6);
   const test::Rows parallel = driver.runAlone(1, tokens, 8);
-  const int threads = omp_get_max_threads();
-  omp_set_num_threads(1);
+  backend_->setThreads(1);
   const test::Rows serial = driver.runAlone(2, tokens, 8);
-  omp_set_num_threads(3);
+  backend_->setThreads(3);
   const test::Rows three = driver.runAlone(3, tokens, 8);
-  omp_set_num_threads(threads);
+  backend_->setThreads(0);
   expectIdentical(parallel, serial, "1 thread");
   expectIdentical(parallel, three, "3 threads");
 }

@@ -1,5 +1,6 @@
-// RowPool: every index runs exactly once, from repeated bursts, with more threads than cores.
-#include "broker/row_pool.h"
+// WorkPool: every index runs exactly once, from repeated bursts, with more threads than cores,
+// from several calling threads, and whether the pool is kept warm or not.
+#include "shared/work_pool.h"
 
 #include <gtest/gtest.h>
 
@@ -12,22 +13,22 @@
 namespace bulkhead {
 namespace {
 
-void expectEachIndexOnce(RowPool& pool, size_t n) {
+void expectEachIndexOnce(WorkPool& pool, size_t n) {
   std::vector<std::atomic<int>> hits(n);
   pool.parallelFor(n, [&](size_t i) { hits[i].fetch_add(1, std::memory_order_relaxed); });
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "index " << i << " of " << n;
 }
 
-TEST(RowPool, EveryIndexExactlyOnceUnderContention) {
+TEST(WorkPool, EveryIndexExactlyOnceUnderContention) {
   // Eight threads on however few cores this machine has: helpers are preempted mid-burst.
-  RowPool pool(8);
+  WorkPool pool(8);
   EXPECT_EQ(pool.threads(), 8u);
   for (int round = 0; round < 300; ++round)
     expectEachIndexOnce(pool, size_t(round % 7 == 0 ? 1 : (round * 37) % 513));
 }
 
-TEST(RowPool, ReturnsOnlyWhenAllWorkIsDone) {
-  RowPool pool(4);
+TEST(WorkPool, ReturnsOnlyWhenAllWorkIsDone) {
+  WorkPool pool(4);
   for (int round = 0; round < 50; ++round) {
     std::atomic<int> done{0};
     pool.parallelFor(64, [&](size_t i) {
@@ -38,29 +39,53 @@ TEST(RowPool, ReturnsOnlyWhenAllWorkIsDone) {
   }
 }
 
-TEST(RowPool, WakesAfterIdleHelpersHaveGoneToSleep) {
-  RowPool pool(3);
+TEST(WorkPool, WakesAfterIdleHelpersHaveGoneToSleep) {
+  WorkPool pool(3);
   expectEachIndexOnce(pool, 100);
   // Long enough for every helper to stop spinning and wait on the condition variable.
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   expectEachIndexOnce(pool, 100);
 }
 
-TEST(RowPool, SingleThreadRunsInlineAndZeroMeansHardwareConcurrency) {
-  RowPool one(1);
+TEST(WorkPool, SingleThreadRunsInlineAndZeroMeansHardwareConcurrency) {
+  WorkPool one(1);
   EXPECT_EQ(one.threads(), 1u);
   const std::thread::id caller = std::this_thread::get_id();
   one.parallelFor(10, [&](size_t) { EXPECT_EQ(std::this_thread::get_id(), caller); });
-  RowPool all(0);
+  WorkPool all(0);
   EXPECT_EQ(all.threads(), std::max(1u, std::thread::hardware_concurrency()));
   expectEachIndexOnce(all, 1000);
 }
 
-TEST(RowPool, ManyPoolsComeAndGo) {
+TEST(WorkPool, ManyPoolsComeAndGo) {
   for (int i = 0; i < 20; ++i) {
-    auto pool = std::make_unique<RowPool>(unsigned(1 + i % 5));
+    auto pool = std::make_unique<WorkPool>(unsigned(1 + i % 5));
     expectEachIndexOnce(*pool, size_t(i * 3));
   }
+}
+
+TEST(WorkPool, CallersOnSeveralThreadsTakeTurns) {
+  WorkPool pool(3);
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 3; ++c)
+    callers.emplace_back([&pool, c] {
+      for (int round = 0; round < 100; ++round) expectEachIndexOnce(pool, size_t(50 + c + round));
+    });
+  for (std::thread& t : callers) t.join();
+}
+
+TEST(WorkPool, WarmPoolRunsBurstsAndCoolsAgain) {
+  WorkPool pool(4);
+  for (int run = 0; run < 20; ++run) {
+    pool.keepWarm(true);
+    for (int burst = 0; burst < 10; ++burst) expectEachIndexOnce(pool, size_t(1 + burst * 13));
+    pool.keepWarm(false);
+    if (run % 5 == 0) {
+      // Cold: helpers go to sleep; warming again must wake them for the next run.
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  pool.keepWarm(true);  // destroyed while warm: the destructor still joins every helper
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
-// RowPool: a fixed set of owned threads that run the parallel part of logits-row verification and
-// sampling. Built for short, frequent bursts: idle threads spin briefly before sleeping, so a burst
-// that follows another one starts within microseconds.
+// WorkPool: a fixed set of owned threads for short, frequent bursts of parallel work — the broker's
+// logits-row verification and sampling, the CPU backend's kernels. Idle threads spin briefly
+// before sleeping, so a burst that follows another one starts within microseconds; a pool kept
+// warm spins until it is told to rest, so a run of bursts with serial work between them (one
+// model step) never waits for a thread to wake.
 #pragma once
 
 #include <atomic>
@@ -14,21 +16,27 @@
 
 namespace bulkhead {
 
-class RowPool {
+class WorkPool {
  public:
   // `threads` is the parallelism of parallelFor, the calling thread included: the pool owns
   // threads - 1 helpers. 0 means std::thread::hardware_concurrency().
-  explicit RowPool(unsigned threads = 0);
-  ~RowPool();  // wakes and joins every helper
-  RowPool(const RowPool&) = delete;
-  RowPool& operator=(const RowPool&) = delete;
+  explicit WorkPool(unsigned threads = 0);
+  ~WorkPool();  // wakes and joins every helper
+  WorkPool(const WorkPool&) = delete;
+  WorkPool& operator=(const WorkPool&) = delete;
 
   unsigned threads() const { return unsigned(helpers_.size()) + 1; }
 
   // Runs fn(0) .. fn(n - 1), each exactly once, on the helpers and the calling thread; returns
-  // when all have finished. One caller at a time: parallelFor is not reentrant and must not be
-  // called from inside fn, nor from two threads at once. fn must not throw. n < 2^32.
+  // when all have finished. Calls from several threads take turns; parallelFor must not be
+  // called from inside fn. fn must not throw. n < 2^32.
   void parallelFor(size_t n, const std::function<void(size_t)>& fn);
+
+  // While warm, idle helpers spin instead of going to sleep (setting it wakes the sleepers). A
+  // caller warms the pool just before a run of bursts and cools it as soon as the run ends, so
+  // that between runs the cores belong to whatever else the host runs (on a CPU-backend host:
+  // the broker sampling the step's rows).
+  void keepWarm(bool warm);
 
  private:
   void helperLoop();
@@ -45,8 +53,10 @@ class RowPool {
   std::atomic<size_t> unfinished_{0};
   uint64_t generation_ = 0;  // caller only
 
+  std::mutex callers_;  // one burst at a time
   std::mutex mu_;
   std::condition_variable wake_;
+  std::atomic<bool> warm_{false};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   std::vector<std::thread> helpers_;

@@ -1,5 +1,8 @@
-// RowPool implementation: a generation-tagged index counter, spin-then-sleep helpers.
-#include "broker/row_pool.h"
+// WorkPool implementation: a generation-tagged index counter, spin-then-sleep helpers.
+#include "shared/work_pool.h"
+
+#include <pthread.h>
+#include <signal.h>
 
 #include <chrono>
 
@@ -10,9 +13,10 @@
 namespace bulkhead {
 namespace {
 
-// Idle helpers spin this long before sleeping: long enough to bridge the stages of one
-// verify-and-sample call, short enough that they are asleep while the worker computes the next
-// step. A CPU worker shares these cores, and every core a helper spins on is one its step lacks.
+// Idle helpers of a pool that is not kept warm spin this long before sleeping: long enough to
+// bridge the stages of one verify-and-sample call, short enough that they are asleep while the
+// worker computes the next step. A CPU worker shares these cores, and every core a helper spins
+// on is one its step lacks.
 // (A pause instruction takes from ~10 to ~140 cycles depending on the processor, so the bound is
 // on time, not on a count.)
 constexpr auto kSpinFor = std::chrono::microseconds(20);
@@ -22,13 +26,13 @@ constexpr uint64_t kClosed = 0xffffffffu;
 
 }  // namespace
 
-RowPool::RowPool(unsigned threads) {
+WorkPool::WorkPool(unsigned threads) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   helpers_.reserve(threads - 1);
   for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this] { helperLoop(); });
 }
 
-RowPool::~RowPool() {
+WorkPool::~WorkPool() {
   {
     std::lock_guard lock(mu_);
     stop_.store(true);
@@ -37,7 +41,7 @@ RowPool::~RowPool() {
   for (std::thread& t : helpers_) t.join();
 }
 
-uint64_t RowPool::drain() {
+uint64_t WorkPool::drain() {
   uint64_t s = state_.load(std::memory_order_acquire);
   while (true) {
     // count_ read after the acquire load of `s` belongs to the burst of `s` or a later one. A
@@ -56,7 +60,12 @@ uint64_t RowPool::drain() {
   }
 }
 
-void RowPool::helperLoop() {
+void WorkPool::helperLoop() {
+  // Asynchronous signals go to the threads that wait for them (a worker's signalfd, the broker's
+  // main thread), never to a helper, whichever thread created the pool and whenever.
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, nullptr);
   uint64_t seen = state_.load(std::memory_order_acquire);
   while (true) {
     const auto spin_until = std::chrono::steady_clock::now() + kSpinFor;
@@ -65,7 +74,8 @@ void RowPool::helperLoop() {
     while ((now = state_.load(std::memory_order_acquire)) == seen &&
            !stop_.load(std::memory_order_relaxed)) {
       _mm_pause();
-      if (++spins % kPausesPerClockRead == 0 && std::chrono::steady_clock::now() >= spin_until)
+      if (++spins % kPausesPerClockRead == 0 && !warm_.load(std::memory_order_relaxed) &&
+          std::chrono::steady_clock::now() >= spin_until)
         break;
     }
     if (now == seen) {
@@ -73,8 +83,9 @@ void RowPool::helperLoop() {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       // seq_cst on both sides: either the caller sees this sleeper, or this re-check sees the
       // caller's new state.
-      wake_.wait(lock,
-                 [&] { return stop_.load() || state_.load(std::memory_order_seq_cst) != seen; });
+      wake_.wait(lock, [&] {
+        return stop_.load() || warm_.load() || state_.load(std::memory_order_seq_cst) != seen;
+      });
       sleepers_.fetch_sub(1, std::memory_order_relaxed);
       if (stop_.load()) return;
     }
@@ -84,12 +95,19 @@ void RowPool::helperLoop() {
   }
 }
 
-void RowPool::parallelFor(size_t n, const std::function<void(size_t)>& fn) {
+void WorkPool::keepWarm(bool warm) {
+  if (warm_.exchange(warm) == warm || !warm) return;
+  { std::lock_guard lock(mu_); }  // a helper between its predicate check and its wait sees it
+  wake_.notify_all();
+}
+
+void WorkPool::parallelFor(size_t n, const std::function<void(size_t)>& fn) {
   if (n == 0) return;
   if (helpers_.empty() || n == 1) {
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }
+  std::lock_guard turn(callers_);
   // Close the previous burst before its count_ and fn_ change: a helper still holding that
   // burst's final state (every index claimed) must not read the new, larger count_ and claim
   // one more index of the old burst. Index kClosed is never below any count_.
