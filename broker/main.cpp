@@ -91,6 +91,11 @@ int main(int argc, char** argv) {
   unsigned sampling_threads = 0;
   app.add_option("--sampling-threads", sampling_threads,
                  "Threads that verify and sample logits rows (0: one per core)");
+  std::vector<std::string> worker_args;
+  app.add_option("--worker-arg", worker_args,
+                 "A flag passed on to every worker the broker starts (repeatable; e.g. "
+                 "--worker-arg=--cpu-threads=8)")
+      ->allow_extra_args(false);
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -155,6 +160,7 @@ int main(int argc, char** argv) {
     spawn.extra_args.push_back("--scrub-share");
     spawn.extra_args.push_back(std::to_string(*scrub_share));
   }
+  spawn.extra_args.insert(spawn.extra_args.end(), worker_args.begin(), worker_args.end());
   // Verification and sampling of logits rows, spread over the host's cores.
   WorkPool pool(sampling_threads);
   Scheduler scheduler(

@@ -110,6 +110,10 @@ int main(int argc, char** argv) {
       ->add_option("--broker-arg", serve_opts.broker_args,
                    "Extra broker flag (repeatable; default: the broker's defaults)")
       ->allow_extra_args(false);
+  serve_bench
+      ->add_option("--worker-arg", serve_opts.worker_args,
+                   "Extra flag for every worker, the ceiling's step-bench included (repeatable)")
+      ->allow_extra_args(false);
   serve_bench->add_option("--json", serve_opts.json_path, "Also write the results as JSON");
 
   StepBenchOptions step_opts;
@@ -127,7 +131,8 @@ int main(int argc, char** argv) {
                          "Threads verifying and sampling rows (0: one per core)");
   step_bench->add_option("--worker-arg", step_opts.worker_args,
                          "An argument passed on to the worker (repeatable; e.g. "
-                         "--worker-arg=--cpu-threads=8)");
+                         "--worker-arg=--cpu-threads=8)")
+      ->allow_extra_args(false);
   bool no_in_step_checks = false;
   step_bench->add_flag("--no-in-step-checks", no_in_step_checks,
                        "Run the worker without its in-step weight checks (their cost)");

@@ -27,6 +27,7 @@ Status runServeBench(const ServeBenchOptions& o) {
   step.backend = o.backend;
   step.batches = o.concurrency;
   step.iterations = 100;
+  step.worker_args = o.worker_args;
   std::printf("== worker compute per decode step (step-bench) ==\n");
   BULKHEAD_ASSIGN_OR_RETURN(const std::vector<StepBenchRow> ceiling, runStepBench(step));
 
@@ -37,6 +38,7 @@ Status runServeBench(const ServeBenchOptions& o) {
       o.broker_path, "--model", o.model_dir,   "--listen", "127.0.0.1:0", "--backend", o.backend,
       "--ready-fd",  "3",       "--state-dir", state_dir,  "--log-level", "warn"};
   args.insert(args.end(), o.broker_args.begin(), o.broker_args.end());
+  for (const std::string& a : o.worker_args) args.push_back("--worker-arg=" + a);
 
   struct Mode {
     const char* name;
@@ -49,8 +51,9 @@ Status runServeBench(const ServeBenchOptions& o) {
       "next request) are the broker's own; decode_step the in-run step-bench round trip at that "
       "batch ==\n",
       o.prompt_len, o.gen_len);
-  std::printf("%11s %10s %12s %12s %8s %10s %10s %12s %10s %12s %12s %12s %12s\n", "concurrency",
-              "sampling", "tokens/s", "ceiling", "ratio", "ttft_p50", "itl_p50", "release_p99",
+  std::printf("%11s %10s %12s %12s %8s %10s %10s %10s %12s %10s %12s %12s %12s %12s\n",
+              "concurrency", "sampling", "tokens/s", "ceiling", "ratio", "ttft_p50", "itl_p50",
+              "itl_p99", "release_p99",
               "step_p50", "compute_p50", "sample_p50", "between_p50", "decode_step");
   nlohmann::json report = {{"model", o.model_dir},
                            {"backend", o.backend},
@@ -89,10 +92,10 @@ Status runServeBench(const ServeBenchOptions& o) {
       broker.waitExit(std::chrono::steady_clock::now() + std::chrono::seconds(30), &exit_info);
       const double decode_step_ms = ceiling[i].rtt_p50_us / 1000.0;
       std::printf(
-          "%11u %10s %12.1f %12.1f %7.1f%% %7.2f ms %7.3f ms %9.3f ms %7.3f ms %9.3f ms %9.3f ms "
+          "%11u %10s %12.1f %12.1f %7.1f%% %7.2f ms %7.3f ms %7.3f ms %9.3f ms %7.3f ms %9.3f ms %9.3f ms "
           "%9.3f ms %9.3f ms\n",
           o.concurrency[i], m.name, r.tokens_per_s, ceiling_tok_s, 100 * ratio, r.ttft_ms_p50,
-          r.itl_ms_p50, stats.release_latency_ms_p99(), stats.step_ms_p50(), stats.compute_ms_p50(),
+          r.itl_ms_p50, r.itl_ms_p99, stats.release_latency_ms_p99(), stats.step_ms_p50(), stats.compute_ms_p50(),
           stats.sample_ms_p50(), stats.between_steps_ms_p50(), decode_step_ms);
       report["results"].push_back({{"concurrency", o.concurrency[i]},
                                    {"sampling", m.name},
@@ -102,6 +105,7 @@ Status runServeBench(const ServeBenchOptions& o) {
                                    {"ratio", ratio},
                                    {"ttft_ms_p50", r.ttft_ms_p50},
                                    {"itl_ms_p50", r.itl_ms_p50},
+                                   {"itl_ms_p99", r.itl_ms_p99},
                                    {"release_latency_ms_p99", stats.release_latency_ms_p99()},
                                    {"step_ms_p50", stats.step_ms_p50()},
                                    {"compute_ms_p50", stats.compute_ms_p50()},

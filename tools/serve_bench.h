@@ -22,6 +22,7 @@ struct ServeBenchOptions {
   uint32_t gen_len = 128;
   uint32_t requests_per_stream = 4;
   std::vector<std::string> broker_args;  // extra flags for the broker (default: none)
+  std::vector<std::string> worker_args;  // extra flags for every worker, the ceiling's included
   std::string json_path;
 };
 
