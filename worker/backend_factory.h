@@ -11,7 +11,7 @@ namespace bulkhead {
 
 struct BackendOptions {
   uint32_t kv_blocks = 0;    // 0: the backend's default for its memory budget
-  unsigned cpu_threads = 0;  // the CPU backend's kernel threads (0: one a core)
+  unsigned cpu_threads = 0;  // the CPU backend's kernel threads (0: CpuBackend::defaultThreads())
   // Check every step's weight reads (off only to measure what the checks cost).
   bool check_weight_reads = true;
   float attention_scale_factor = 1.0f;  // fault injection (CpuBackend::Options)

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "shared/checksum.h"
 #include "shared/mix.h"
@@ -289,8 +290,13 @@ float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, ui
   return cache + index;
 }
 
+unsigned CpuBackend::defaultThreads() {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return cores >= 8 ? cores - cores / 4 : cores;
+}
+
 void CpuBackend::setThreads(unsigned threads) {
-  pool_ = std::make_unique<WorkPool>(threads);
+  pool_ = std::make_unique<WorkPool>(threads != 0 ? threads : defaultThreads());
   threads_.pool = pool_.get();
 }
 
