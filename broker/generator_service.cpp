@@ -92,6 +92,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     v1::GenerateResponse& r = pending_.back();
     for (const TokenChoice& t : tokens) {
       r.add_token_ids(t.token);
+      if (!t.has_logprob) continue;
       v1::TokenLogprobs* lp = r.add_logprobs();
       lp->set_logprob(t.logprob);
       for (const auto& [id, logprob] : t.top) {

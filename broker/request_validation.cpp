@@ -68,6 +68,7 @@ Result<GenerationRequest> validateRequest(const v1::GenerateRequest& r, const Mo
     return internalError("cannot draw a seed");
   }
   c.top_logprobs = r.top_logprobs();
+  c.logprobs = r.logprobs() || r.top_logprobs() > 0;
 
   out.prompt.assign(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
   out.max_tokens = r.max_tokens();

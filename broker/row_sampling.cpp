@@ -191,6 +191,7 @@ struct RowSampler::RowWork {
   float amax = 0, inv_t = 1;
   uint32_t aarg = 0;
   double log_z = 0;
+  bool lse = false;  // the raw log-sum-exp is wanted (logprobs or top_logprobs)
 
   // Selection: the kept set is {key > cut_key} + {key == cut_key and id <= cut_id}.
   bool radix = false;
@@ -230,6 +231,7 @@ struct RowSampler::RowWork {
   void judge();
   void draw();
   void finish(IntegrityCheck failed);
+  void choose(uint32_t token);
   uint32_t begin(uint32_t c) const { return c * kChunk; }
   uint32_t size(uint32_t c) const { return std::min(kChunk, n - c * kChunk); }
   bool hasChunkWork() const {
@@ -241,6 +243,12 @@ struct RowSampler::RowWork {
 void RowSampler::RowWork::finish(IntegrityCheck failed) {
   out->failed = failed;
   stage = Stage::kDone;
+}
+
+void RowSampler::RowWork::choose(uint32_t token) {
+  out->choice.token = token;
+  out->choice.has_logprob = lse;
+  out->choice.logprob = lse ? float(double(buf->values[token]) - log_z) : 0.0f;
 }
 
 void RowSampler::RowWork::prepare() {
@@ -257,6 +265,7 @@ void RowSampler::RowWork::prepare() {
   penalty_start.assign(chunks + 1, 0);
   penalties.clear();
   top_n = c != nullptr ? std::min(c->top_logprobs, n) : 0;
+  lse = c != nullptr && (c->logprobs || top_n > 0);
   if (top_n > 0) {
     top.resize(size_t(chunks) * top_n);
     top_count.assign(chunks, 0);
@@ -327,17 +336,19 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
   s.raw_arg += base;
 
   // The chunk's log-sum-exp part, from the copy (now in cache), over 8 fixed lanes.
-  __m256 acc = _mm256_setzero_ps();
-  const __m256 m = _mm256_set1_ps(s.raw_max);
-  for (uint32_t i = 0; i < len; i += 8) {
-    const uint32_t valid = std::min(8u, len - i);
-    const __m256 e = exp8(_mm256_sub_ps(loadLanes(dst + i, valid), m));
-    acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(laneMask(valid))));
+  if (lse) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(s.raw_max);
+    for (uint32_t i = 0; i < len; i += 8) {
+      const uint32_t valid = std::min(8u, len - i);
+      const __m256 e = exp8(_mm256_sub_ps(loadLanes(dst + i, valid), m));
+      acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(laneMask(valid))));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    s.raw_sum = 0;
+    for (float l : lanes) s.raw_sum += double(l);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  s.raw_sum = 0;
-  for (float l : lanes) s.raw_sum += double(l);
 
   if (top_n > 0) {
     auto* best_n = top.data() + size_t(c) * top_n;
@@ -524,9 +535,11 @@ void RowSampler::RowWork::finishRead() {
       aarg = s.adj_arg;
     }
   }
-  double sum = 0;
-  for (const ChunkStats& s : stats) sum += s.raw_sum * double(exp1(s.raw_max - raw_max));
-  log_z = double(raw_max) + std::log(sum);
+  if (lse) {
+    double sum = 0;
+    for (const ChunkStats& s : stats) sum += s.raw_sum * double(exp1(s.raw_max - raw_max));
+    log_z = double(raw_max) + std::log(sum);
+  }
 
   if (top_n > 0) {
     std::vector<std::pair<float, uint32_t>> all;
@@ -540,8 +553,7 @@ void RowSampler::RowWork::finishRead() {
   }
 
   if (!(cfg->temperature > 0.0f)) {
-    out->choice.token = aarg;
-    out->choice.logprob = float(double(buf->values[aarg]) - log_z);
+    choose(aarg);
     return finish(IntegrityCheck::kNone);
   }
   inv_t = std::min(1.0f / cfg->temperature, FLT_MAX);
@@ -642,8 +654,7 @@ uint32_t RowSampler::RowWork::pick() {
 
 void RowSampler::RowWork::draw() {
   const uint32_t token = pick();
-  out->choice.token = token;
-  out->choice.logprob = float(double(buf->values[token]) - log_z);
+  choose(token);
   finish(IntegrityCheck::kNone);
 }
 
@@ -676,8 +687,7 @@ void RowSampler::RowWork::judge() {
   const bool kept = before_count == 0 || (before_count < top_k && before_mass < mass_goal &&
                                           bitsOf(buf->weights[test_token]) >= minPKey());
   if (kept) {
-    out->choice.token = test_token;
-    out->choice.logprob = float(double(buf->values[test_token]) - log_z);
+    choose(test_token);
     return finish(IntegrityCheck::kNone);
   }
   ++attempt;

@@ -25,18 +25,19 @@
 //   rejected draws, attempt 4 draws from the kept set, selected as above. Each accepted token is
 //   distributed as a draw from the kept set, and the common case costs one extra vector pass
 //   over the row instead of a selection.
-// - logprob = r_t - (R + log(sum_c s_c * exp32(R_c - R))), R the raw max, R_c a 4096-token
-//   chunk's raw max and s_c the chunk's float sum of exp32(r_i - R_c) over 8 fixed lanes.
-//   top_logprobs: the N largest r_i (value desc, id asc) with their logprobs.
+// - logprob (only when the config asks for logprobs or top_logprobs; otherwise the row's raw
+//   log-sum-exp is never computed) = r_t - (R + log(sum_c s_c * exp32(R_c - R))), R the raw max,
+//   R_c a 4096-token chunk's raw max and s_c the chunk's float sum of exp32(r_i - R_c) over 8 fixed
+//   lanes. top_logprobs: the N largest r_i (value desc, id asc) with their logprobs.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <span>
 
-#include "shared/work_pool.h"
 #include "broker/sampler.h"
 #include "shared/logits_arena.h"
+#include "shared/work_pool.h"
 
 namespace bulkhead {
 

@@ -25,10 +25,12 @@ struct SamplingConfig {
   float frequency_penalty = 0.0f;
   uint64_t seed = 0;
   uint32_t top_logprobs = 0;
+  bool logprobs = true;  // the chosen token's logprob (top_logprobs > 0 needs it too)
 };
 
 struct TokenChoice {
   uint32_t token = 0;
+  bool has_logprob = false;                     // computed (SamplingConfig::logprobs)
   float logprob = 0;                            // under the model's raw distribution
   std::vector<std::pair<uint32_t, float>> top;  // top_logprobs alternatives, most likely first
 };

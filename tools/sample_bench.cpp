@@ -8,10 +8,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "shared/work_pool.h"
 #include "broker/row_sampling.h"
 #include "shared/checksum.h"
 #include "shared/mix.h"
+#include "shared/work_pool.h"
 #include "tools/percentile.h"
 
 namespace bulkhead {
@@ -22,12 +22,13 @@ struct Mode {
   bool verify_only;
   float temperature;
   float top_p;
+  bool logprobs;  // as a request that asks for them (the default request does not)
 };
 
-constexpr Mode kModes[] = {{"verify", true, 0.0f, 1.0f},
-                           {"greedy", false, 0.0f, 1.0f},
-                           {"T=0.8", false, 0.8f, 1.0f},
-                           {"T=0.8,top_p=0.9", false, 0.8f, 0.9f}};
+constexpr Mode kModes[] = {
+    {"verify", true, 0.0f, 1.0f, false},           {"greedy", false, 0.0f, 1.0f, false},
+    {"greedy+logprobs", false, 0.0f, 1.0f, true},  {"T=0.8", false, 0.8f, 1.0f, false},
+    {"T=0.8,top_p=0.9", false, 0.8f, 0.9f, false}, {"top_p+logprobs", false, 0.8f, 0.9f, true}};
 
 }  // namespace
 
@@ -63,6 +64,7 @@ Status runSampleBench(const SampleBenchOptions& o) {
       SamplingConfig cfg;
       cfg.temperature = m.temperature;
       cfg.top_p = m.top_p;
+      cfg.logprobs = m.logprobs;
       cfg.seed = 1;
       std::vector<RowToSample> rows(n);
       std::vector<SampledRow> out(n);

@@ -65,6 +65,12 @@ TEST_F(BrokerTest, GreedyOutputEqualsGoldenTokens) {
     EXPECT_EQ(g.usage.completion_tokens(), c.greedy.size());
     ASSERT_EQ(g.logprobs.size(), g.tokens.size());
     for (float lp : g.logprobs) EXPECT_LE(lp, 0.0f);
+    // Without logprobs asked for: the same tokens, and no logprobs.
+    r.set_logprobs(false);
+    test::Generation plain = generate(*broker_->channel(), r);
+    ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+    EXPECT_EQ(plain.tokens, c.greedy);
+    EXPECT_TRUE(plain.logprobs.empty());
   }
 }
 

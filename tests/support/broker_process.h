@@ -135,10 +135,12 @@ v1::WorkerInfo waitForWorker(grpc::Channel& channel, Done done, std::chrono::sec
   return info;
 }
 
+// Asks for logprobs, so that tests compare them too.
 inline v1::GenerateRequest request(std::vector<uint32_t> prompt, uint32_t max_tokens) {
   v1::GenerateRequest r;
   for (uint32_t t : prompt) r.add_prompt_token_ids(t);
   r.set_max_tokens(max_tokens);
+  r.set_logprobs(true);
   return r;
 }
 
