@@ -6,17 +6,13 @@
 
 #include "cuda/checksum.cuh"
 #include "shared/checksum.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace bulkhead {
 namespace {
 
-bool haveDevice() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
 TEST(GpuChecksum, MatchesHostAndDetectsBitFlip) {
-  if (!haveDevice()) GTEST_SKIP() << "no CUDA device";
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
   const size_t bytes = 5 * kChecksumGranuleBytes + 1234;
   std::vector<std::byte> host(bytes);
   std::mt19937_64 rng(42);

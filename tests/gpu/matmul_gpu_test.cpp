@@ -11,22 +11,10 @@
 #include <vector>
 
 #include "cuda/matmul.cuh"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace bulkhead {
 namespace {
-
-bool haveDevice() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-// A device buffer freed at scope exit.
-template <typename T>
-struct DeviceBuffer {
-  T* p = nullptr;
-  explicit DeviceBuffer(size_t n) { EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess); }
-  ~DeviceBuffer() { cudaFree(p); }
-};
 
 struct Shape {
   int n, k;  // w is n x k: n outputs of k inputs
@@ -40,7 +28,7 @@ constexpr int kMaxRows = 64;
 class MatmulGpuTest : public testing::TestWithParam<Shape> {};
 
 TEST_P(MatmulGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
-  if (!haveDevice()) GTEST_SKIP() << "no CUDA device";
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
   const auto [n, k] = GetParam();
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
@@ -52,8 +40,8 @@ TEST_P(MatmulGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   std::vector<__nv_bfloat16> w(size_t(n) * k), x(size_t(kMaxRows) * k);
   for (auto& v : w) v = __float2bfloat16(weight(rng));
   for (auto& v : x) v = __float2bfloat16(input(rng));
-  DeviceBuffer<__nv_bfloat16> dw(w.size()), dx(x.size());
-  DeviceBuffer<float> dy(size_t(kMaxRows) * n);
+  test::DeviceBuffer<__nv_bfloat16> dw(w.size()), dx(x.size());
+  test::DeviceBuffer<float> dy(size_t(kMaxRows) * n);
   ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
 

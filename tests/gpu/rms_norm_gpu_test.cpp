@@ -10,19 +10,15 @@
 #include <vector>
 
 #include "cuda/rms_norm.cuh"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace bulkhead {
 namespace {
 
-bool haveDevice() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
 class RmsNormGpuTest : public testing::TestWithParam<int> {};
 
 TEST_P(RmsNormGpuTest, RowsAreIndependentOfTheLaunchAndNormalised) {
-  if (!haveDevice()) GTEST_SKIP() << "no CUDA device";
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
   const int hidden = GetParam(), rows = 64;
   const float eps = 1e-6f;
   std::mt19937 rng{uint32_t(hidden)};
