@@ -15,4 +15,15 @@ namespace bulkhead::cuda {
 Status launchGranuleChecksums(const void* data, size_t bytes, size_t granule_bytes, uint64_t* out,
                               cudaStream_t stream);
 
+// One byte range of device memory (any alignment).
+struct DeviceRange {
+  const void* data;
+  size_t bytes;
+};
+
+// out[i] = checksumBytes() of ranges[i], for `count` ranges in one launch (ranges and out in
+// device memory), asynchronously on `stream`.
+Status launchRangeChecksums(const DeviceRange* ranges, int count, uint64_t* out,
+                            cudaStream_t stream);
+
 }  // namespace bulkhead::cuda

@@ -1,4 +1,4 @@
-// Embedding: one block per row, a strided copy with the bf16 -> fp32 widening (exact).
+// Embedding: one block per row, a strided copy of bf16 pairs with the exact widening to fp32.
 #include "cuda/embedding.cuh"
 
 #include <string>
@@ -12,21 +12,33 @@ constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads)
     embeddingKernel(const __nv_bfloat16* __restrict__ table, int hidden,
-                    const uint32_t* __restrict__ tokens, float* __restrict__ out) {
-  const __nv_bfloat16* src = table + size_t(tokens[blockIdx.x]) * hidden;
-  float* dst = out + size_t(blockIdx.x) * hidden;
-  for (int i = threadIdx.x; i < hidden; i += kThreads) dst[i] = __bfloat162float(src[i]);
+                    const uint32_t* __restrict__ tokens, float* __restrict__ out,
+                    FoldAccount* fold, uint32_t salt) {
+  __shared__ unsigned long long fold_scratch[kThreads / 32];
+  const int pairs = hidden / 2;
+  const uint64_t first_word = uint64_t(tokens[blockIdx.x]) * pairs;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(table) + first_word;
+  float2* dst = reinterpret_cast<float2*>(out + size_t(blockIdx.x) * hidden);
+  unsigned long long sum = 0;
+  for (int i = threadIdx.x; i < pairs; i += kThreads) {
+    const uint32_t word = src[i];
+    if (fold != nullptr) sum += foldTerm(word, salt, first_word + i);
+    __nv_bfloat162 v;
+    memcpy(&v, &word, 4);
+    dst[i] = __bfloat1622float2(v);
+  }
+  if (fold != nullptr) addFold(fold, sum, (unsigned long long)pairs, fold_scratch);
 }
 
 }  // namespace
 
 Status launchEmbedding(const __nv_bfloat16* table, int hidden, const uint32_t* tokens, int rows,
-                       float* out, cudaStream_t stream) {
-  if (rows < 0 || hidden <= 0)
+                       float* out, cudaStream_t stream, FoldAccount* fold, uint32_t salt) {
+  if (rows < 0 || hidden <= 0 || hidden % 2 != 0)
     return invalidArgument("embedding of " + std::to_string(rows) + " rows of " +
                            std::to_string(hidden));
   if (rows == 0) return okStatus();
-  embeddingKernel<<<rows, kThreads, 0, stream>>>(table, hidden, tokens, out);
+  embeddingKernel<<<rows, kThreads, 0, stream>>>(table, hidden, tokens, out, fold, salt);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();
 }

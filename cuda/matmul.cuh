@@ -25,10 +25,10 @@ class Matmul {
   Matmul& operator=(const Matmul&) = delete;
 
   // y[m x n] = x[m x k] · w[n x k]ᵀ (+ y when accumulate), every matrix row-major in device
-  // memory (w as a checkpoint stores a linear layer: one row per output). Asynchronous on the
-  // stream.
+  // memory (w as a checkpoint stores a linear layer: one row per output), y's rows `ldy` floats
+  // apart (0: n). Asynchronous on the stream.
   Status run(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
-             bool accumulate) const;
+             bool accumulate, int ldy = 0) const;
 
  private:
   Matmul() = default;

@@ -76,6 +76,8 @@ class LogitsArena {
   uint32_t rowFloats() const { return row_floats_; }
   uint64_t incarnation() const { return incarnation_; }
   size_t bytes() const;
+  // The whole mapping, for a producer that registers it with a device (worker side).
+  std::span<std::byte> memory() const { return {base_, bytes()}; }
 
   // Worker: where slot's payload goes. Marks the slot unpublished first.
   float* beginRow(uint32_t slot);

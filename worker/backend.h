@@ -100,6 +100,11 @@ class Backend {
   virtual const ModelConfig& config() const = 0;
   virtual const BackendLimits& limits() const = 0;
 
+  // The memory logits rows will be written to (the whole arena mapping), before the first step:
+  // a device backend registers it so its kernels write rows there directly. Rows elsewhere still
+  // work, through a copy. The memory outlives the backend's use of it; an empty span ends it.
+  virtual Status registerOutputs(std::span<std::byte> memory) { return okStatus(); }
+
   virtual Status enqueueStep(std::span<const SequenceStep> batch,
                              std::span<const RowOutput> rows) = 0;
   // Fills `verdict` with the in-step check of what the step read.

@@ -2,6 +2,9 @@
 #include "worker/backend_factory.h"
 
 #include "worker/cpu_backend.h"
+#ifdef BULKHEAD_HAVE_CUDA
+#include "worker/cuda_backend.h"
+#endif
 
 namespace bulkhead {
 
@@ -17,7 +20,18 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     BULKHEAD_ASSIGN_OR_RETURN(auto backend, CpuBackend::create(std::move(checkpoint), cpu));
     return std::unique_ptr<Backend>(std::move(backend));
   }
-  if (name == "cuda") return unimplemented("the CUDA backend is not available in this build");
+  if (name == "cuda") {
+#ifdef BULKHEAD_HAVE_CUDA
+    CudaBackend::Options cuda;
+    cuda.kv_blocks = options.kv_blocks;
+    cuda.check_weight_reads = options.check_weight_reads;
+    cuda.attention_scale_factor = options.attention_scale_factor;
+    BULKHEAD_ASSIGN_OR_RETURN(auto backend, CudaBackend::create(std::move(checkpoint), cuda));
+    return std::unique_ptr<Backend>(std::move(backend));
+#else
+    return unimplemented("the CUDA backend is not available in this build");
+#endif
+  }
   return invalidArgument("unknown backend \"" + name + "\" (known: cpu, cuda, auto)");
 }
 

@@ -91,6 +91,7 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::create(
                           options.incarnation, options.arena_slots, backend->limits().vocab_size));
   server->backend_ = std::move(backend);
   Backend& b = *server->backend_;
+  BULKHEAD_RETURN_IF_ERROR(b.registerOutputs(server->arena_->memory()));
   server->faults_ = options.enable_fault_injection
                         ? makeInjectedFaults(b, server->weights_mutex_, *server->arena_)
                         : std::make_unique<StepFaults>();

@@ -56,9 +56,11 @@ class WorkerServer {
   Status sendReply(int fd, capnp::MessageBuilder& message, ReplyForm form);
 
   std::shared_ptr<const Checkpoint> checkpoint_;
+  // Declared before the backend, so the backend (which may have registered its memory) is
+  // destroyed first.
+  std::unique_ptr<LogitsArena> arena_;
   std::unique_ptr<Backend> backend_;
   std::shared_mutex weights_mutex_;
-  std::unique_ptr<LogitsArena> arena_;
   std::unique_ptr<StepFaults> faults_;
   std::unique_ptr<WeightScrubber> scrubber_;
   std::unique_ptr<StepRunner> runner_;

@@ -1,0 +1,164 @@
+// RAII owners for the CUDA runtime's resources (device and pinned buffers, streams, events, a
+// host-memory registration). Destructors ignore errors: they run on paths that are already
+// leaving, and a worker whose device failed exits anyway.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <utility>
+
+#include "cuda/cuda_check.cuh"
+
+namespace bulkhead::cuda {
+
+// `bytes` of device memory (cudaMalloc: never managed memory).
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  static Result<DeviceMemory> allocate(size_t bytes) {
+    DeviceMemory m;
+    if (bytes == 0) return m;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&m.ptr_, bytes));
+    m.bytes_ = bytes;
+    return m;
+  }
+  DeviceMemory(DeviceMemory&& o) noexcept
+      : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~DeviceMemory() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Page-locked host memory, mapped into the device's address space.
+class PinnedMemory {
+ public:
+  PinnedMemory() = default;
+  static Result<PinnedMemory> allocate(size_t bytes) {
+    PinnedMemory m;
+    if (bytes == 0) return m;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&m.ptr_, bytes, cudaHostAllocMapped));
+    m.bytes_ = bytes;
+    return m;
+  }
+  PinnedMemory(PinnedMemory&& o) noexcept
+      : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  PinnedMemory& operator=(PinnedMemory&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~PinnedMemory() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class Stream {
+ public:
+  Stream() = default;
+  static Result<Stream> create() {
+    Stream s;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+  Stream(Stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
+  Stream& operator=(Stream&& o) noexcept {
+    std::swap(stream_, o.stream_);
+    return *this;
+  }
+  ~Stream() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class Event {
+ public:
+  Event() = default;
+  static Result<Event> create() {
+    Event e;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming));
+    return e;
+  }
+  Event(Event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  Event& operator=(Event&& o) noexcept {
+    std::swap(event_, o.event_);
+    return *this;
+  }
+  ~Event() {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// Host memory (another owner's mapping) registered with the device, so kernels write it directly.
+class HostRegistration {
+ public:
+  HostRegistration() = default;
+  static Result<HostRegistration> create(void* base, size_t bytes) {
+    HostRegistration r;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterMapped));
+    r.base_ = base;
+    void* device = nullptr;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device, base, 0));
+    r.device_ = device;
+    r.bytes_ = bytes;
+    return r;
+  }
+  HostRegistration(HostRegistration&& o) noexcept
+      : base_(std::exchange(o.base_, nullptr)),
+        device_(std::exchange(o.device_, nullptr)),
+        bytes_(std::exchange(o.bytes_, 0)) {}
+  HostRegistration& operator=(HostRegistration&& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(device_, o.device_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~HostRegistration() {
+    if (base_ != nullptr) cudaHostUnregister(base_);
+  }
+  // The device address of host address `p`, or null when p is not inside the registration.
+  void* deviceAddress(const void* p) const {
+    const auto* b = static_cast<const std::byte*>(base_);
+    const auto* q = static_cast<const std::byte*>(p);
+    if (base_ == nullptr || q < b || q >= b + bytes_) return nullptr;
+    return static_cast<std::byte*>(device_) + (q - b);
+  }
+
+ private:
+  void* base_ = nullptr;
+  void* device_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace bulkhead::cuda

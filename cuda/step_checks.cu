@@ -1,0 +1,44 @@
+// The end of a step's arithmetic checks, and the compute-fault injection.
+#include "cuda/step_checks.cuh"
+
+#include "cuda/cuda_check.cuh"
+
+namespace bulkhead::cuda {
+namespace {
+
+__global__ void countFailedKernel(const ProductCheck* products, int total, int roles,
+                                  unsigned int* failed, unsigned int* checked) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const ProductCheck p = products[i];
+  if (p.bound == 0.0 && p.expected == 0.0 && p.produced == 0.0) return;  // not computed
+  atomicAdd(checked + i % roles, 1u);
+  // The bound covers rounding; a tiny absolute term covers products of subnormal size.
+  if (!(fabs(p.produced - p.expected) <= p.bound + 1e-30)) atomicAdd(failed + i % roles, 1u);
+}
+
+__global__ void flipKernel(float* y, size_t index) {
+  y[index] = __uint_as_float(__float_as_uint(y[index]) ^ 0x40000000u);
+}
+
+}  // namespace
+
+Status launchCountFailedProducts(const ProductCheck* products, int rows, int roles,
+                                 unsigned int* failed, unsigned int* checked,
+                                 cudaStream_t stream) {
+  const int total = rows * roles;
+  if (total <= 0) return okStatus();
+  constexpr int kThreads = 256;
+  countFailedKernel<<<(total + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      products, total, roles, failed, checked);
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return okStatus();
+}
+
+Status launchFlipExponentBit(float* y, size_t index, cudaStream_t stream) {
+  flipKernel<<<1, 1, 0, stream>>>(y, index);
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return okStatus();
+}
+
+}  // namespace bulkhead::cuda

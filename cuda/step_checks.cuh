@@ -1,0 +1,102 @@
+// The in-step checks the CUDA kernels fill as they work (DESIGN.md, "Integrity"): for every
+// matrix multiply and every token row, the arithmetic check's three numbers, and for every weight
+// our own kernels load (embedding, norms, biases), the folded words. The kernels that read a
+// product's input and output anyway add to them; the host compares at the end of the step.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "shared/mix.h"
+#include "shared/status.h"
+
+namespace bulkhead::cuda {
+
+// One product's check for one token row: produced = the sum of the outputs; expected = the
+// weight's column sums dotted with the input; bound = how far they may differ by float rounding
+// (the column sums of |w| dotted with |input|, times the accumulation bound per unit). Summed in
+// double, so the check's own rounding is negligible beside the product's.
+struct ProductCheck {
+  double produced;
+  double expected;
+  double bound;
+};
+
+// One weight's folded reads in one step: the sum of checksumTerm(word ^ salt, index) over the
+// words loaded, and how many.
+struct FoldAccount {
+  unsigned long long sum;
+  unsigned long long words;
+};
+
+// Where a kernel adds its part of the checks. products is [row][role], `roles` per row.
+struct CheckView {
+  ProductCheck* products = nullptr;
+  int roles = 0;
+  FoldAccount* folds = nullptr;
+};
+
+// A product that consumes a bf16 input a kernel writes: its role and the weight's column sums.
+struct ConsumerSums {
+  int role = -1;                   // -1: none
+  const float* colsum = nullptr;   // sum_j w[j][k]
+  const float* abssum = nullptr;   // sum_j |w[j][k]|, times the bound's unit
+};
+
+#ifdef __CUDACC__
+
+// Sum over the block of one double per thread, by a fixed tree; every thread gets the total.
+// `scratch` holds blockDim.x / 32 doubles. Callers must reach it uniformly.
+__device__ inline double blockSum(double v, double* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __syncthreads();  // scratch may still be read from a previous call
+  if (threadIdx.x % 32 == 0) scratch[warp] = v;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < warps; ++w) total += scratch[w];
+  return total;
+}
+
+// The fold of one 32-bit weight word at `index` (shared/checksum.h foldWeightRow).
+__device__ inline unsigned long long foldTerm(uint32_t word, uint32_t salt, uint64_t index) {
+  return checksumTerm(word ^ salt, uint32_t(index));
+}
+
+// Adds a block's folded words to a weight's account, once per block (thread 0).
+__device__ inline void addFold(FoldAccount* account, unsigned long long sum,
+                               unsigned long long words, unsigned long long* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[warp] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    atomicAdd(&account->sum, total);
+    atomicAdd(&account->words, words);
+  }
+}
+
+// Folds `words` 32-bit words of a weight vector read by this block (a norm weight, a bias).
+__device__ inline void foldVector(const uint32_t* data, int words, uint32_t salt,
+                                  FoldAccount* account, unsigned long long* scratch) {
+  unsigned long long sum = 0;
+  for (int i = threadIdx.x; i < words; i += blockDim.x) sum += foldTerm(data[i], salt, uint64_t(i));
+  addFold(account, sum, (unsigned long long)words, scratch);
+}
+
+#endif
+
+// After a step: for each of `rows` x roles product checks, counts into failed[role] (device
+// memory, zeroed before) those whose |produced - expected| exceeds bound (NaN fails too), and
+// into checked[role] those that had any input at all.
+Status launchCountFailedProducts(const ProductCheck* products, int rows, int roles,
+                                 unsigned int* failed, unsigned int* checked, cudaStream_t stream);
+
+// Fault injection (a faulty multiplier): flips the highest exponent bit of y[index].
+Status launchFlipExponentBit(float* y, size_t index, cudaStream_t stream);
+
+}  // namespace bulkhead::cuda

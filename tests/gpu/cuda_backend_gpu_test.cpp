@@ -1,0 +1,311 @@
+// The CUDA backend end to end: against the golden fixture and the CPU reference engine, batch-
+// and chunk-invariant bit for bit, its rows' checksums those of the bytes it wrote, and each
+// in-step check failing the step that a real injected fault spoils (and no other).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "shared/checkpoint.h"
+#include "shared/checksum.h"
+#include "support/backend_driver.h"
+#include "support/test_support.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tools/make_model.h"
+#include "worker/cpu_backend.h"
+#include "worker/cuda_backend.h"
+
+namespace bulkhead {
+namespace {
+
+std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
+  auto ckpt = Checkpoint::open(dir);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status().toString();
+  return ckpt.ok() ? std::make_shared<const Checkpoint>(std::move(*ckpt)) : nullptr;
+}
+
+std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt) {
+  CudaBackend::Options options;
+  options.kv_blocks = 256;
+  options.max_step_tokens = 1024;
+  auto backend = CudaBackend::create(std::move(ckpt), options);
+  EXPECT_TRUE(backend.ok()) << backend.status().toString();
+  return backend.ok() ? std::move(*backend) : nullptr;
+}
+
+std::vector<uint32_t> randomTokens(size_t n, uint32_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint32_t> t(n);
+  for (auto& x : t) x = rng() % vocab;
+  return t;
+}
+
+void expectIdentical(const test::Rows& a, const test::Rows& b, const std::string& how) {
+  ASSERT_EQ(a.size(), b.size()) << how;
+  for (size_t p = 0; p < a.size(); ++p)
+    ASSERT_TRUE(test::bitIdentical(a[p], b[p])) << how << ": row " << p << " differs";
+}
+
+// The largest |a - b| over rows, and the largest |b|.
+std::pair<double, double> maxError(const test::Rows& a, const test::Rows& b) {
+  double err = 0, scale = 0;
+  for (size_t p = 0; p < a.size(); ++p)
+    for (size_t v = 0; v < a[p].size(); ++v) {
+      err = std::max(err, double(std::fabs(a[p][v] - b[p][v])));
+      scale = std::max(scale, double(std::fabs(b[p][v])));
+    }
+  return {err, scale};
+}
+
+TEST(CudaBackendGpu, FixtureLogitsMatchTransformers) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = test::fixtureDir("tiny-qwen2");
+  const test::Golden golden = test::loadGolden(dir);
+  auto backend = cudaBackend(openModel(dir));
+  ASSERT_NE(backend, nullptr);
+  test::BackendDriver driver(*backend);
+  for (size_t i = 0; i < golden.cases.size(); ++i) {
+    const test::GoldenCase& c = golden.cases[i];
+    std::vector<uint32_t> tokens = c.tokens();
+    tokens.resize(c.positions);
+    const test::Rows rows = driver.runAlone(1 + i, tokens, tokens.size());
+    test::Rows want(c.positions);
+    for (size_t p = 0; p < c.positions; ++p)
+      want[p].assign(golden.row(c, p), golden.row(c, p) + golden.vocab);
+    const auto [err, scale] = maxError(rows, want);
+    RecordProperty("case" + std::to_string(i) + "_max_abs_error", std::to_string(err));
+    // bf16 activations into every product: a few hundredths of the logits' range.
+    EXPECT_LE(err, 0.03 * std::max(1.0, scale)) << "case " << i;
+    // The greedy path, where the golden margin exceeds twice the error.
+    for (size_t p = c.prompt.size() - 1; p < rows.size(); ++p) {
+      std::vector<float> sorted(want[p]);
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+      if (sorted[0] - sorted[1] <= 2 * err) continue;
+      const auto argmax = std::max_element(rows[p].begin(), rows[p].end()) - rows[p].begin();
+      EXPECT_EQ(uint32_t(argmax), c.greedy[p - (c.prompt.size() - 1)]) << "case " << i << " " << p;
+    }
+  }
+}
+
+struct ModelCase {
+  std::string name;
+  std::string shape;  // empty: the golden fixture
+};
+void PrintTo(const ModelCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class CudaBackendModels : public testing::TestWithParam<ModelCase> {
+ protected:
+  void SetUp() override {
+    if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+    std::string dir = tmp_.path();
+    if (GetParam().shape.empty()) {
+      dir = test::fixtureDir("tiny-qwen2");
+    } else {
+      auto made = makeModel({.shape = GetParam().shape, .out_dir = dir, .seed = 3});
+      ASSERT_TRUE(made.ok()) << made.status().toString();
+    }
+    checkpoint_ = openModel(dir);
+    ASSERT_NE(checkpoint_, nullptr);
+    backend_ = cudaBackend(checkpoint_);
+    ASSERT_NE(backend_, nullptr);
+    vocab_ = backend_->limits().vocab_size;
+  }
+
+  test::TempDir tmp_;
+  std::shared_ptr<const Checkpoint> checkpoint_;
+  std::unique_ptr<CudaBackend> backend_;
+  uint32_t vocab_ = 0;
+};
+
+TEST_P(CudaBackendModels, ChunkingDoesNotChangeLogits) {
+  test::BackendDriver driver(*backend_);
+  const auto tokens = randomTokens(45, vocab_, 1);
+  const test::Rows whole = driver.runAlone(1, tokens, tokens.size());
+  for (size_t chunk : {1, 3, 16, 17})
+    expectIdentical(whole, driver.runAlone(10 + chunk, tokens, chunk),
+                    "chunk " + std::to_string(chunk));
+}
+
+TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
+  test::BackendDriver driver(*backend_);
+  const auto target = randomTokens(30, vocab_, 2);
+  const test::Rows alone = driver.runAlone(1, target, 5);
+  std::vector<std::vector<uint32_t>> others = {randomTokens(50, vocab_, 3),
+                                               randomTokens(9, vocab_, 4),
+                                               randomTokens(33, vocab_, 5)};
+  test::TestSequence t = driver.newSequence(100, uint32_t(target.size()));
+  std::vector<test::TestSequence> o;
+  for (size_t i = 0; i < others.size(); ++i)
+    o.push_back(driver.newSequence(200 + i, uint32_t(others[i].size())));
+  test::Rows batched;
+  for (size_t begin = 0, step = 0; begin < target.size(); begin += 5, ++step) {
+    std::vector<test::BackendDriver::Chunk> chunks;
+    for (size_t i = 0; i < others.size(); ++i) {
+      const size_t pos = o[i].position, len = std::min<size_t>(3 + i * 4, others[i].size() - pos);
+      if (len > 0)
+        chunks.push_back(
+            {&o[i], {others[i].begin() + long(pos), others[i].begin() + long(pos + len)}});
+    }
+    const size_t where = step % (chunks.size() + 1);
+    chunks.insert(chunks.begin() + long(where),
+                  {&t, {target.begin() + long(begin), target.begin() + long(begin + 5)}});
+    auto out = driver.step(chunks);
+    batched.insert(batched.end(), out[where].begin(), out[where].end());
+  }
+  expectIdentical(alone, batched, "batched");
+}
+
+TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {
+  auto cpu = CpuBackend::create(checkpoint_, {});
+  ASSERT_TRUE(cpu.ok()) << cpu.status().toString();
+  test::BackendDriver on_gpu(*backend_), on_cpu(**cpu);
+  const auto tokens = randomTokens(40, vocab_, 7);
+  const test::Rows gpu_rows = on_gpu.runAlone(1, tokens, 16);
+  const test::Rows cpu_rows = on_cpu.runAlone(1, tokens, 16);
+  const auto [err, scale] = maxError(gpu_rows, cpu_rows);
+  RecordProperty("max_abs_error", std::to_string(err));
+  RecordProperty("max_abs_logit", std::to_string(scale));
+  EXPECT_LE(err, 0.03 * std::max(1.0, scale));
+}
+
+TEST_P(CudaBackendModels, RowChecksAreThoseOfTheBytesWritten) {
+  // Rows in registered memory (as the arena is) and rows outside it both carry checkRow() of
+  // exactly what landed.
+  std::vector<float> arena(size_t(3) * vocab_ + 7, -1.0f);
+  ASSERT_TRUE(backend_->registerOutputs(
+                  {reinterpret_cast<std::byte*>(arena.data()), arena.size() * sizeof(float)})
+                  .ok());
+  std::vector<float> outside(vocab_, -1.0f);
+  const auto tokens = randomTokens(6, vocab_, 8);
+  std::vector<uint32_t> blocks(16);
+  for (uint32_t i = 0; i < blocks.size(); ++i) blocks[i] = i;
+  const uint32_t wanted[4] = {0, 2, 4, 5};
+  SequenceStep s{.sequence_id = 1,
+                 .start_position = 0,
+                 .tokens = tokens,
+                 .kv_blocks = blocks,
+                 .logits_rows = wanted};
+  // Row 1 at an odd offset: not 16-byte aligned.
+  float* payloads[4] = {arena.data(), arena.data() + vocab_ + 1, outside.data(),
+                        arena.data() + 2 * vocab_ + 7};
+  RowCheck checks[4];
+  RowOutput rows[4];
+  for (int i = 0; i < 4; ++i) rows[i] = {payloads[i], &checks[i]};
+  ASSERT_TRUE(backend_->enqueueStep({&s, 1}, rows).ok());
+  WeightReadVerdict verdict;
+  ASSERT_TRUE(backend_->waitStep(verdict).ok());
+  EXPECT_TRUE(verdict.failed_tensor.empty()) << verdict.failed_tensor << ": " << verdict.why;
+  for (int i = 0; i < 4; ++i) {
+    const RowCheck want = checkRow(payloads[i], vocab_);
+    EXPECT_EQ(checks[i].checksum, want.checksum) << "row " << i;
+    EXPECT_TRUE(checks[i].finite) << "row " << i;
+    EXPECT_NE(payloads[i][vocab_ / 2], -1.0f) << "row " << i << " not written";
+  }
+  ASSERT_TRUE(backend_->registerOutputs({}).ok());  // before `arena` goes
+}
+
+// One step of `tokens` fresh from position 0, its last row asked for; returns its verdict.
+WeightReadVerdict verdictOf(Backend& backend, const std::vector<uint32_t>& tokens,
+                            uint64_t sequence) {
+  std::vector<float> row(backend.limits().vocab_size);
+  std::vector<uint32_t> blocks(64);
+  for (uint32_t i = 0; i < blocks.size(); ++i) blocks[i] = i;
+  const uint32_t last = uint32_t(tokens.size() - 1);
+  SequenceStep s{.sequence_id = sequence,
+                 .start_position = 0,
+                 .tokens = tokens,
+                 .kv_blocks = blocks,
+                 .logits_rows = {&last, 1}};
+  RowCheck check;
+  RowOutput out{row.data(), &check};
+  WeightReadVerdict verdict;
+  EXPECT_TRUE(backend.enqueueStep({&s, 1}, {&out, 1}).ok());
+  EXPECT_TRUE(backend.waitStep(verdict).ok());
+  EXPECT_TRUE(verdict.checked);
+  return verdict;
+}
+
+TEST_P(CudaBackendModels, NoCheckFailsOnHealthySteps) {
+  test::BackendDriver driver(*backend_);
+  // Prefill chunks and decode steps of several sequences: runStep fails on any check.
+  for (uint64_t seq = 1; seq <= 3; ++seq) driver.runAlone(seq, randomTokens(120, vocab_, 9), 40);
+  const auto verdict = verdictOf(*backend_, randomTokens(200, vocab_, 10), 9);
+  EXPECT_TRUE(verdict.failed_tensor.empty()) << verdict.failed_tensor << ": " << verdict.why;
+  EXPECT_GT(verdict.words_read, 0u);
+}
+
+TEST_P(CudaBackendModels, AFaultyMultiplyFailsTheArithmeticCheckOfThatStepOnly) {
+  const auto tokens = randomTokens(12, vocab_, 11);
+  for (uint64_t selector : {0ull, 3ull, 6ull, 12345ull, 987654321ull}) {
+    auto role = backend_->computeFault(selector);
+    ASSERT_TRUE(role.ok());
+    const auto faulty = verdictOf(*backend_, tokens, 20 + selector);
+    EXPECT_EQ(faulty.failed_tensor, *role) << "selector " << selector;
+    EXPECT_EQ(faulty.failed_check, WeightCheck::kArithmetic) << faulty.why;
+    const auto next = verdictOf(*backend_, tokens, 40 + selector);
+    EXPECT_TRUE(next.failed_tensor.empty()) << next.failed_tensor << ": " << next.why;
+  }
+}
+
+TEST_P(CudaBackendModels, AStaleSlotFailsItsSlotTagBeforeComputing) {
+  auto role = backend_->staleSlot(5);
+  ASSERT_TRUE(role.ok());
+  const auto verdict = verdictOf(*backend_, randomTokens(4, vocab_, 12), 1);
+  EXPECT_EQ(verdict.failed_tensor, *role);
+  EXPECT_EQ(verdict.failed_check, WeightCheck::kSlotTag) << verdict.why;
+}
+
+TEST_P(CudaBackendModels, AFlippedWeightBitFailsTheStepThatReadsIt) {
+  const auto tokens = randomTokens(8, vocab_, 13);
+  // The high exponent bit of the first bf16 of every used tensor: every one is read by a step of
+  // all its rows except the embedding (one row per token), whose first row token 0 reads.
+  std::vector<uint32_t> with_zero = tokens;
+  with_zero[3] = 0;
+  uint64_t offset = 0;
+  for (const TensorView* t : checkpoint_->usedTensors()) {
+    ASSERT_TRUE(backend_->flipWeightBit(offset + 1, 6).ok());
+    const auto verdict = verdictOf(*backend_, with_zero, 1);
+    EXPECT_FALSE(verdict.failed_tensor.empty()) << t->name << " flipped, step passed";
+    ASSERT_TRUE(backend_->flipWeightBit(offset + 1, 6).ok());  // flip back
+    offset += t->data.size();
+  }
+  const auto clean = verdictOf(*backend_, with_zero, 2);
+  EXPECT_TRUE(clean.failed_tensor.empty()) << clean.failed_tensor << ": " << clean.why;
+}
+
+TEST_P(CudaBackendModels, ResidentChecksumsSeeACorruptionAndRepairMendsIt) {
+  const auto used = checkpoint_->usedTensors();
+  std::vector<WeightRange> ranges;
+  std::vector<uint64_t> want;
+  for (uint32_t t = 0; t < used.size(); ++t) {
+    const uint64_t bytes = used[t]->data.size();
+    ranges.push_back({t, 0, bytes / 2});
+    ranges.push_back({t, bytes / 2, bytes - bytes / 2});
+    want.push_back(checksumBytes(used[t]->data.subspan(0, bytes / 2)));
+    want.push_back(checksumBytes(used[t]->data.subspan(bytes / 2)));
+  }
+  std::vector<uint64_t> got(ranges.size());
+  ASSERT_TRUE(backend_->residentChecksums(ranges, got).ok());
+  EXPECT_EQ(got, want);
+  ASSERT_TRUE(backend_->flipWeightBit(used[0]->data.size() - 1, 0).ok());  // tensor 0's end
+  ASSERT_TRUE(backend_->residentChecksums(ranges, got).ok());
+  EXPECT_EQ(got[0], want[0]);
+  EXPECT_NE(got[1], want[1]);
+  ASSERT_TRUE(backend_->repairResident(ranges[1]).ok());
+  ASSERT_TRUE(backend_->residentChecksums(ranges, got).ok());
+  EXPECT_EQ(got, want);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaBackendModels,
+                         testing::Values(ModelCase{"fixture_qwen2", ""},
+                                         ModelCase{"llama_untied", "tiny-llama"},
+                                         ModelCase{"qwen2_v152k", "tiny-v152k"}),
+                         [](const testing::TestParamInfo<ModelCase>& info) {
+                           return info.param.name;
+                         });
+
+}  // namespace
+}  // namespace bulkhead

@@ -1,0 +1,781 @@
+// CudaBackend: weight slots, KV cache and step buffers on the device; the forward pass as a
+// sequence of launches on one stream; the step's checks read back in waitStep().
+#include "worker/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "cuda/activation.cuh"
+#include "cuda/attention.cuh"
+#include "cuda/checksum.cuh"
+#include "cuda/column_sums.cuh"
+#include "cuda/embedding.cuh"
+#include "cuda/logits.cuh"
+#include "cuda/matmul.cuh"
+#include "cuda/resources.h"
+#include "cuda/rms_norm.cuh"
+#include "cuda/rope.cuh"
+#include "cuda/step_checks.cuh"
+#include "shared/checksum.h"
+
+namespace bulkhead {
+
+using cuda::DeviceMemory;
+using cuda::PinnedMemory;
+
+namespace {
+
+constexpr int kLinearPerLayer = 7;  // q, k, v, o, gate, up, down
+constexpr int kLogitsChunk = 64;    // lm_head rows per product
+
+// The arithmetic check's bound per unit of sum_k abssum_k |x_k|: a float32 dot product of
+// length k errs by at most about k * 2^-24 of its absolute terms; four times that leaves room
+// for how the tensor cores order their additions.
+double boundUnit(int k) {
+  return double(k + 1) * std::ldexp(1.0, -22);
+}
+
+// Offsets into one buffer of several arrays, each aligned to 256 bytes.
+struct Layout {
+  size_t bytes = 0;
+  size_t add(size_t n) {
+    const size_t at = bytes;
+    bytes = (bytes + n + 255) & ~size_t(255);
+    return at;
+  }
+};
+
+}  // namespace
+
+// Everything that lives on the device or is pinned for it.
+struct CudaState {
+  cuda::Stream stream, scrub_stream;
+  cuda::Event done;
+  std::unique_ptr<cuda::Matmul> matmul;
+  std::vector<DeviceMemory> slots;  // one per used tensor
+  std::vector<DeviceMemory> stale;  // stale copies made by fault injection
+  DeviceMemory column_sums;         // per product role: colsum[k], then abssum[k]
+  std::vector<const float*> colsum, abssum;
+  DeviceMemory k_cache, v_cache;
+  size_t kv_layer_elems = 0;
+  DeviceMemory rope_cos, rope_sin;
+  // Activations, max_step_tokens rows each.
+  DeviceMemory x, xn, qkv, attn, delta, gate_up, act, final_rows, logits, fallback;
+  int qkv_stride = 0;
+  // Step inputs: the same layout on the host (pinned) and the device.
+  struct Inputs {
+    size_t dst = 0, tokens = 0, positions = 0, row_block = 0, row_table = 0, out_row = 0,
+           tables = 0;
+    size_t table_capacity = 0;
+    Layout layout;
+  } in;
+  PinnedMemory inputs_host;
+  DeviceMemory inputs;
+  // Checks: products [rows][roles]; the rest read back after every step.
+  DeviceMemory products;
+  struct Results {
+    size_t folds = 0, row_sums = 0, failed = 0, checked = 0, nonfinite = 0;
+    Layout layout;
+  } res;
+  DeviceMemory results;
+  PinnedMemory results_host;
+  cuda::HostRegistration outputs;
+  // Scrubbing: ranges and their sums, on the scrub stream.
+  DeviceMemory scrub_ranges, scrub_sums;
+  size_t scrub_capacity = 0;
+
+  // Lays out and allocates the inputs for `tokens` rows and `table_words` block ids.
+  Status allocateInputs(size_t tokens, size_t table_words) {
+    in.table_capacity = table_words;
+    in.layout = {};
+    in.dst = in.layout.add(tokens * sizeof(float*));
+    in.tokens = in.layout.add(tokens * 4);
+    in.positions = in.layout.add(tokens * 4);
+    in.row_block = in.layout.add(tokens * 4);
+    in.row_table = in.layout.add(tokens * 4);
+    in.out_row = in.layout.add(tokens * 4);
+    in.tables = in.layout.add(table_words * 4);
+    BULKHEAD_ASSIGN_OR_RETURN(inputs_host, PinnedMemory::allocate(in.layout.bytes));
+    BULKHEAD_ASSIGN_OR_RETURN(inputs, DeviceMemory::allocate(in.layout.bytes));
+    return okStatus();
+  }
+
+  template <typename T>
+  T* input(size_t offset) const {
+    return reinterpret_cast<T*>(inputs.get<std::byte>() + offset);
+  }
+  template <typename T>
+  T* inputHost(size_t offset) const {
+    return reinterpret_cast<T*>(inputs_host.get<std::byte>() + offset);
+  }
+  template <typename T>
+  T* result(size_t offset) const {
+    return reinterpret_cast<T*>(results.get<std::byte>() + offset);
+  }
+  template <typename T>
+  T* resultHost(size_t offset) const {
+    return reinterpret_cast<T*>(results_host.get<std::byte>() + offset);
+  }
+};
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
+    std::shared_ptr<const Checkpoint> checkpoint, const Options& options) {
+  std::unique_ptr<CudaBackend> b(new CudaBackend());
+  b->checkpoint_ = std::move(checkpoint);
+  b->attention_scale_ = options.attention_scale_factor;
+  b->d_ = std::make_unique<CudaState>();
+  BULKHEAD_RETURN_IF_ERROR(b->load(options));
+  return b;
+}
+
+CudaBackend::~CudaBackend() {
+  if (d_ != nullptr) cudaStreamSynchronize(d_->stream.get());
+}
+
+Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string& role) {
+  w.tensor = tensor;
+  w.role = role;
+  if (tensor == nullptr) return okStatus();
+  if (tensor->dtype != DType::kBF16)
+    return unimplemented("the CUDA backend computes from bf16 weights; " + tensor->name + " is " +
+                         std::string(dtypeName(tensor->dtype)));
+  w.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), tensor) - used_.begin());
+  w.ptr = d_->slots[w.tensor_index].get();
+  w.generation = slot_tags_.at(w.ptr).generation;
+  w.salt = uint32_t(splitmix64(weights_.size() + 1));
+  weights_.push_back(&w);
+  return okStatus();
+}
+
+Status CudaBackend::load(const Options& options) {
+  const ModelConfig& c = config();
+  const ModelTensors& t = checkpoint_->tensors();
+  CudaState& d = *d_;
+  if (!cuda::attentionSupportsHeadDim(c.head_dim))
+    return unimplemented("the CUDA backend's attention does not support head_dim " +
+                         std::to_string(c.head_dim));
+  if (c.hidden_size % 2 != 0 || c.intermediate_size % 2 != 0)
+    return unimplemented("the CUDA backend needs even hidden and intermediate sizes");
+  if (t.final_norm == nullptr) return unimplemented("the CUDA backend needs a final norm");
+  for (const LayerTensors& l : t.layers)
+    if (l.o_bias != nullptr)
+      return unimplemented("the CUDA backend has no o_proj bias (" + l.o_bias->name + ")");
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.matmul, cuda::Matmul::create(d.stream.get()));
+
+  // One slot per used tensor, filled from the checkpoint's bytes.
+  used_ = checkpoint_->usedTensors();
+  uint64_t weight_bytes = 0;
+  for (const TensorView* m : used_) {
+    BULKHEAD_ASSIGN_OR_RETURN(DeviceMemory slot, DeviceMemory::allocate(m->data.size()));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(slot.get(), m->data.data(), m->data.size(),
+                                             cudaMemcpyHostToDevice));
+    slot_tags_[slot.get()] = {uint32_t(d.slots.size()), 1};
+    d.slots.push_back(std::move(slot));
+    weight_bytes += m->data.size();
+  }
+
+  // Roles: the products (layers in order, then lm_head), then the weights our kernels load.
+  layers_.resize(t.layers.size());
+  const bool tied = t.lm_head == t.embed;
+  BULKHEAD_RETURN_IF_ERROR(bind(embed_, t.embed, t.embed->name));
+  BULKHEAD_RETURN_IF_ERROR(bind(
+      lm_head_, t.lm_head,
+      tied ? "lm_head (tied to " + t.embed->name + ")" : t.lm_head->name));
+  BULKHEAD_RETURN_IF_ERROR(bind(final_norm_, t.final_norm, t.final_norm->name));
+  for (size_t i = 0; i < t.layers.size(); ++i) {
+    const LayerTensors& l = t.layers[i];
+    Layer& L = layers_[i];
+    const std::pair<Weight*, const TensorView*> roles[] = {
+        {&L.q, l.q},       {&L.k, l.k},         {&L.v, l.v},
+        {&L.o, l.o},       {&L.gate, l.gate},   {&L.up, l.up},
+        {&L.down, l.down}, {&L.input_norm, l.input_norm}, {&L.post_norm, l.post_norm},
+        {&L.q_bias, l.q_bias}, {&L.k_bias, l.k_bias},     {&L.v_bias, l.v_bias}};
+    for (const auto& [w, tensor] : roles)
+      BULKHEAD_RETURN_IF_ERROR(bind(*w, tensor, tensor != nullptr ? tensor->name : ""));
+    for (Weight* w : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) {
+      w->product = int(linear_.size());
+      linear_.push_back(w);
+    }
+  }
+  lm_head_.product = int(linear_.size());
+  linear_.push_back(&lm_head_);
+  product_roles_ = int(linear_.size());
+
+  // The column sums of every product's weight, computed on the device from the slot just filled
+  // with the checkpoint's bytes (the scrubber verifies those bytes from then on).
+  const size_t column_floats = [&] {
+    size_t n = 0;
+    for (const Weight* w : linear_) n += 2 * size_t(w->tensor->shape[1]);
+    return n;
+  }();
+  BULKHEAD_ASSIGN_OR_RETURN(d.column_sums, DeviceMemory::allocate(column_floats * sizeof(float)));
+  float* at = d.column_sums.get<float>();
+  for (const Weight* w : linear_) {
+    const int rows = int(w->tensor->shape[0]), cols = int(w->tensor->shape[1]);
+    d.colsum.push_back(at);
+    d.abssum.push_back(at + cols);
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchColumnSums(static_cast<const __nv_bfloat16*>(w->ptr),
+                                                    rows, cols, boundUnit(cols), at, at + cols,
+                                                    d.stream.get()));
+    at += 2 * size_t(cols);
+  }
+
+  // What the weights our kernels load must fold to, from the checkpoint's own bytes.
+  auto fold = [&](Weight& w, FoldRole::Uses uses) {
+    if (w.tensor == nullptr) return;
+    w.fold = int(folds_.size());
+    FoldRole& f = folds_.emplace_back();
+    f.weight = &w;
+    f.uses = uses;
+    const size_t row_bytes = size_t(w.tensor->shape.back()) * 2;
+    const size_t rows = w.tensor->data.size() / row_bytes;
+    for (size_t j = 0; j < rows; ++j) {
+      const uint64_t v = foldWeightRow(w.tensor->data.data() + j * row_bytes, row_bytes,
+                                       j * weightRowWords(row_bytes), w.salt);
+      if (uses == FoldRole::kGathered) f.row_expected.push_back(v);
+      f.expected += v;
+    }
+    f.words = rows * weightRowWords(row_bytes);
+  };
+  if (options.check_weight_reads) {
+    fold(embed_, FoldRole::kGathered);
+    fold(final_norm_, FoldRole::kLogitsRows);
+    for (Layer& L : layers_)
+      for (Weight* w : {&L.input_norm, &L.post_norm, &L.q_bias, &L.k_bias, &L.v_bias})
+        fold(*w, FoldRole::kTokenRows);
+  }
+
+  // The KV cache: what is left after the step's buffers, in the share the options give.
+  BULKHEAD_RETURN_IF_ERROR(allocateStep(options));
+  if (options.kv_block_size == 0) return invalidArgument("kv block size must be positive");
+  const uint64_t block_elems = uint64_t(options.kv_block_size) * c.num_kv_heads * c.head_dim;
+  const uint64_t block_bytes = block_elems * 2 * 2 * c.num_layers;  // k and v, bf16
+  uint64_t blocks = options.kv_blocks;
+  if (blocks == 0) {
+    size_t free = 0, total = 0;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free, &total));
+    const uint64_t per_context =
+        (uint64_t(c.max_context) + options.kv_block_size - 1) / options.kv_block_size;
+    blocks = std::min<uint64_t>(uint64_t(double(free) * options.kv_memory_share) / block_bytes,
+                                per_context * 64);
+  }
+  if (blocks == 0 || blocks > UINT32_MAX)
+    return resourceExhausted("KV cache of " + std::to_string(blocks) + " blocks is unusable");
+  d.kv_layer_elems = size_t(blocks) * block_elems;
+  BULKHEAD_ASSIGN_OR_RETURN(d.k_cache,
+                            DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
+  BULKHEAD_ASSIGN_OR_RETURN(d.v_cache,
+                            DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
+
+  const cuda::RopeTables rope = cuda::ropeTables(c.ropeInverseFrequencies(), c.max_context);
+  BULKHEAD_ASSIGN_OR_RETURN(d.rope_cos, DeviceMemory::allocate(rope.cos.size() * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.rope_sin, DeviceMemory::allocate(rope.sin.size() * 4));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(d.rope_cos.get(), rope.cos.data(), rope.cos.size() * 4, cudaMemcpyHostToDevice));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(d.rope_sin.get(), rope.sin.data(), rope.sin.size() * 4, cudaMemcpyHostToDevice));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
+
+  limits_ = {.vocab_size = uint32_t(c.vocab_size),
+             .max_context = uint32_t(c.max_context),
+             .kv_block_size = options.kv_block_size,
+             .kv_block_count = uint32_t(blocks),
+             .max_step_tokens = options.max_step_tokens,
+             .graph_batch_buckets = {},
+             .resident_weight_bytes = weight_bytes,
+             .streamed_weight_bytes = 0,
+             .kv_cache_bytes = d.kv_layer_elems * c.num_layers * 2 * 2,
+             .checks_weight_reads = options.check_weight_reads};
+  return okStatus();
+}
+
+Status CudaBackend::allocateStep(const Options& options) {
+  const ModelConfig& c = config();
+  CudaState& d = *d_;
+  const size_t T = options.max_step_tokens;
+  if (T == 0) return invalidArgument("max_step_tokens must be positive");
+  d.qkv_stride = c.qDim() + 2 * c.kvDim();
+  const size_t hidden = size_t(c.hidden_size), inter = size_t(c.intermediate_size);
+  const size_t vocab = size_t(c.vocab_size);
+  BULKHEAD_ASSIGN_OR_RETURN(d.x, DeviceMemory::allocate(T * hidden * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.xn, DeviceMemory::allocate(T * hidden * 2));
+  BULKHEAD_ASSIGN_OR_RETURN(d.qkv, DeviceMemory::allocate(T * size_t(d.qkv_stride) * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.attn, DeviceMemory::allocate(T * size_t(c.qDim()) * 2));
+  BULKHEAD_ASSIGN_OR_RETURN(d.delta, DeviceMemory::allocate(T * hidden * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.gate_up, DeviceMemory::allocate(T * 2 * inter * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.act, DeviceMemory::allocate(T * inter * 2));
+  BULKHEAD_ASSIGN_OR_RETURN(d.final_rows, DeviceMemory::allocate(T * hidden * 2));
+  BULKHEAD_ASSIGN_OR_RETURN(d.logits, DeviceMemory::allocate(kLogitsChunk * vocab * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.fallback, DeviceMemory::allocate(kLogitsChunk * vocab * 4));
+
+  // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
+  BULKHEAD_RETURN_IF_ERROR(d.allocateInputs(T, T * 4));
+
+  BULKHEAD_ASSIGN_OR_RETURN(d.products, DeviceMemory::allocate(T * size_t(product_roles_) *
+                                                               sizeof(cuda::ProductCheck)));
+  d.res.layout = {};
+  d.res.folds = d.res.layout.add(std::max<size_t>(1, folds_.size()) * sizeof(cuda::FoldAccount));
+  d.res.row_sums = d.res.layout.add(T * 8);
+  d.res.failed = d.res.layout.add(size_t(product_roles_) * 4);
+  d.res.checked = d.res.layout.add(size_t(product_roles_) * 4);
+  d.res.nonfinite = d.res.layout.add(T * 4);
+  BULKHEAD_ASSIGN_OR_RETURN(d.results, DeviceMemory::allocate(d.res.layout.bytes));
+  BULKHEAD_ASSIGN_OR_RETURN(d.results_host, PinnedMemory::allocate(d.res.layout.bytes));
+  return okStatus();
+}
+
+Status CudaBackend::registerOutputs(std::span<std::byte> memory) {
+  d_->outputs = {};  // the previous registration, if any, ends first
+  if (memory.empty()) return okStatus();
+  BULKHEAD_ASSIGN_OR_RETURN(d_->outputs,
+                            cuda::HostRegistration::create(memory.data(), memory.size()));
+  return okStatus();
+}
+
+Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
+                                std::span<const RowOutput> rows) {
+  if (pending_.queued)
+    return failedPrecondition("enqueueStep while a step is pending (waitStep not called)");
+  BULKHEAD_RETURN_IF_ERROR(validateStep(batch, rows, limits_));
+  CudaState& d = *d_;
+  // Flatten the batch into the pinned inputs: one entry per token row.
+  size_t table_words = 0;
+  for (const SequenceStep& s : batch) table_words += s.kv_blocks.size();
+  if (table_words > d.in.table_capacity) {
+    // Grow the tables' room (no step is in flight: the last waitStep synchronised).
+    BULKHEAD_RETURN_IF_ERROR(d.allocateInputs(limits_.max_step_tokens,
+                                              std::max(table_words, 2 * d.in.table_capacity)));
+  }
+  auto* tokens = d.inputHost<uint32_t>(d.in.tokens);
+  auto* positions = d.inputHost<uint32_t>(d.in.positions);
+  auto* row_block = d.inputHost<uint32_t>(d.in.row_block);
+  auto* row_table = d.inputHost<uint32_t>(d.in.row_table);
+  auto* out_row = d.inputHost<int32_t>(d.in.out_row);
+  auto* tables = d.inputHost<uint32_t>(d.in.tables);
+  auto* dst = d.inputHost<float*>(d.in.dst);
+  const uint32_t bs = limits_.kv_block_size;
+  size_t n = 0, table_at = 0;
+  int m = 0;
+  pending_.gathered.clear();
+  for (const SequenceStep& s : batch) {
+    std::copy(s.kv_blocks.begin(), s.kv_blocks.end(), tables + table_at);
+    const size_t first = n;
+    for (size_t i = 0; i < s.tokens.size(); ++i, ++n) {
+      const uint32_t p = s.start_position + uint32_t(i);
+      tokens[n] = s.tokens[i];
+      positions[n] = p;
+      row_block[n] = s.kv_blocks[p / bs];
+      row_table[n] = uint32_t(table_at);
+      out_row[n] = -1;
+      pending_.gathered.push_back(s.tokens[i]);
+    }
+    for (uint32_t i : s.logits_rows) out_row[first + i] = m++;
+    table_at += s.kv_blocks.size();
+  }
+  // Each logits row goes straight to its arena slot when the arena is registered; otherwise
+  // (tests, a fault's diverted row) through a device buffer, copied out chunk by chunk.
+  for (int r = 0; r < m; ++r) {
+    void* mapped = d.outputs.deviceAddress(rows[size_t(r)].payload);
+    dst[r] = mapped != nullptr ? static_cast<float*>(mapped)
+                               : d.fallback.get<float>() + size_t(r % kLogitsChunk) * config().vocab_size;
+  }
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
+                                                d.in.tables + table_at * 4,
+                                                cudaMemcpyHostToDevice, d.stream.get()));
+  pending_.tokens = int(n);
+  pending_.rows.assign(rows.begin(), rows.end());
+  if (limits_.checks_weight_reads) {
+    if (!verifySlots().failed_tensor.empty()) {
+      // Computed nothing; waitStep reports the binding.
+      pending_.queued = true;
+      pending_.tokens = -1;
+      return okStatus();
+    }
+  }
+  BULKHEAD_RETURN_IF_ERROR(launchForward(int(n), m));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.done.get(), d.stream.get()));
+  pending_.queued = true;
+  return okStatus();
+}
+
+Status CudaBackend::product(const Weight& w, const void* x, int rows, float* y, int ldy) {
+  const int n = int(w.tensor->shape[0]), k = int(w.tensor->shape[1]);
+  BULKHEAD_RETURN_IF_ERROR(d_->matmul->run(static_cast<const __nv_bfloat16*>(x), rows,
+                                           static_cast<const __nv_bfloat16*>(w.ptr), n, k, y,
+                                           false, ldy));
+  if (w.product == fault_role_) {
+    // Output (selector % n) of token (selector / n % rows), as CpuBackend picks it.
+    const uint64_t s = (fault_selector_ / uint64_t(product_roles_)) & 0x7fffffffffffull;
+    const size_t index = size_t(s / uint64_t(n) % uint64_t(rows)) * size_t(ldy == 0 ? n : ldy) +
+                         size_t(s % uint64_t(n));
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchFlipExponentBit(y, index, d_->stream.get()));
+  }
+  return okStatus();
+}
+
+Status CudaBackend::launchForward(int n, int m) {
+  const ModelConfig& c = config();
+  CudaState& d = *d_;
+  cudaStream_t stream = d.stream.get();
+  const int roles = product_roles_, hidden = c.hidden_size, inter = c.intermediate_size;
+  const int q_dim = c.qDim(), kv_dim = c.kvDim();
+  const bool checks = limits_.checks_weight_reads;
+  cuda::CheckView view{d.products.get<cuda::ProductCheck>(), roles,
+                       d.result<cuda::FoldAccount>(d.res.folds)};
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      d.products.get(), 0, size_t(n) * roles * sizeof(cuda::ProductCheck), stream));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.results.get(), 0, d.res.layout.bytes, stream));
+  auto consumer = [&](const Weight& w) {
+    return checks ? cuda::ConsumerSums{w.product, d.colsum[size_t(w.product)],
+                                       d.abssum[size_t(w.product)]}
+                  : cuda::ConsumerSums{};
+  };
+  auto role = [&](const Weight& w) { return checks ? w.product : -1; };
+  auto foldOf = [&](const Weight& w) { return checks ? w.fold : -1; };
+  const auto* tokens = d.input<uint32_t>(d.in.tokens);
+  const auto* positions = d.input<uint32_t>(d.in.positions);
+  float* x = d.x.get<float>();
+  float* delta = d.delta.get<float>();
+  float* qkv = d.qkv.get<float>();
+  float* gate_up = d.gate_up.get<float>();
+  auto* xn = d.xn.get<__nv_bfloat16>();
+  auto* attn = d.attn.get<__nv_bfloat16>();
+  auto* act = d.act.get<__nv_bfloat16>();
+
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchEmbedding(
+      static_cast<const __nv_bfloat16*>(embed_.ptr), hidden, tokens, n, x, stream,
+      checks && embed_.fold >= 0 ? view.folds + embed_.fold : nullptr, embed_.salt));
+  const Weight* previous_down = nullptr;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    cuda::RmsNormArgs norm;
+    norm.x = x;
+    norm.delta = previous_down != nullptr ? delta : nullptr;
+    norm.delta_role = previous_down != nullptr ? role(*previous_down) : -1;
+    norm.rows = n;
+    norm.hidden = hidden;
+    norm.weight = static_cast<const __nv_bfloat16*>(L.input_norm.ptr);
+    norm.weight_salt = L.input_norm.salt;
+    norm.weight_fold = foldOf(L.input_norm);
+    norm.eps = c.rms_norm_eps;
+    norm.out = xn;
+    norm.consumers[0] = consumer(L.q);
+    norm.consumers[1] = consumer(L.k);
+    norm.consumers[2] = consumer(L.v);
+    norm.checks = view;
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+    BULKHEAD_RETURN_IF_ERROR(product(L.q, xn, n, qkv, d.qkv_stride));
+    BULKHEAD_RETURN_IF_ERROR(product(L.k, xn, n, qkv + q_dim, d.qkv_stride));
+    BULKHEAD_RETURN_IF_ERROR(product(L.v, xn, n, qkv + q_dim + kv_dim, d.qkv_stride));
+
+    cuda::QkvArgs qa;
+    qa.qkv = qkv;
+    qa.rows = n;
+    qa.stride = d.qkv_stride;
+    qa.heads = c.num_heads;
+    qa.kv_heads = c.num_kv_heads;
+    qa.head_dim = c.head_dim;
+    const Weight* biases[3] = {&L.q_bias, &L.k_bias, &L.v_bias};
+    const Weight* projections[3] = {&L.q, &L.k, &L.v};
+    for (int i = 0; i < 3; ++i) {
+      qa.bias[i] = static_cast<const __nv_bfloat16*>(biases[i]->ptr);
+      qa.bias_salt[i] = biases[i]->salt;
+      qa.bias_fold[i] = foldOf(*biases[i]);
+      qa.product_role[i] = role(*projections[i]);
+    }
+    qa.positions = positions;
+    qa.cos_table = d.rope_cos.get<float>();
+    qa.sin_table = d.rope_sin.get<float>();
+    qa.k_cache = d.k_cache.get<__nv_bfloat16>() + l * d.kv_layer_elems;
+    qa.v_cache = d.v_cache.get<__nv_bfloat16>() + l * d.kv_layer_elems;
+    qa.row_block = d.input<uint32_t>(d.in.row_block);
+    qa.block_size = int(limits_.kv_block_size);
+    qa.checks = view;
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchQkv(qa, stream));
+
+    cuda::AttentionArgs aa;
+    aa.q = qkv;
+    aa.q_stride = d.qkv_stride;
+    aa.rows = n;
+    aa.heads = c.num_heads;
+    aa.kv_heads = c.num_kv_heads;
+    aa.head_dim = c.head_dim;
+    aa.positions = positions;
+    aa.row_table = d.input<uint32_t>(d.in.row_table);
+    aa.block_tables = d.input<uint32_t>(d.in.tables);
+    aa.k_cache = qa.k_cache;
+    aa.v_cache = qa.v_cache;
+    aa.block_size = qa.block_size;
+    aa.scale = float(1.0 / std::sqrt(double(c.head_dim))) * attention_scale_;
+    aa.out = attn;
+    aa.consumer = consumer(L.o);
+    aa.checks = view;
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
+    BULKHEAD_RETURN_IF_ERROR(product(L.o, attn, n, delta, hidden));
+
+    norm.delta = delta;
+    norm.delta_role = role(L.o);
+    norm.weight = static_cast<const __nv_bfloat16*>(L.post_norm.ptr);
+    norm.weight_salt = L.post_norm.salt;
+    norm.weight_fold = foldOf(L.post_norm);
+    norm.consumers[0] = consumer(L.gate);
+    norm.consumers[1] = consumer(L.up);
+    norm.consumers[2] = {};
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+    BULKHEAD_RETURN_IF_ERROR(product(L.gate, xn, n, gate_up, 2 * inter));
+    BULKHEAD_RETURN_IF_ERROR(product(L.up, xn, n, gate_up + inter, 2 * inter));
+
+    cuda::SiluMulArgs sa;
+    sa.gate_up = gate_up;
+    sa.rows = n;
+    sa.inter = inter;
+    sa.out = act;
+    sa.gate_role = role(L.gate);
+    sa.up_role = role(L.up);
+    sa.down = consumer(L.down);
+    sa.checks = view;
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
+    BULKHEAD_RETURN_IF_ERROR(product(L.down, act, n, delta, hidden));
+    previous_down = &L.down;
+  }
+
+  // The last residual add for every row; the final norm for the rows whose logits were asked.
+  cuda::RmsNormArgs norm;
+  norm.x = x;
+  norm.delta = previous_down != nullptr ? delta : nullptr;
+  norm.delta_role = previous_down != nullptr ? role(*previous_down) : -1;
+  norm.rows = n;
+  norm.hidden = hidden;
+  norm.weight = static_cast<const __nv_bfloat16*>(final_norm_.ptr);
+  norm.weight_salt = final_norm_.salt;
+  norm.weight_fold = foldOf(final_norm_);
+  norm.eps = c.rms_norm_eps;
+  norm.out = d.final_rows.get<__nv_bfloat16>();
+  norm.out_row = d.input<int32_t>(d.in.out_row);
+  norm.consumers[0] = consumer(lm_head_);
+  norm.checks = view;
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+
+  const int vocab = c.vocab_size;
+  auto* const* dst = d.input<float*>(d.in.dst);
+  auto* const* dst_host = d.inputHost<float*>(d.in.dst);
+  bool aligned = true;
+  for (int r = 0; r < m; ++r) aligned = aligned && uintptr_t(dst_host[r]) % 16 == 0;
+  for (int first = 0; first < m; first += kLogitsChunk) {
+    const int rows = std::min(kLogitsChunk, m - first);
+    BULKHEAD_RETURN_IF_ERROR(product(lm_head_,
+                                     d.final_rows.get<__nv_bfloat16>() + size_t(first) * hidden,
+                                     rows, d.logits.get<float>(), vocab));
+    cuda::LogitsArgs la;
+    la.logits = d.logits.get<float>();
+    la.rows = rows;
+    la.vocab = vocab;
+    la.dst = dst + first;
+    la.aligned = aligned;
+    la.row_sums = d.result<unsigned long long>(d.res.row_sums) + first;
+    la.row_nonfinite = d.result<unsigned int>(d.res.nonfinite) + first;
+    la.role = role(lm_head_);
+    la.check_row = first;
+    la.checks = view;
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchLogits(la, stream));
+    // Rows not in the registered arena went to the fallback buffer: copy them out in order.
+    for (int r = first; r < first + rows; ++r) {
+      if (d.outputs.deviceAddress(pending_.rows[size_t(r)].payload) != nullptr) continue;
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          pending_.rows[size_t(r)].payload, dst_host[r], size_t(vocab) * 4,
+          cudaMemcpyDeviceToHost, stream));
+    }
+  }
+  if (checks)
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchCountFailedProducts(
+        view.products, n, roles, d.result<unsigned int>(d.res.failed),
+        d.result<unsigned int>(d.res.checked), stream));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.results_host.get(), d.results.get(),
+                                                d.res.layout.bytes, cudaMemcpyDeviceToHost,
+                                                stream));
+  fault_role_ = -1;  // a compute fault lasts one step
+  return okStatus();
+}
+
+WeightReadVerdict CudaBackend::verifySlots() const {
+  WeightReadVerdict verdict{.checked = true};
+  for (const Weight* w : weights_) {
+    const auto tag = slot_tags_.find(w->ptr);
+    if (tag != slot_tags_.end() && tag->second.tensor == w->tensor_index &&
+        tag->second.generation == w->generation)
+      continue;
+    verdict.failed_tensor = w->role;
+    verdict.failed_check = WeightCheck::kSlotTag;
+    verdict.why = tag == slot_tags_.end() ? "bound to memory that is no resident slot"
+                  : tag->second.tensor != w->tensor_index
+                      ? "bound to a slot tagged for another tensor"
+                      : "bound to an older generation of its slot";
+    break;
+  }
+  return verdict;
+}
+
+WeightReadVerdict CudaBackend::verdictOfStep() const {
+  const CudaState& d = *d_;
+  WeightReadVerdict verdict{.checked = limits_.checks_weight_reads};
+  if (!verdict.checked) return verdict;
+  const auto* folds = d.resultHost<cuda::FoldAccount>(d.res.folds);
+  const uint64_t rows = uint64_t(pending_.tokens), logits_rows = pending_.rows.size();
+  for (size_t i = 0; i < folds_.size(); ++i) {
+    const FoldRole& f = folds_[i];
+    uint64_t want_sum = 0, want_words = 0;
+    switch (f.uses) {
+      case FoldRole::kTokenRows:
+        want_sum = rows * f.expected;
+        want_words = rows * f.words;
+        break;
+      case FoldRole::kLogitsRows:
+        want_sum = logits_rows * f.expected;
+        want_words = logits_rows * f.words;
+        break;
+      case FoldRole::kGathered:
+        for (uint32_t token : pending_.gathered) want_sum += f.row_expected[token];
+        want_words = pending_.gathered.size() * (f.words / f.row_expected.size());
+        break;
+    }
+    verdict.words_read += folds[i].words;
+    if (verdict.failed_tensor.empty() && (folds[i].sum != want_sum || folds[i].words != want_words)) {
+      verdict.failed_tensor = f.weight->role;
+      verdict.why = folds[i].words != want_words ? "not read in full"
+                    : f.weight->ptr != d.slots[f.weight->tensor_index].get()
+                        ? "read from another slot than its own"
+                        : "its bytes differ from the checkpoint";
+    }
+  }
+  if (!verdict.failed_tensor.empty()) return verdict;
+  // The first product in the forward order whose check failed: a wrong value spoils every
+  // product after it.
+  const auto* failed = d.resultHost<unsigned int>(d.res.failed);
+  const auto* checked = d.resultHost<unsigned int>(d.res.checked);
+  for (int r = 0; r < product_roles_; ++r) {
+    if (failed[r] == 0) continue;
+    verdict.failed_tensor = linear_[size_t(r)]->role;
+    verdict.failed_check = WeightCheck::kArithmetic;
+    verdict.why = "its products fail the arithmetic check (" + std::to_string(failed[r]) +
+                  " of " + std::to_string(checked[r]) + " output rows)";
+    break;
+  }
+  return verdict;
+}
+
+Status CudaBackend::waitStep(WeightReadVerdict& verdict) {
+  if (!pending_.queued) return failedPrecondition("waitStep without an enqueued step");
+  pending_.queued = false;
+  if (pending_.tokens < 0) {  // a binding failed its slot tag: nothing was computed
+    verdict = verifySlots();
+    return okStatus();
+  }
+  CudaState& d = *d_;
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(d.done.get()));
+  const auto* sums = d.resultHost<unsigned long long>(d.res.row_sums);
+  const auto* nonfinite = d.resultHost<unsigned int>(d.res.nonfinite);
+  for (size_t r = 0; r < pending_.rows.size(); ++r)
+    *pending_.rows[r].check = RowCheck{sums[r], nonfinite[r] == 0};
+  verdict = verdictOfStep();
+  return okStatus();
+}
+
+Result<std::string> CudaBackend::computeFault(uint64_t selector) {
+  fault_role_ = int(selector % uint64_t(product_roles_));
+  fault_selector_ = selector;
+  return linear_[size_t(fault_role_)]->role;
+}
+
+Result<std::string> CudaBackend::staleSlot(uint64_t selector) {
+  Weight& w = *weights_[selector % weights_.size()];
+  const size_t bytes = w.tensor->data.size();
+  // Another resident slot of the same size whose bytes differ, if there is one.
+  for (const Weight* other : weights_) {
+    if (other->ptr == w.ptr || other->tensor->data.size() != bytes ||
+        std::memcmp(other->tensor->data.data(), w.tensor->data.data(), bytes) == 0)
+      continue;
+    w.ptr = other->ptr;
+    return w.role;
+  }
+  // Otherwise a stale copy: an older version that differs in every row's first byte.
+  std::vector<std::byte> copy(w.tensor->data.begin(), w.tensor->data.end());
+  const size_t row_bytes = size_t(w.tensor->shape.back()) * 2;
+  for (size_t at = 0; at < bytes; at += row_bytes) copy[at] ^= std::byte(0x10);
+  BULKHEAD_ASSIGN_OR_RETURN(DeviceMemory stale, DeviceMemory::allocate(bytes));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(stale.get(), copy.data(), bytes, cudaMemcpyHostToDevice));
+  w.ptr = stale.get();
+  d_->stale.push_back(std::move(stale));
+  return w.role;
+}
+
+Status CudaBackend::checkRange(const WeightRange& r) const {
+  if (r.tensor >= used_.size() || r.offset > used_[r.tensor]->data.size() ||
+      r.bytes > used_[r.tensor]->data.size() - r.offset)
+    return invalidArgument("resident range " + std::to_string(r.offset) + "+" +
+                           std::to_string(r.bytes) + " outside tensor " + std::to_string(r.tensor));
+  return okStatus();
+}
+
+Status CudaBackend::residentChecksums(std::span<const WeightRange> ranges,
+                                      std::span<uint64_t> out) {
+  if (out.size() != ranges.size())
+    return invalidArgument(std::to_string(ranges.size()) + " ranges but " +
+                           std::to_string(out.size()) + " checksum destinations");
+  for (const WeightRange& r : ranges) BULKHEAD_RETURN_IF_ERROR(checkRange(r));
+  if (ranges.empty()) return okStatus();
+  CudaState& d = *d_;
+  if (ranges.size() > d.scrub_capacity) {
+    BULKHEAD_ASSIGN_OR_RETURN(d.scrub_ranges,
+                              DeviceMemory::allocate(ranges.size() * sizeof(cuda::DeviceRange)));
+    BULKHEAD_ASSIGN_OR_RETURN(d.scrub_sums, DeviceMemory::allocate(ranges.size() * 8));
+    d.scrub_capacity = ranges.size();
+  }
+  std::vector<cuda::DeviceRange> refs(ranges.size());
+  for (size_t i = 0; i < ranges.size(); ++i)
+    refs[i] = {d.slots[ranges[i].tensor].get<std::byte>() + ranges[i].offset, ranges[i].bytes};
+  cudaStream_t s = d.scrub_stream.get();
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.scrub_ranges.get(), refs.data(),
+                                                refs.size() * sizeof(refs[0]),
+                                                cudaMemcpyHostToDevice, s));
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchRangeChecksums(d.scrub_ranges.get<cuda::DeviceRange>(),
+                                                      int(refs.size()),
+                                                      d.scrub_sums.get<uint64_t>(), s));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.data(), d.scrub_sums.get(), out.size() * 8,
+                                                cudaMemcpyDeviceToHost, s));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  return okStatus();
+}
+
+Status CudaBackend::repairResident(const WeightRange& r) {
+  BULKHEAD_RETURN_IF_ERROR(checkRange(r));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_->slots[r.tensor].get<std::byte>() + r.offset,
+                                           used_[r.tensor]->data.data() + r.offset, r.bytes,
+                                           cudaMemcpyHostToDevice));
+  return okStatus();
+}
+
+Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
+  if (bit > 7) return invalidArgument("bit " + std::to_string(bit) + " is not 0..7");
+  uint64_t offset = byte_offset;
+  for (size_t t = 0; t < used_.size(); ++t) {
+    if (offset < used_[t]->data.size()) {
+      std::byte* at = d_->slots[t].get<std::byte>() + offset;
+      std::byte value;
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(&value, at, 1, cudaMemcpyDeviceToHost));
+      value ^= std::byte(1u << bit);
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(at, &value, 1, cudaMemcpyHostToDevice));
+      return okStatus();
+    }
+    offset -= used_[t]->data.size();
+  }
+  return invalidArgument("weight byte " + std::to_string(byte_offset) + " outside " +
+                         std::to_string(limits_.resident_weight_bytes) + " bytes");
+}
+
+}  // namespace bulkhead

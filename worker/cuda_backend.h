@@ -1,0 +1,111 @@
+// The CUDA backend: every weight resident in its own tagged device slot, a paged bf16 KV cache,
+// and a forward pass of our kernels (cuda/) around workspace-0 cuBLAS products, launched on one
+// stream by enqueueStep() and waited for in waitStep(). Logits rows go straight into the
+// host-registered arena with their checksum and finite flag computed on the device, and every
+// step checks itself: slot tags before it runs, the arithmetic check of every product, and the
+// folded words of every weight our own kernels load (DESIGN.md, "Integrity").
+#pragma once
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "shared/checkpoint.h"
+#include "worker/backend.h"
+
+namespace bulkhead {
+
+struct CudaState;  // the device resources, kept out of this header (no CUDA includes here)
+
+class CudaBackend final : public Backend {
+ public:
+  struct Options {
+    int device = 0;
+    uint32_t kv_block_size = 16;
+    uint32_t kv_blocks = 0;  // 0: kv_memory_share of the memory free after the weights
+    double kv_memory_share = 0.5;
+    uint32_t max_step_tokens = 8192;
+    bool check_weight_reads = true;
+    float attention_scale_factor = 1.0f;  // fault injection, as CpuBackend::Options
+  };
+
+  static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
+                                                     const Options& options);
+  ~CudaBackend() override;
+
+  std::string_view name() const override { return "cuda"; }
+  const ModelConfig& config() const override { return checkpoint_->config(); }
+  const BackendLimits& limits() const override { return limits_; }
+  Status registerOutputs(std::span<std::byte> memory) override;
+  Status enqueueStep(std::span<const SequenceStep> batch, std::span<const RowOutput> rows) override;
+  Status waitStep(WeightReadVerdict& verdict) override;
+  Status flipWeightBit(uint64_t byte_offset, uint8_t bit) override;
+  Result<std::string> staleSlot(uint64_t selector) override;
+  Result<std::string> computeFault(uint64_t selector) override;
+  Status residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) override;
+  Status repairResident(const WeightRange& range) override;
+
+ private:
+  // One weight role as the kernels are handed it.
+  struct Weight {
+    const TensorView* tensor = nullptr;  // the checkpoint's bytes
+    uint32_t tensor_index = 0;           // its resident slot (usedTensors() order)
+    const void* ptr = nullptr;           // the device address the launches use
+    uint32_t generation = 0;             // of the slot when the binding was made
+    std::string role;
+    int product = -1;  // a linear layer's product role (arithmetic check)
+    int fold = -1;     // a weight our kernels load: its fold account
+    uint32_t salt = 0;
+  };
+  struct Layer {
+    Weight q, k, v, o, gate, up, down, input_norm, post_norm, q_bias, k_bias, v_bias;
+  };
+  // A weight our kernels load, and what its reads must fold to.
+  struct FoldRole {
+    Weight* weight = nullptr;
+    uint64_t expected = 0;  // one full read of the checkpoint's bytes
+    uint64_t words = 0;
+    std::vector<uint64_t> row_expected;  // read row by row (the embedding)
+    enum Uses { kTokenRows, kLogitsRows, kGathered } uses = kTokenRows;
+  };
+
+  CudaBackend() = default;
+  Status load(const Options& options);
+  Status bind(Weight& w, const TensorView* tensor, const std::string& role);
+  Status allocateStep(const Options& options);
+  Status launchForward(int tokens, int logits_rows);
+  Status product(const Weight& w, const void* x, int rows, float* y, int ldy);
+  WeightReadVerdict verifySlots() const;
+  WeightReadVerdict verdictOfStep() const;
+  Status checkRange(const WeightRange& range) const;
+
+  std::shared_ptr<const Checkpoint> checkpoint_;
+  BackendLimits limits_;
+  float attention_scale_ = 1.0f;
+  std::unique_ptr<CudaState> d_;
+  std::vector<const TensorView*> used_;
+  struct SlotTag {
+    uint32_t tensor = 0;
+    uint32_t generation = 0;
+  };
+  std::unordered_map<const void*, SlotTag> slot_tags_;
+  Weight embed_, lm_head_, final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<Weight*> weights_;  // every role, for slot checks and fault injection
+  std::vector<Weight*> linear_;   // by product role
+  std::vector<FoldRole> folds_;
+  int product_roles_ = 0;
+  // Fault injection: the product role and selector of the next step's faulty multiply; -1 none.
+  int fault_role_ = -1;
+  uint64_t fault_selector_ = 0;
+  // The step between enqueueStep() and waitStep().
+  struct Pending {
+    bool queued = false;
+    int tokens = 0;
+    std::vector<RowOutput> rows;
+    std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold
+  } pending_;
+};
+
+}  // namespace bulkhead
