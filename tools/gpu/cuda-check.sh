@@ -15,3 +15,11 @@ for shape in "$@"; do
   timeout 200 "$bundle/bulkhead" step-bench --model "$model" --backend cuda --batches 1,8,32,64 \
     --iterations 100 2>&1 | tee "$out/step-bench-$shape.txt" | grep -v '^\['
 done
+# serve-bench through a broker on the CUDA backend, for each shape in SERVE_SHAPES.
+for shape in ${SERVE_SHAPES:-}; do
+  model=/tmp/bulkhead-$shape
+  [ -d "$model" ] || timeout 300 "$bundle/bulkhead" make-model --shape "$shape" --out "$model" > /dev/null
+  timeout 300 "$bundle/bulkhead" serve-bench --model "$model" --backend cuda \
+    --concurrency 1,32,64 --json "$out/serve-bench-$shape.json" 2>&1 |
+    tee "$out/serve-bench-$shape.txt" | grep -v '^\['
+done
