@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
     const uint32_t count = min(uint32_t(kChunk), len - chunk);
     float score = -INFINITY;
     if (uint32_t(t) < count) {
-      const __nv_bfloat162* k = reinterpret_cast<const __nv_bfloat162*>(rowOf(a.k_cache, chunk + t));
+      const __nv_bfloat162* k =
+          reinterpret_cast<const __nv_bfloat162*>(rowOf(a.k_cache, chunk + t));
       float dot = 0.0f;
       for (int i = 0; i < hd / 2; ++i) {
         const float2 kv = __bfloat1622float2(k[i]);

@@ -12,8 +12,8 @@ constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads)
     embeddingKernel(const __nv_bfloat16* __restrict__ table, int hidden,
-                    const uint32_t* __restrict__ tokens, float* __restrict__ out,
-                    FoldAccount* fold, uint32_t salt) {
+                    const uint32_t* __restrict__ tokens, float* __restrict__ out, FoldAccount* fold,
+                    uint32_t salt) {
   __shared__ unsigned long long fold_scratch[kThreads / 32];
   const int pairs = hidden / 2;
   const uint64_t first_word = uint64_t(tokens[blockIdx.x]) * pairs;

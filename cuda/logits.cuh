@@ -17,12 +17,12 @@ namespace bulkhead::cuda {
 struct LogitsArgs {
   const float* logits = nullptr;  // rows x vocab fp32
   int rows = 0, vocab = 0;
-  float* const* dst = nullptr;  // rows device-visible destinations (vocab floats each)
-  bool aligned = false;         // every destination is 16-byte aligned (vector stores)
+  float* const* dst = nullptr;             // rows device-visible destinations (vocab floats each)
+  bool aligned = false;                    // every destination is 16-byte aligned (vector stores)
   unsigned long long* row_sums = nullptr;  // rows, zeroed before
   unsigned int* row_nonfinite = nullptr;   // rows, zeroed before
-  int role = -1;                // lm_head's product role
-  int check_row = 0;            // the first row's index in the product checks
+  int role = -1;                           // lm_head's product role
+  int check_row = 0;                       // the first row's index in the product checks
   CheckView checks;
 };
 

@@ -161,4 +161,30 @@ class HostRegistration {
   size_t bytes_ = 0;
 };
 
+// An instantiated CUDA graph.
+class GraphExec {
+ public:
+  GraphExec() = default;
+  // Instantiates `graph` and destroys it.
+  static Result<GraphExec> instantiate(cudaGraph_t graph) {
+    GraphExec e;
+    const cudaError_t err = cudaGraphInstantiate(&e.exec_, graph, 0);
+    cudaGraphDestroy(graph);
+    BULKHEAD_CUDA_RETURN_IF_ERROR(err);
+    return e;
+  }
+  GraphExec(GraphExec&& o) noexcept : exec_(std::exchange(o.exec_, nullptr)) {}
+  GraphExec& operator=(GraphExec&& o) noexcept {
+    std::swap(exec_, o.exec_);
+    return *this;
+  }
+  ~GraphExec() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  }
+  cudaGraphExec_t get() const { return exec_; }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 }  // namespace bulkhead::cuda

@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   const float inv = 1.0f / sqrtf(total / float(a.hidden) + a.eps);
   if (a.delta_role >= 0) {
     produced = blockSum(produced, scratch);
-    if (threadIdx.x == 0) atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.delta_role].produced, produced);
+    if (threadIdx.x == 0)
+      atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.delta_role].produced, produced);
   }
 
   const int out_r = a.out_row != nullptr ? a.out_row[r] : r;

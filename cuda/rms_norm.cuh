@@ -18,16 +18,16 @@ namespace bulkhead::cuda {
 constexpr int kMaxNormConsumers = 3;
 
 struct RmsNormArgs {
-  float* x = nullptr;             // rows x hidden fp32; updated in place when delta is given
-  const float* delta = nullptr;   // rows x hidden, added to x first; null: none
-  int delta_role = -1;            // the product delta came from (its produced sums); -1: none
+  float* x = nullptr;            // rows x hidden fp32; updated in place when delta is given
+  const float* delta = nullptr;  // rows x hidden, added to x first; null: none
+  int delta_role = -1;           // the product delta came from (its produced sums); -1: none
   int rows = 0;
-  int hidden = 0;                 // even
+  int hidden = 0;  // even
   const __nv_bfloat16* weight = nullptr;
   uint32_t weight_salt = 0;
-  int weight_fold = -1;           // the weight's FoldAccount; -1: not folded
+  int weight_fold = -1;  // the weight's FoldAccount; -1: not folded
   float eps = 1e-6f;
-  __nv_bfloat16* out = nullptr;   // normalised rows, bf16
+  __nv_bfloat16* out = nullptr;  // normalised rows, bf16
   // Row r is normalised into out row out_row[r] and skipped when that is negative (the final
   // norm of the rows whose logits were asked for); null: into row r. The consumers' checks are
   // kept by out row.

@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
     v_at = a.v_cache + slot;
   }
   double produced[3];
-  produced[0] = rotateHeads(row, a.heads, a.head_dim, a.bias[0], cos_row, sin_row, true, nullptr,
-                            0);
+  produced[0] =
+      rotateHeads(row, a.heads, a.head_dim, a.bias[0], cos_row, sin_row, true, nullptr, 0);
   produced[1] = rotateHeads(row + q_dim, a.kv_heads, a.head_dim, a.bias[1], cos_row, sin_row,
                             k_at == nullptr, k_at, head_stride);
   produced[2] = 0.0;
@@ -112,8 +112,8 @@ RopeTables ropeTables(const std::vector<float>& inv_freq, uint32_t max_context) 
 Status launchQkv(const QkvArgs& a, cudaStream_t stream) {
   if (a.rows < 0 || a.heads <= 0 || a.kv_heads <= 0 || a.head_dim <= 0 || a.head_dim % 2 != 0 ||
       int64_t(a.heads + 2 * a.kv_heads) * a.head_dim > a.stride ||
-      (a.k_cache != nullptr && (a.v_cache == nullptr || a.row_block == nullptr ||
-                                a.block_size <= 0)))
+      (a.k_cache != nullptr &&
+       (a.v_cache == nullptr || a.row_block == nullptr || a.block_size <= 0)))
     return invalidArgument("q/k/v of " + std::to_string(a.heads) + "+2x" +
                            std::to_string(a.kv_heads) + " heads of " + std::to_string(a.head_dim) +
                            " in rows of " + std::to_string(a.stride));

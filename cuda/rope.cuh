@@ -36,9 +36,9 @@ struct QkvArgs {
   const __nv_bfloat16* bias[3] = {};  // q, k, v biases (bf16, as the checkpoint stores them)
   uint32_t bias_salt[3] = {};
   int bias_fold[3] = {-1, -1, -1};
-  int product_role[3] = {-1, -1, -1};  // the q, k, v products (their produced sums)
-  const uint32_t* positions = nullptr;   // rows, each < the tables' context
-  const float* cos_table = nullptr;      // device copies of RopeTables
+  int product_role[3] = {-1, -1, -1};   // the q, k, v products (their produced sums)
+  const uint32_t* positions = nullptr;  // rows, each < the tables' context
+  const float* cos_table = nullptr;     // device copies of RopeTables
   const float* sin_table = nullptr;
   // This layer's cache, [block][kv_head][slot][head_dim]; row r goes to block row_block[r],
   // slot positions[r] % block_size. Null k_cache: nothing is written (k stays in qkv, rotated).

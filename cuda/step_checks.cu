@@ -24,8 +24,7 @@ __global__ void flipKernel(float* y, size_t index) {
 }  // namespace
 
 Status launchCountFailedProducts(const ProductCheck* products, int rows, int roles,
-                                 unsigned int* failed, unsigned int* checked,
-                                 cudaStream_t stream) {
+                                 unsigned int* failed, unsigned int* checked, cudaStream_t stream) {
   const int total = rows * roles;
   if (total <= 0) return okStatus();
   constexpr int kThreads = 256;

@@ -39,9 +39,9 @@ struct CheckView {
 
 // A product that consumes a bf16 input a kernel writes: its role and the weight's column sums.
 struct ConsumerSums {
-  int role = -1;                   // -1: none
-  const float* colsum = nullptr;   // sum_j w[j][k]
-  const float* abssum = nullptr;   // sum_j |w[j][k]|, times the bound's unit
+  int role = -1;                  // -1: none
+  const float* colsum = nullptr;  // sum_j w[j][k]
+  const float* abssum = nullptr;  // sum_j |w[j][k]|, times the bound's unit
 };
 
 #ifdef __CUDACC__

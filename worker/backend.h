@@ -22,8 +22,9 @@ struct BackendLimits {
   uint32_t kv_block_size = 0;
   uint32_t kv_block_count = 0;
   uint32_t max_step_tokens = 0;  // tokens across all sequences of one step
-  // Batch sizes (sequences per step) the backend has captured CUDA graphs for, ascending; a step
-  // of another size runs uncaptured. Empty on CPU.
+  // Batch sizes (sequences per decode step: one token and its logits row each) that run as a
+  // CUDA graph, each captured the first time it is seen; ascending. Other steps run uncaptured.
+  // Empty on CPU.
   std::vector<uint32_t> graph_batch_buckets;
   // Memory figures. Resident weights live in the backend's own memory for its whole life;
   // streamed ones are copied in every step (DESIGN.md, "Residency"). On CPU every weight is

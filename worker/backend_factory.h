@@ -15,6 +15,7 @@ struct BackendOptions {
   // Check every step's weight reads (off only to measure what the checks cost).
   bool check_weight_reads = true;
   float attention_scale_factor = 1.0f;  // fault injection (CpuBackend::Options)
+  bool cuda_graphs = true;              // the CUDA backend runs decode steps as graphs
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

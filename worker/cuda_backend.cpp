@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include "cuda/activation.cuh"
 #include "cuda/attention.cuh"
@@ -28,6 +29,7 @@ namespace {
 
 constexpr int kLinearPerLayer = 7;  // q, k, v, o, gate, up, down
 constexpr int kLogitsChunk = 64;    // lm_head rows per product
+constexpr int kMaxGraphRows = 64;   // decode steps of up to this many sequences run as graphs
 
 // The arithmetic check's bound per unit of sum_k abssum_k |x_k|: a float32 dot product of
 // length k errs by at most about k * 2^-24 of its absolute terms; four times that leaves room
@@ -53,7 +55,8 @@ struct CudaState {
   cuda::Stream stream, scrub_stream;
   cuda::Event done;
   std::unique_ptr<cuda::Matmul> matmul;
-  std::vector<DeviceMemory> slots;  // one per used tensor
+  DeviceMemory weights;             // every slot
+  std::vector<std::byte*> slots;    // one per used tensor, in usedTensors() order
   std::vector<DeviceMemory> stale;  // stale copies made by fault injection
   DeviceMemory column_sums;         // per product role: colsum[k], then abssum[k]
   std::vector<const float*> colsum, abssum;
@@ -74,6 +77,7 @@ struct CudaState {
   DeviceMemory inputs;
   // Checks: products [rows][roles]; the rest read back after every step.
   DeviceMemory products;
+  cuda::CheckView view;  // products and the fold accounts in `results`
   struct Results {
     size_t folds = 0, row_sums = 0, failed = 0, checked = 0, nonfinite = 0;
     Layout layout;
@@ -81,6 +85,8 @@ struct CudaState {
   DeviceMemory results;
   PinnedMemory results_host;
   cuda::HostRegistration outputs;
+  // Decode steps captured as graphs, by (rows, whether the destinations are 16-byte aligned).
+  std::map<std::pair<int, bool>, cuda::GraphExec> graphs;
   // Scrubbing: ranges and their sums, on the scrub stream.
   DeviceMemory scrub_ranges, scrub_sums;
   size_t scrub_capacity = 0;
@@ -124,6 +130,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->checkpoint_ = std::move(checkpoint);
   b->attention_scale_ = options.attention_scale_factor;
+  b->graphs_ = options.cuda_graphs;
   b->d_ = std::make_unique<CudaState>();
   BULKHEAD_RETURN_IF_ERROR(b->load(options));
   return b;
@@ -141,7 +148,7 @@ Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string&
     return unimplemented("the CUDA backend computes from bf16 weights; " + tensor->name + " is " +
                          std::string(dtypeName(tensor->dtype)));
   w.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), tensor) - used_.begin());
-  w.ptr = d_->slots[w.tensor_index].get();
+  w.ptr = d_->slots[w.tensor_index];
   w.generation = slot_tags_.at(w.ptr).generation;
   w.salt = uint32_t(splitmix64(weights_.size() + 1));
   weights_.push_back(&w);
@@ -167,16 +174,30 @@ Status CudaBackend::load(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.matmul, cuda::Matmul::create(d.stream.get()));
 
-  // One slot per used tensor, filled from the checkpoint's bytes.
+  // One slot per used tensor in one allocation, filled from the checkpoint's bytes. Each layer's
+  // q, k and v slots come one after another, and its gate and up slots, so each group is one
+  // weight matrix to the product that reads it (when their sizes keep the slots adjacent).
   used_ = checkpoint_->usedTensors();
+  std::vector<const TensorView*> order;
+  for (const LayerTensors& l : t.layers)
+    for (const TensorView* m : {l.q, l.k, l.v, l.gate, l.up}) order.push_back(m);
+  for (const TensorView* m : used_)
+    if (std::find(order.begin(), order.end(), m) == order.end()) order.push_back(m);
+  Layout arena;
+  std::vector<size_t> offsets(used_.size());
   uint64_t weight_bytes = 0;
-  for (const TensorView* m : used_) {
-    BULKHEAD_ASSIGN_OR_RETURN(DeviceMemory slot, DeviceMemory::allocate(m->data.size()));
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(slot.get(), m->data.data(), m->data.size(),
-                                             cudaMemcpyHostToDevice));
-    slot_tags_[slot.get()] = {uint32_t(d.slots.size()), 1};
-    d.slots.push_back(std::move(slot));
+  for (const TensorView* m : order) {
+    const size_t index = size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
+    offsets[index] = arena.add(m->data.size());
     weight_bytes += m->data.size();
+  }
+  BULKHEAD_ASSIGN_OR_RETURN(d.weights, DeviceMemory::allocate(arena.bytes));
+  for (size_t i = 0; i < used_.size(); ++i) {
+    std::byte* slot = d.weights.get<std::byte>() + offsets[i];
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(slot, used_[i]->data.data(), used_[i]->data.size(), cudaMemcpyHostToDevice));
+    slot_tags_[slot] = {uint32_t(i), 1};
+    d.slots.push_back(slot);
   }
 
   // Roles: the products (layers in order, then lm_head), then the weights our kernels load.
@@ -184,17 +205,23 @@ Status CudaBackend::load(const Options& options) {
   const bool tied = t.lm_head == t.embed;
   BULKHEAD_RETURN_IF_ERROR(bind(embed_, t.embed, t.embed->name));
   BULKHEAD_RETURN_IF_ERROR(bind(
-      lm_head_, t.lm_head,
-      tied ? "lm_head (tied to " + t.embed->name + ")" : t.lm_head->name));
+      lm_head_, t.lm_head, tied ? "lm_head (tied to " + t.embed->name + ")" : t.lm_head->name));
   BULKHEAD_RETURN_IF_ERROR(bind(final_norm_, t.final_norm, t.final_norm->name));
   for (size_t i = 0; i < t.layers.size(); ++i) {
     const LayerTensors& l = t.layers[i];
     Layer& L = layers_[i];
-    const std::pair<Weight*, const TensorView*> roles[] = {
-        {&L.q, l.q},       {&L.k, l.k},         {&L.v, l.v},
-        {&L.o, l.o},       {&L.gate, l.gate},   {&L.up, l.up},
-        {&L.down, l.down}, {&L.input_norm, l.input_norm}, {&L.post_norm, l.post_norm},
-        {&L.q_bias, l.q_bias}, {&L.k_bias, l.k_bias},     {&L.v_bias, l.v_bias}};
+    const std::pair<Weight*, const TensorView*> roles[] = {{&L.q, l.q},
+                                                           {&L.k, l.k},
+                                                           {&L.v, l.v},
+                                                           {&L.o, l.o},
+                                                           {&L.gate, l.gate},
+                                                           {&L.up, l.up},
+                                                           {&L.down, l.down},
+                                                           {&L.input_norm, l.input_norm},
+                                                           {&L.post_norm, l.post_norm},
+                                                           {&L.q_bias, l.q_bias},
+                                                           {&L.k_bias, l.k_bias},
+                                                           {&L.v_bias, l.v_bias}};
     for (const auto& [w, tensor] : roles)
       BULKHEAD_RETURN_IF_ERROR(bind(*w, tensor, tensor != nullptr ? tensor->name : ""));
     for (Weight* w : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) {
@@ -219,8 +246,8 @@ Status CudaBackend::load(const Options& options) {
     const int rows = int(w->tensor->shape[0]), cols = int(w->tensor->shape[1]);
     d.colsum.push_back(at);
     d.abssum.push_back(at + cols);
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchColumnSums(static_cast<const __nv_bfloat16*>(w->ptr),
-                                                    rows, cols, boundUnit(cols), at, at + cols,
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchColumnSums(static_cast<const __nv_bfloat16*>(w->ptr), rows,
+                                                    cols, boundUnit(cols), at, at + cols,
                                                     d.stream.get()));
     at += 2 * size_t(cols);
   }
@@ -267,10 +294,8 @@ Status CudaBackend::load(const Options& options) {
   if (blocks == 0 || blocks > UINT32_MAX)
     return resourceExhausted("KV cache of " + std::to_string(blocks) + " blocks is unusable");
   d.kv_layer_elems = size_t(blocks) * block_elems;
-  BULKHEAD_ASSIGN_OR_RETURN(d.k_cache,
-                            DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
-  BULKHEAD_ASSIGN_OR_RETURN(d.v_cache,
-                            DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
+  BULKHEAD_ASSIGN_OR_RETURN(d.k_cache, DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
+  BULKHEAD_ASSIGN_OR_RETURN(d.v_cache, DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
 
   const cuda::RopeTables rope = cuda::ropeTables(c.ropeInverseFrequencies(), c.max_context);
   BULKHEAD_ASSIGN_OR_RETURN(d.rope_cos, DeviceMemory::allocate(rope.cos.size() * 4));
@@ -281,12 +306,14 @@ Status CudaBackend::load(const Options& options) {
       cudaMemcpy(d.rope_sin.get(), rope.sin.data(), rope.sin.size() * 4, cudaMemcpyHostToDevice));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
+  std::vector<uint32_t> buckets;
+  for (uint32_t b = 1; options.cuda_graphs && b <= kMaxGraphRows; ++b) buckets.push_back(b);
   limits_ = {.vocab_size = uint32_t(c.vocab_size),
              .max_context = uint32_t(c.max_context),
              .kv_block_size = options.kv_block_size,
              .kv_block_count = uint32_t(blocks),
              .max_step_tokens = options.max_step_tokens,
-             .graph_batch_buckets = {},
+             .graph_batch_buckets = std::move(buckets),
              .resident_weight_bytes = weight_bytes,
              .streamed_weight_bytes = 0,
              .kv_cache_bytes = d.kv_layer_elems * c.num_layers * 2 * 2,
@@ -316,8 +343,8 @@ Status CudaBackend::allocateStep(const Options& options) {
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
   BULKHEAD_RETURN_IF_ERROR(d.allocateInputs(T, T * 4));
 
-  BULKHEAD_ASSIGN_OR_RETURN(d.products, DeviceMemory::allocate(T * size_t(product_roles_) *
-                                                               sizeof(cuda::ProductCheck)));
+  BULKHEAD_ASSIGN_OR_RETURN(
+      d.products, DeviceMemory::allocate(T * size_t(product_roles_) * sizeof(cuda::ProductCheck)));
   d.res.layout = {};
   d.res.folds = d.res.layout.add(std::max<size_t>(1, folds_.size()) * sizeof(cuda::FoldAccount));
   d.res.row_sums = d.res.layout.add(T * 8);
@@ -326,6 +353,8 @@ Status CudaBackend::allocateStep(const Options& options) {
   d.res.nonfinite = d.res.layout.add(T * 4);
   BULKHEAD_ASSIGN_OR_RETURN(d.results, DeviceMemory::allocate(d.res.layout.bytes));
   BULKHEAD_ASSIGN_OR_RETURN(d.results_host, PinnedMemory::allocate(d.res.layout.bytes));
+  d.view = {d.products.get<cuda::ProductCheck>(), product_roles_,
+            d.result<cuda::FoldAccount>(d.res.folds)};
   return okStatus();
 }
 
@@ -348,8 +377,9 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   for (const SequenceStep& s : batch) table_words += s.kv_blocks.size();
   if (table_words > d.in.table_capacity) {
     // Grow the tables' room (no step is in flight: the last waitStep synchronised).
-    BULKHEAD_RETURN_IF_ERROR(d.allocateInputs(limits_.max_step_tokens,
-                                              std::max(table_words, 2 * d.in.table_capacity)));
+    BULKHEAD_RETURN_IF_ERROR(
+        d.allocateInputs(limits_.max_step_tokens, std::max(table_words, 2 * d.in.table_capacity)));
+    d.graphs.clear();  // they read the old inputs
   }
   auto* tokens = d.inputHost<uint32_t>(d.in.tokens);
   auto* positions = d.inputHost<uint32_t>(d.in.positions);
@@ -381,12 +411,13 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   // (tests, a fault's diverted row) through a device buffer, copied out chunk by chunk.
   for (int r = 0; r < m; ++r) {
     void* mapped = d.outputs.deviceAddress(rows[size_t(r)].payload);
-    dst[r] = mapped != nullptr ? static_cast<float*>(mapped)
-                               : d.fallback.get<float>() + size_t(r % kLogitsChunk) * config().vocab_size;
+    dst[r] = mapped != nullptr
+                 ? static_cast<float*>(mapped)
+                 : d.fallback.get<float>() + size_t(r % kLogitsChunk) * config().vocab_size;
   }
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
-                                                d.in.tables + table_at * 4,
-                                                cudaMemcpyHostToDevice, d.stream.get()));
+                                                d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
+                                                d.stream.get()));
   pending_.tokens = int(n);
   pending_.rows.assign(rows.begin(), rows.end());
   if (limits_.checks_weight_reads) {
@@ -397,180 +428,216 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       return okStatus();
     }
   }
-  BULKHEAD_RETURN_IF_ERROR(launchForward(int(n), m));
+  bool mapped = true, aligned = true;
+  for (int r = 0; r < m; ++r) {
+    mapped = mapped && d.outputs.deviceAddress(rows[size_t(r)].payload) != nullptr;
+    aligned = aligned && uintptr_t(dst[r]) % 16 == 0;
+  }
+  // A decode step (a token and its logits row per sequence) runs as a graph, captured the
+  // first time its size is seen; the same launches either way, so the same numbers.
+  if (graphs_ && fault_role_ < 0 && mapped && size_t(m) == n && n <= kMaxGraphRows) {
+    auto graph = d.graphs.find({m, aligned});
+    if (graph == d.graphs.end()) {
+      BULKHEAD_CUDA_RETURN_IF_ERROR(
+          cudaStreamBeginCapture(d.stream.get(), cudaStreamCaptureModeThreadLocal));
+      const Status launched = launchForward(int(n), m, aligned);
+      cudaGraph_t captured = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(d.stream.get(), &captured);
+      if (!launched.ok()) {
+        if (captured != nullptr) cudaGraphDestroy(captured);
+        return launched;
+      }
+      BULKHEAD_CUDA_RETURN_IF_ERROR(ended);
+      BULKHEAD_ASSIGN_OR_RETURN(cuda::GraphExec exec, cuda::GraphExec::instantiate(captured));
+      graph = d.graphs.emplace(std::pair{m, aligned}, std::move(exec)).first;
+    }
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph->second.get(), d.stream.get()));
+    ++graph_launches_;
+  } else {
+    BULKHEAD_RETURN_IF_ERROR(launchForward(int(n), m, aligned));
+  }
+  fault_role_ = -1;  // a compute fault lasts one step
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.done.get(), d.stream.get()));
   pending_.queued = true;
   return okStatus();
 }
 
-Status CudaBackend::product(const Weight& w, const void* x, int rows, float* y, int ldy) {
-  const int n = int(w.tensor->shape[0]), k = int(w.tensor->shape[1]);
-  BULKHEAD_RETURN_IF_ERROR(d_->matmul->run(static_cast<const __nv_bfloat16*>(x), rows,
-                                           static_cast<const __nv_bfloat16*>(w.ptr), n, k, y,
-                                           false, ldy));
-  if (w.product == fault_role_) {
-    // Output (selector % n) of token (selector / n % rows), as CpuBackend picks it.
-    const uint64_t s = (fault_selector_ / uint64_t(product_roles_)) & 0x7fffffffffffull;
-    const size_t index = size_t(s / uint64_t(n) % uint64_t(rows)) * size_t(ldy == 0 ? n : ldy) +
-                         size_t(s % uint64_t(n));
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchFlipExponentBit(y, index, d_->stream.get()));
+Status CudaBackend::applyFault(const Weight& w, float* y, int rows, int ldy) {
+  if (w.product != fault_role_) return okStatus();
+  // Output (s % n) of token (s / n % rows), as CpuBackend picks it.
+  const uint64_t n = uint64_t(w.tensor->shape[0]);
+  const uint64_t s = (fault_selector_ / uint64_t(product_roles_)) & 0x7fffffffffffull;
+  const size_t index = size_t(s / n % uint64_t(rows)) * size_t(ldy) + size_t(s % n);
+  return cuda::launchFlipExponentBit(y, index, d_->stream.get());
+}
+
+Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
+                             float* y, int ldy) {
+  // One product over the group when its slots lie one after another (one weight matrix), else
+  // one each; either way output j of group member i lands at column (sum of earlier n) + j.
+  const Weight& first = **group.begin();
+  const int k = int(first.tensor->shape[1]);
+  bool adjacent = true;
+  int n = 0;
+  const std::byte* next = static_cast<const std::byte*>(first.ptr);
+  for (const Weight* w : group) {
+    adjacent = adjacent && w->ptr == next && int(w->tensor->shape[1]) == k;
+    next = static_cast<const std::byte*>(w->ptr) + w->tensor->data.size();
+    n += int(w->tensor->shape[0]);
+  }
+  const auto* input = static_cast<const __nv_bfloat16*>(x);
+  if (adjacent) {
+    BULKHEAD_RETURN_IF_ERROR(d_->matmul->run(
+        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, false, ldy));
+  }
+  int column = 0;
+  for (const Weight* w : group) {
+    const int wn = int(w->tensor->shape[0]);
+    if (!adjacent)
+      BULKHEAD_RETURN_IF_ERROR(d_->matmul->run(
+          input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k, y + column, false, ldy));
+    BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
+    column += wn;
   }
   return okStatus();
 }
 
-Status CudaBackend::launchForward(int n, int m) {
+cuda::ConsumerSums CudaBackend::consumer(const Weight& w) const {
+  if (!limits_.checks_weight_reads) return {};
+  return {w.product, d_->colsum[size_t(w.product)], d_->abssum[size_t(w.product)]};
+}
+
+Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   const ModelConfig& c = config();
   CudaState& d = *d_;
   cudaStream_t stream = d.stream.get();
-  const int roles = product_roles_, hidden = c.hidden_size, inter = c.intermediate_size;
-  const int q_dim = c.qDim(), kv_dim = c.kvDim();
+  const Layer& L = layers_[l];
   const bool checks = limits_.checks_weight_reads;
-  cuda::CheckView view{d.products.get<cuda::ProductCheck>(), roles,
-                       d.result<cuda::FoldAccount>(d.res.folds)};
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      d.products.get(), 0, size_t(n) * roles * sizeof(cuda::ProductCheck), stream));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.results.get(), 0, d.res.layout.bytes, stream));
-  auto consumer = [&](const Weight& w) {
-    return checks ? cuda::ConsumerSums{w.product, d.colsum[size_t(w.product)],
-                                       d.abssum[size_t(w.product)]}
-                  : cuda::ConsumerSums{};
-  };
   auto role = [&](const Weight& w) { return checks ? w.product : -1; };
   auto foldOf = [&](const Weight& w) { return checks ? w.fold : -1; };
-  const auto* tokens = d.input<uint32_t>(d.in.tokens);
-  const auto* positions = d.input<uint32_t>(d.in.positions);
-  float* x = d.x.get<float>();
-  float* delta = d.delta.get<float>();
+  const int inter = c.intermediate_size;
   float* qkv = d.qkv.get<float>();
+  float* delta = d.delta.get<float>();
   float* gate_up = d.gate_up.get<float>();
   auto* xn = d.xn.get<__nv_bfloat16>();
-  auto* attn = d.attn.get<__nv_bfloat16>();
-  auto* act = d.act.get<__nv_bfloat16>();
 
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchEmbedding(
-      static_cast<const __nv_bfloat16*>(embed_.ptr), hidden, tokens, n, x, stream,
-      checks && embed_.fold >= 0 ? view.folds + embed_.fold : nullptr, embed_.salt));
-  const Weight* previous_down = nullptr;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const Layer& L = layers_[l];
-    cuda::RmsNormArgs norm;
-    norm.x = x;
-    norm.delta = previous_down != nullptr ? delta : nullptr;
-    norm.delta_role = previous_down != nullptr ? role(*previous_down) : -1;
-    norm.rows = n;
-    norm.hidden = hidden;
-    norm.weight = static_cast<const __nv_bfloat16*>(L.input_norm.ptr);
-    norm.weight_salt = L.input_norm.salt;
-    norm.weight_fold = foldOf(L.input_norm);
-    norm.eps = c.rms_norm_eps;
-    norm.out = xn;
-    norm.consumers[0] = consumer(L.q);
-    norm.consumers[1] = consumer(L.k);
-    norm.consumers[2] = consumer(L.v);
-    norm.checks = view;
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
-    BULKHEAD_RETURN_IF_ERROR(product(L.q, xn, n, qkv, d.qkv_stride));
-    BULKHEAD_RETURN_IF_ERROR(product(L.k, xn, n, qkv + q_dim, d.qkv_stride));
-    BULKHEAD_RETURN_IF_ERROR(product(L.v, xn, n, qkv + q_dim + kv_dim, d.qkv_stride));
-
-    cuda::QkvArgs qa;
-    qa.qkv = qkv;
-    qa.rows = n;
-    qa.stride = d.qkv_stride;
-    qa.heads = c.num_heads;
-    qa.kv_heads = c.num_kv_heads;
-    qa.head_dim = c.head_dim;
-    const Weight* biases[3] = {&L.q_bias, &L.k_bias, &L.v_bias};
-    const Weight* projections[3] = {&L.q, &L.k, &L.v};
-    for (int i = 0; i < 3; ++i) {
-      qa.bias[i] = static_cast<const __nv_bfloat16*>(biases[i]->ptr);
-      qa.bias_salt[i] = biases[i]->salt;
-      qa.bias_fold[i] = foldOf(*biases[i]);
-      qa.product_role[i] = role(*projections[i]);
-    }
-    qa.positions = positions;
-    qa.cos_table = d.rope_cos.get<float>();
-    qa.sin_table = d.rope_sin.get<float>();
-    qa.k_cache = d.k_cache.get<__nv_bfloat16>() + l * d.kv_layer_elems;
-    qa.v_cache = d.v_cache.get<__nv_bfloat16>() + l * d.kv_layer_elems;
-    qa.row_block = d.input<uint32_t>(d.in.row_block);
-    qa.block_size = int(limits_.kv_block_size);
-    qa.checks = view;
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchQkv(qa, stream));
-
-    cuda::AttentionArgs aa;
-    aa.q = qkv;
-    aa.q_stride = d.qkv_stride;
-    aa.rows = n;
-    aa.heads = c.num_heads;
-    aa.kv_heads = c.num_kv_heads;
-    aa.head_dim = c.head_dim;
-    aa.positions = positions;
-    aa.row_table = d.input<uint32_t>(d.in.row_table);
-    aa.block_tables = d.input<uint32_t>(d.in.tables);
-    aa.k_cache = qa.k_cache;
-    aa.v_cache = qa.v_cache;
-    aa.block_size = qa.block_size;
-    aa.scale = float(1.0 / std::sqrt(double(c.head_dim))) * attention_scale_;
-    aa.out = attn;
-    aa.consumer = consumer(L.o);
-    aa.checks = view;
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
-    BULKHEAD_RETURN_IF_ERROR(product(L.o, attn, n, delta, hidden));
-
-    norm.delta = delta;
-    norm.delta_role = role(L.o);
-    norm.weight = static_cast<const __nv_bfloat16*>(L.post_norm.ptr);
-    norm.weight_salt = L.post_norm.salt;
-    norm.weight_fold = foldOf(L.post_norm);
-    norm.consumers[0] = consumer(L.gate);
-    norm.consumers[1] = consumer(L.up);
-    norm.consumers[2] = {};
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
-    BULKHEAD_RETURN_IF_ERROR(product(L.gate, xn, n, gate_up, 2 * inter));
-    BULKHEAD_RETURN_IF_ERROR(product(L.up, xn, n, gate_up + inter, 2 * inter));
-
-    cuda::SiluMulArgs sa;
-    sa.gate_up = gate_up;
-    sa.rows = n;
-    sa.inter = inter;
-    sa.out = act;
-    sa.gate_role = role(L.gate);
-    sa.up_role = role(L.up);
-    sa.down = consumer(L.down);
-    sa.checks = view;
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
-    BULKHEAD_RETURN_IF_ERROR(product(L.down, act, n, delta, hidden));
-    previous_down = &L.down;
-  }
-
-  // The last residual add for every row; the final norm for the rows whose logits were asked.
   cuda::RmsNormArgs norm;
-  norm.x = x;
+  norm.x = d.x.get<float>();
   norm.delta = previous_down != nullptr ? delta : nullptr;
   norm.delta_role = previous_down != nullptr ? role(*previous_down) : -1;
   norm.rows = n;
-  norm.hidden = hidden;
+  norm.hidden = c.hidden_size;
+  norm.weight = static_cast<const __nv_bfloat16*>(L.input_norm.ptr);
+  norm.weight_salt = L.input_norm.salt;
+  norm.weight_fold = foldOf(L.input_norm);
+  norm.eps = c.rms_norm_eps;
+  norm.out = xn;
+  norm.consumers[0] = consumer(L.q);
+  norm.consumers[1] = consumer(L.k);
+  norm.consumers[2] = consumer(L.v);
+  norm.checks = d.view;
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+  BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, n, qkv, d.qkv_stride));
+
+  cuda::QkvArgs qa;
+  qa.qkv = qkv;
+  qa.rows = n;
+  qa.stride = d.qkv_stride;
+  qa.heads = c.num_heads;
+  qa.kv_heads = c.num_kv_heads;
+  qa.head_dim = c.head_dim;
+  const Weight* biases[3] = {&L.q_bias, &L.k_bias, &L.v_bias};
+  const Weight* projections[3] = {&L.q, &L.k, &L.v};
+  for (int i = 0; i < 3; ++i) {
+    qa.bias[i] = static_cast<const __nv_bfloat16*>(biases[i]->ptr);
+    qa.bias_salt[i] = biases[i]->salt;
+    qa.bias_fold[i] = foldOf(*biases[i]);
+    qa.product_role[i] = role(*projections[i]);
+  }
+  qa.positions = d.input<uint32_t>(d.in.positions);
+  qa.cos_table = d.rope_cos.get<float>();
+  qa.sin_table = d.rope_sin.get<float>();
+  qa.k_cache = d.k_cache.get<__nv_bfloat16>() + l * d.kv_layer_elems;
+  qa.v_cache = d.v_cache.get<__nv_bfloat16>() + l * d.kv_layer_elems;
+  qa.row_block = d.input<uint32_t>(d.in.row_block);
+  qa.block_size = int(limits_.kv_block_size);
+  qa.checks = d.view;
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchQkv(qa, stream));
+
+  cuda::AttentionArgs aa;
+  aa.q = qkv;
+  aa.q_stride = d.qkv_stride;
+  aa.rows = n;
+  aa.heads = c.num_heads;
+  aa.kv_heads = c.num_kv_heads;
+  aa.head_dim = c.head_dim;
+  aa.positions = qa.positions;
+  aa.row_table = d.input<uint32_t>(d.in.row_table);
+  aa.block_tables = d.input<uint32_t>(d.in.tables);
+  aa.k_cache = qa.k_cache;
+  aa.v_cache = qa.v_cache;
+  aa.block_size = qa.block_size;
+  aa.scale = float(1.0 / std::sqrt(double(c.head_dim))) * attention_scale_;
+  aa.out = d.attn.get<__nv_bfloat16>();
+  aa.consumer = consumer(L.o);
+  aa.checks = d.view;
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
+  BULKHEAD_RETURN_IF_ERROR(products({&L.o}, aa.out, n, delta, c.hidden_size));
+
+  norm.delta = delta;
+  norm.delta_role = role(L.o);
+  norm.weight = static_cast<const __nv_bfloat16*>(L.post_norm.ptr);
+  norm.weight_salt = L.post_norm.salt;
+  norm.weight_fold = foldOf(L.post_norm);
+  norm.consumers[0] = consumer(L.gate);
+  norm.consumers[1] = consumer(L.up);
+  norm.consumers[2] = {};
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+  BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter));
+
+  cuda::SiluMulArgs sa;
+  sa.gate_up = gate_up;
+  sa.rows = n;
+  sa.inter = inter;
+  sa.out = d.act.get<__nv_bfloat16>();
+  sa.gate_role = role(L.gate);
+  sa.up_role = role(L.up);
+  sa.down = consumer(L.down);
+  sa.checks = d.view;
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
+  return products({&L.down}, sa.out, n, delta, c.hidden_size);
+}
+
+Status CudaBackend::launchOutput(int n, int m, bool aligned) {
+  const ModelConfig& c = config();
+  CudaState& d = *d_;
+  cudaStream_t stream = d.stream.get();
+  const bool checks = limits_.checks_weight_reads;
+  // The last residual add for every row; the final norm for the rows whose logits were asked.
+  cuda::RmsNormArgs norm;
+  norm.x = d.x.get<float>();
+  norm.delta = layers_.empty() ? nullptr : d.delta.get<float>();
+  norm.delta_role = layers_.empty() || !checks ? -1 : layers_.back().down.product;
+  norm.rows = n;
+  norm.hidden = c.hidden_size;
   norm.weight = static_cast<const __nv_bfloat16*>(final_norm_.ptr);
   norm.weight_salt = final_norm_.salt;
-  norm.weight_fold = foldOf(final_norm_);
+  norm.weight_fold = checks ? final_norm_.fold : -1;
   norm.eps = c.rms_norm_eps;
   norm.out = d.final_rows.get<__nv_bfloat16>();
   norm.out_row = d.input<int32_t>(d.in.out_row);
   norm.consumers[0] = consumer(lm_head_);
-  norm.checks = view;
+  norm.checks = d.view;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
 
   const int vocab = c.vocab_size;
   auto* const* dst = d.input<float*>(d.in.dst);
   auto* const* dst_host = d.inputHost<float*>(d.in.dst);
-  bool aligned = true;
-  for (int r = 0; r < m; ++r) aligned = aligned && uintptr_t(dst_host[r]) % 16 == 0;
   for (int first = 0; first < m; first += kLogitsChunk) {
     const int rows = std::min(kLogitsChunk, m - first);
-    BULKHEAD_RETURN_IF_ERROR(product(lm_head_,
-                                     d.final_rows.get<__nv_bfloat16>() + size_t(first) * hidden,
-                                     rows, d.logits.get<float>(), vocab));
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&lm_head_}, d.final_rows.get<__nv_bfloat16>() + size_t(first) * c.hidden_size,
+                 rows, d.logits.get<float>(), vocab));
     cuda::LogitsArgs la;
     la.logits = d.logits.get<float>();
     la.rows = rows;
@@ -579,27 +646,41 @@ Status CudaBackend::launchForward(int n, int m) {
     la.aligned = aligned;
     la.row_sums = d.result<unsigned long long>(d.res.row_sums) + first;
     la.row_nonfinite = d.result<unsigned int>(d.res.nonfinite) + first;
-    la.role = role(lm_head_);
+    la.role = checks ? lm_head_.product : -1;
     la.check_row = first;
-    la.checks = view;
+    la.checks = d.view;
     BULKHEAD_RETURN_IF_ERROR(cuda::launchLogits(la, stream));
     // Rows not in the registered arena went to the fallback buffer: copy them out in order.
     for (int r = first; r < first + rows; ++r) {
       if (d.outputs.deviceAddress(pending_.rows[size_t(r)].payload) != nullptr) continue;
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          pending_.rows[size_t(r)].payload, dst_host[r], size_t(vocab) * 4,
-          cudaMemcpyDeviceToHost, stream));
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pending_.rows[size_t(r)].payload, dst_host[r],
+                                                    size_t(vocab) * 4, cudaMemcpyDeviceToHost,
+                                                    stream));
     }
   }
   if (checks)
     BULKHEAD_RETURN_IF_ERROR(cuda::launchCountFailedProducts(
-        view.products, n, roles, d.result<unsigned int>(d.res.failed),
+        d.view.products, n, product_roles_, d.result<unsigned int>(d.res.failed),
         d.result<unsigned int>(d.res.checked), stream));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.results_host.get(), d.results.get(),
-                                                d.res.layout.bytes, cudaMemcpyDeviceToHost,
-                                                stream));
-  fault_role_ = -1;  // a compute fault lasts one step
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      d.results_host.get(), d.results.get(), d.res.layout.bytes, cudaMemcpyDeviceToHost, stream));
   return okStatus();
+}
+
+Status CudaBackend::launchForward(int n, int m, bool aligned) {
+  CudaState& d = *d_;
+  cudaStream_t stream = d.stream.get();
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      d.products.get(), 0, size_t(n) * product_roles_ * sizeof(cuda::ProductCheck), stream));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.results.get(), 0, d.res.layout.bytes, stream));
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchEmbedding(
+      static_cast<const __nv_bfloat16*>(embed_.ptr), config().hidden_size,
+      d.input<uint32_t>(d.in.tokens), n, d.x.get<float>(), stream,
+      limits_.checks_weight_reads && embed_.fold >= 0 ? d.view.folds + embed_.fold : nullptr,
+      embed_.salt));
+  for (size_t l = 0; l < layers_.size(); ++l)
+    BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n, l == 0 ? nullptr : &layers_[l - 1].down));
+  return launchOutput(n, m, aligned);
 }
 
 WeightReadVerdict CudaBackend::verifySlots() const {
@@ -644,10 +725,11 @@ WeightReadVerdict CudaBackend::verdictOfStep() const {
         break;
     }
     verdict.words_read += folds[i].words;
-    if (verdict.failed_tensor.empty() && (folds[i].sum != want_sum || folds[i].words != want_words)) {
+    if (verdict.failed_tensor.empty() &&
+        (folds[i].sum != want_sum || folds[i].words != want_words)) {
       verdict.failed_tensor = f.weight->role;
       verdict.why = folds[i].words != want_words ? "not read in full"
-                    : f.weight->ptr != d.slots[f.weight->tensor_index].get()
+                    : f.weight->ptr != d.slots[f.weight->tensor_index]
                         ? "read from another slot than its own"
                         : "its bytes differ from the checkpoint";
     }
@@ -661,8 +743,8 @@ WeightReadVerdict CudaBackend::verdictOfStep() const {
     if (failed[r] == 0) continue;
     verdict.failed_tensor = linear_[size_t(r)]->role;
     verdict.failed_check = WeightCheck::kArithmetic;
-    verdict.why = "its products fail the arithmetic check (" + std::to_string(failed[r]) +
-                  " of " + std::to_string(checked[r]) + " output rows)";
+    verdict.why = "its products fail the arithmetic check (" + std::to_string(failed[r]) + " of " +
+                  std::to_string(checked[r]) + " output rows)";
     break;
   }
   return verdict;
@@ -700,6 +782,7 @@ Result<std::string> CudaBackend::staleSlot(uint64_t selector) {
         std::memcmp(other->tensor->data.data(), w.tensor->data.data(), bytes) == 0)
       continue;
     w.ptr = other->ptr;
+    d_->graphs.clear();  // captured with the old binding
     return w.role;
   }
   // Otherwise a stale copy: an older version that differs in every row's first byte.
@@ -711,6 +794,7 @@ Result<std::string> CudaBackend::staleSlot(uint64_t selector) {
       cudaMemcpy(stale.get(), copy.data(), bytes, cudaMemcpyHostToDevice));
   w.ptr = stale.get();
   d_->stale.push_back(std::move(stale));
+  d_->graphs.clear();
   return w.role;
 }
 
@@ -738,23 +822,21 @@ Status CudaBackend::residentChecksums(std::span<const WeightRange> ranges,
   }
   std::vector<cuda::DeviceRange> refs(ranges.size());
   for (size_t i = 0; i < ranges.size(); ++i)
-    refs[i] = {d.slots[ranges[i].tensor].get<std::byte>() + ranges[i].offset, ranges[i].bytes};
+    refs[i] = {d.slots[ranges[i].tensor] + ranges[i].offset, ranges[i].bytes};
   cudaStream_t s = d.scrub_stream.get();
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.scrub_ranges.get(), refs.data(),
-                                                refs.size() * sizeof(refs[0]),
-                                                cudaMemcpyHostToDevice, s));
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchRangeChecksums(d.scrub_ranges.get<cuda::DeviceRange>(),
-                                                      int(refs.size()),
-                                                      d.scrub_sums.get<uint64_t>(), s));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.data(), d.scrub_sums.get(), out.size() * 8,
-                                                cudaMemcpyDeviceToHost, s));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      d.scrub_ranges.get(), refs.data(), refs.size() * sizeof(refs[0]), cudaMemcpyHostToDevice, s));
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchRangeChecksums(
+      d.scrub_ranges.get<cuda::DeviceRange>(), int(refs.size()), d.scrub_sums.get<uint64_t>(), s));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(out.data(), d.scrub_sums.get(), out.size() * 8, cudaMemcpyDeviceToHost, s));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   return okStatus();
 }
 
 Status CudaBackend::repairResident(const WeightRange& r) {
   BULKHEAD_RETURN_IF_ERROR(checkRange(r));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_->slots[r.tensor].get<std::byte>() + r.offset,
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_->slots[r.tensor] + r.offset,
                                            used_[r.tensor]->data.data() + r.offset, r.bytes,
                                            cudaMemcpyHostToDevice));
   return okStatus();
@@ -765,7 +847,7 @@ Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
   uint64_t offset = byte_offset;
   for (size_t t = 0; t < used_.size(); ++t) {
     if (offset < used_[t]->data.size()) {
-      std::byte* at = d_->slots[t].get<std::byte>() + offset;
+      std::byte* at = d_->slots[t] + offset;
       std::byte value;
       BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(&value, at, 1, cudaMemcpyDeviceToHost));
       value ^= std::byte(1u << bit);

@@ -6,17 +6,19 @@
 // folded words of every weight our own kernels load (DESIGN.md, "Integrity").
 #pragma once
 
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "cuda/step_checks.cuh"
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
 
 namespace bulkhead {
 
-struct CudaState;  // the device resources, kept out of this header (no CUDA includes here)
+struct CudaState;  // the device resources, defined where they are used
 
 class CudaBackend final : public Backend {
  public:
@@ -28,6 +30,7 @@ class CudaBackend final : public Backend {
     uint32_t max_step_tokens = 8192;
     bool check_weight_reads = true;
     float attention_scale_factor = 1.0f;  // fault injection, as CpuBackend::Options
+    bool cuda_graphs = true;  // decode steps as graphs (the numbers are the same without)
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -45,6 +48,9 @@ class CudaBackend final : public Backend {
   Result<std::string> computeFault(uint64_t selector) override;
   Status residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) override;
   Status repairResident(const WeightRange& range) override;
+
+  // Steps that ran as a captured graph (tests and stats).
+  uint64_t graphLaunches() const { return graph_launches_; }
 
  private:
   // One weight role as the kernels are handed it.
@@ -74,8 +80,16 @@ class CudaBackend final : public Backend {
   Status load(const Options& options);
   Status bind(Weight& w, const TensorView* tensor, const std::string& role);
   Status allocateStep(const Options& options);
-  Status launchForward(int tokens, int logits_rows);
-  Status product(const Weight& w, const void* x, int rows, float* y, int ldy);
+  // The step's launches on the stream, from clearing the checks to reading them back.
+  Status launchForward(int tokens, int logits_rows, bool aligned);
+  Status launchLayer(size_t layer, int tokens, const Weight* previous_down);
+  Status launchOutput(int tokens, int logits_rows, bool aligned);
+  // y = x · wᵀ for each weight of `group` (one product when their slots are adjacent), outputs
+  // side by side in rows `ldy` floats apart; then the armed compute fault, if one is.
+  Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
+                  int ldy);
+  Status applyFault(const Weight& w, float* y, int rows, int ldy);
+  cuda::ConsumerSums consumer(const Weight& w) const;
   WeightReadVerdict verifySlots() const;
   WeightReadVerdict verdictOfStep() const;
   Status checkRange(const WeightRange& range) const;
@@ -83,6 +97,8 @@ class CudaBackend final : public Backend {
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
   float attention_scale_ = 1.0f;
+  bool graphs_ = true;
+  uint64_t graph_launches_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;
   struct SlotTag {

@@ -43,6 +43,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-in-step-checks", no_in_step_checks,
                "Do not check the weight words each step reads (to measure what the checks cost; "
                "tokens then wait for the scrubber)");
+  bool no_cuda_graphs = false;
+  app.add_flag("--no-cuda-graphs", no_cuda_graphs,
+               "CUDA backend: launch every step's kernels one by one (the logits are the same)");
   std::string perturb;
   app.add_option("--perturb-weight", perturb,
                  "BYTE:BIT to flip in the resident weights at start (needs "
@@ -65,6 +68,7 @@ int main(int argc, char** argv) {
   }
 
   backend_options.check_weight_reads = !no_in_step_checks;
+  backend_options.cuda_graphs = !no_cuda_graphs;
   if (backend_options.attention_scale_factor != 1.0f && !options.enable_fault_injection) {
     spdlog::critical("--perturb-attention needs --enable-fault-injection");
     return 2;

@@ -25,8 +25,10 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
   return ckpt.ok() ? std::make_shared<const Checkpoint>(std::move(*ckpt)) : nullptr;
 }
 
-std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt) {
+std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
+                                         bool graphs = true) {
   CudaBackend::Options options;
+  options.cuda_graphs = graphs;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto backend = CudaBackend::create(std::move(ckpt), options);
@@ -133,9 +135,8 @@ TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
   test::BackendDriver driver(*backend_);
   const auto target = randomTokens(30, vocab_, 2);
   const test::Rows alone = driver.runAlone(1, target, 5);
-  std::vector<std::vector<uint32_t>> others = {randomTokens(50, vocab_, 3),
-                                               randomTokens(9, vocab_, 4),
-                                               randomTokens(33, vocab_, 5)};
+  std::vector<std::vector<uint32_t>> others = {
+      randomTokens(50, vocab_, 3), randomTokens(9, vocab_, 4), randomTokens(33, vocab_, 5)};
   test::TestSequence t = driver.newSequence(100, uint32_t(target.size()));
   std::vector<test::TestSequence> o;
   for (size_t i = 0; i < others.size(); ++i)
@@ -158,6 +159,45 @@ TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
   expectIdentical(alone, batched, "batched");
 }
 
+TEST_P(CudaBackendModels, GraphsDoNotChangeLogits) {
+  // Three sequences prefilled, then decoded together and apart (batch sizes 3 and 1), rows
+  // written into registered memory as in a worker: with graphs and without.
+  auto plain = cudaBackend(checkpoint_, /*graphs=*/false);
+  ASSERT_NE(plain, nullptr);
+  std::vector<float> output(size_t(64) * ((vocab_ + 15) & ~15u));
+  auto registered = [&](CudaBackend& b) {
+    return b.registerOutputs(
+        {reinterpret_cast<std::byte*>(output.data()), output.size() * sizeof(float)});
+  };
+  ASSERT_TRUE(registered(*backend_).ok());
+  ASSERT_TRUE(registered(*plain).ok());
+  auto run = [&](CudaBackend& b) {
+    test::BackendDriver driver(b);
+    driver.setOutputBuffer(&output);
+    std::vector<test::TestSequence> seqs;
+    std::vector<std::vector<uint32_t>> tokens;
+    for (uint32_t i = 0; i < 3; ++i) {
+      seqs.push_back(driver.newSequence(i + 1, 40));
+      tokens.push_back(randomTokens(40, vocab_, 20 + i));
+      driver.step({{&seqs[i], {tokens[i].begin(), tokens[i].begin() + 8}}});
+    }
+    test::Rows rows;
+    for (uint32_t p = 8; p < 40; ++p) {
+      std::vector<test::BackendDriver::Chunk> chunks;
+      for (uint32_t i = 0; i < 3; ++i)
+        if (p % 3 != 0 || i == 0) chunks.push_back({&seqs[i], {tokens[i][p]}});
+      for (const test::Rows& r : driver.step(chunks)) rows.insert(rows.end(), r.begin(), r.end());
+    }
+    return rows;
+  };
+  const test::Rows with = run(*backend_), without = run(*plain);
+  EXPECT_GT(backend_->graphLaunches(), 0u) << "no step ran as a graph";
+  EXPECT_EQ(plain->graphLaunches(), 0u);
+  expectIdentical(with, without, "graphs");
+  ASSERT_TRUE(backend_->registerOutputs({}).ok());
+  ASSERT_TRUE(plain->registerOutputs({}).ok());
+}
+
 TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {
   auto cpu = CpuBackend::create(checkpoint_, {});
   ASSERT_TRUE(cpu.ok()) << cpu.status().toString();
@@ -175,8 +215,9 @@ TEST_P(CudaBackendModels, RowChecksAreThoseOfTheBytesWritten) {
   // Rows in registered memory (as the arena is) and rows outside it both carry checkRow() of
   // exactly what landed.
   std::vector<float> arena(size_t(3) * vocab_ + 7, -1.0f);
-  ASSERT_TRUE(backend_->registerOutputs(
-                  {reinterpret_cast<std::byte*>(arena.data()), arena.size() * sizeof(float)})
+  ASSERT_TRUE(backend_
+                  ->registerOutputs(
+                      {reinterpret_cast<std::byte*>(arena.data()), arena.size() * sizeof(float)})
                   .ok());
   std::vector<float> outside(vocab_, -1.0f);
   const auto tokens = randomTokens(6, vocab_, 8);

@@ -1,6 +1,7 @@
-// The CUDA embedding, q/k/v (bias, RoPE, KV write) and SiLU-gate kernels: each row's result is the same whatever
-// else shares the launch, the embedding and RoPE are bit-exact against the host (the same float
-// operations as the CPU engine), and the activation is within one bf16 rounding of double.
+// The CUDA embedding, q/k/v (bias, RoPE, KV write) and SiLU-gate kernels: each row's result is the
+// same whatever else shares the launch, the embedding and RoPE are bit-exact against the host (the
+// same float operations as the CPU engine), and the activation is within one bf16 rounding of
+// double.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 

@@ -24,6 +24,9 @@ class BackendDriver {
  public:
   explicit BackendDriver(Backend& backend, bool tolerate_failed_reads = false)
       : backend_(backend), tolerate_failed_reads_(tolerate_failed_reads) {}
+  // Rows are written into `buffer` first (memory the backend registered as its output), as
+  // a worker's arena; null: straight into the returned rows.
+  void setOutputBuffer(std::vector<float>* buffer) { output_ = buffer; }
   // Steps whose in-step weight check failed (counted only when tolerated).
   int failedReads() const { return failed_reads_; }
 
@@ -57,7 +60,17 @@ class BackendDriver {
                        .kv_blocks = c.seq->blocks,
                        .logits_rows = row_ids[i]});
     }
+    // With an output buffer, rows land there (as in the arena) and are copied out after.
+    std::vector<float*> final_dst;
+    if (output_ != nullptr) {
+      const size_t stride = (vocab + 15) & ~size_t(15);
+      EXPECT_LE(dst.size() * stride, output_->size()) << "output buffer too small";
+      final_dst.swap(dst);
+      for (size_t k = 0; k < final_dst.size(); ++k) dst.push_back(output_->data() + k * stride);
+    }
     Status s = runStep(backend_, batch, dst);
+    for (size_t k = 0; k < final_dst.size(); ++k)
+      std::memcpy(final_dst[k], dst[k], vocab * sizeof(float));
     if (tolerate_failed_reads_ && s.code() == Code::kDataLoss) {
       ++failed_reads_;  // the step computed, but its own weight check failed
     } else {
@@ -84,6 +97,7 @@ class BackendDriver {
   bool tolerate_failed_reads_ = false;
   int failed_reads_ = 0;
   uint32_t next_block_ = 0;
+  std::vector<float>* output_ = nullptr;
 };
 
 inline bool bitIdentical(const std::vector<float>& a, const std::vector<float>& b) {
