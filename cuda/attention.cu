@@ -1,6 +1,7 @@
-// Paged attention: one block of 128 threads per (row, head). In each chunk of 128 positions,
-// thread t scores position chunk + t; the chunk's maximum and sum go through fixed trees; then
-// thread (part, d) accumulates dimension d over positions part, part + parts, ... in order.
+// Paged attention: one block of 128 threads per (row, head), compiled per head size. In each
+// chunk of 128 positions, thread t scores position chunk + t; the chunk's maximum and sum go
+// through fixed trees; then thread (part, d) accumulates dimension d over positions part,
+// part + parts, ... in order.
 #include "cuda/attention.cuh"
 
 #include <string>
@@ -13,7 +14,6 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kChunk = kThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxHeadDim = 128;
 
 __device__ float warpMax(float v) {
   for (int offset = 16; offset > 0; offset /= 2)
@@ -26,24 +26,35 @@ __device__ float warpSum(float v) {
   return v;
 }
 
+// The cache row of position p for this block's KV head.
+struct CacheRows {
+  const uint32_t* table;
+  size_t head_offset;   // kv_head * block_size * head_dim
+  size_t block_stride;  // kv_heads * block_size * head_dim
+  uint32_t block_size;
+  int head_dim;
+  __device__ size_t at(uint32_t p) const {
+    return size_t(table[p / block_size]) * block_stride + head_offset +
+           size_t(p % block_size) * head_dim;
+  }
+};
+
+template <int HD>
 __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
-  __shared__ float q[kMaxHeadDim];
+  constexpr int kParts = kThreads / HD;
+  constexpr int kUnroll = 8;
+  __shared__ float q[HD];
   __shared__ float probs[kChunk];
   __shared__ float warp_values[kWarps];
   __shared__ float partial[kThreads];
   __shared__ double scratch[kWarps];
   const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
-  const int hd = a.head_dim, parts = kThreads / hd, part = t / hd, d = t % hd;
+  const int part = t / HD, d = t % HD;
   const int kvh = h / (a.heads / a.kv_heads);
   const uint32_t len = a.positions[r] + 1;
-  const uint32_t* table = a.block_tables + a.row_table[r];
-  const size_t head_stride = size_t(a.block_size) * hd;
-  auto rowOf = [&](const __nv_bfloat16* cache, uint32_t p) {
-    const uint32_t block = table[p / uint32_t(a.block_size)];
-    return cache + (size_t(block) * a.kv_heads + kvh) * head_stride +
-           size_t(p % uint32_t(a.block_size)) * hd;
-  };
-  if (t < hd) q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * hd + t];
+  const CacheRows rows{a.block_tables + a.row_table[r], size_t(kvh) * a.block_size * HD,
+                       size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
+  if (t < HD) q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
   __syncthreads();
 
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
@@ -51,13 +62,21 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
     const uint32_t count = min(uint32_t(kChunk), len - chunk);
     float score = -INFINITY;
     if (uint32_t(t) < count) {
-      const __nv_bfloat162* k =
-          reinterpret_cast<const __nv_bfloat162*>(rowOf(a.k_cache, chunk + t));
+      // The key row in 16-byte pieces, all loads issued before the dot product uses them.
+      const uint4* k = reinterpret_cast<const uint4*>(a.k_cache + rows.at(chunk + t));
+      uint4 pieces[HD / 8];
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
       float dot = 0.0f;
-      for (int i = 0; i < hd / 2; ++i) {
-        const float2 kv = __bfloat1622float2(k[i]);
-        dot = fmaf(q[2 * i], kv.x, dot);
-        dot = fmaf(q[2 * i + 1], kv.y, dot);
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) {
+        const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&pieces[i]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 kv = __bfloat1622float2(pair[j]);
+          dot = fmaf(q[8 * i + 2 * j], kv.x, dot);
+          dot = fmaf(q[8 * i + 2 * j + 1], kv.y, dot);
+        }
       }
       score = dot * a.scale;
     }
@@ -79,8 +98,19 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
     running_sum = fmaf(running_sum, alpha, chunk_sum);
     running_max = new_max;
     acc *= alpha;
-    for (uint32_t i = part; i < count; i += parts)
-      acc = fmaf(probs[i], __bfloat162float(rowOf(a.v_cache, chunk + i)[d]), acc);
+    // Positions part, part + kParts, ... in order; loads in groups of kUnroll, so they are in
+    // flight together, the multiply-adds still one after another.
+    uint32_t i = part;
+    for (; i + (kUnroll - 1) * kParts < count; i += kUnroll * kParts) {
+      float v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        v[u] = __bfloat162float(a.v_cache[rows.at(chunk + i + u * kParts) + d]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) acc = fmaf(probs[i + u * kParts], v[u], acc);
+    }
+    for (; i < count; i += kParts)
+      acc = fmaf(probs[i], __bfloat162float(a.v_cache[rows.at(chunk + i) + d]), acc);
     __syncthreads();  // probs and warp_values are rewritten by the next chunk
   }
   partial[t] = acc;
@@ -88,10 +118,10 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   double expected = 0.0, bound = 0.0;
   if (part == 0) {
     float total = partial[d];
-    for (int p = 1; p < parts; ++p) total += partial[p * hd + d];
+    for (int p = 1; p < kParts; ++p) total += partial[p * HD + d];
     const __nv_bfloat16 o = __float2bfloat16_rn(total / running_sum);
-    const int e = h * hd + d;
-    a.out[size_t(r) * a.heads * hd + e] = o;
+    const int e = h * HD + d;
+    a.out[size_t(r) * a.heads * HD + e] = o;
     if (a.consumer.role >= 0) {
       const float of = __bfloat162float(o);
       expected = double(a.consumer.colsum[e]) * of;
@@ -112,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
 }  // namespace
 
 bool attentionSupportsHeadDim(int head_dim) {
-  return head_dim >= 2 && head_dim <= kMaxHeadDim && head_dim % 2 == 0 && kThreads % head_dim == 0;
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
 }
 
 Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
@@ -123,7 +153,21 @@ Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
                            std::to_string(a.kv_heads) + " kv heads of " +
                            std::to_string(a.head_dim));
   if (a.rows == 0) return okStatus();
-  attentionKernel<<<dim3(unsigned(a.heads), unsigned(a.rows)), kThreads, 0, stream>>>(a);
+  const dim3 grid(unsigned(a.heads), unsigned(a.rows));
+  switch (a.head_dim) {
+    case 16:
+      attentionKernel<16><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    case 32:
+      attentionKernel<32><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    case 64:
+      attentionKernel<64><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    default:
+      attentionKernel<128><<<grid, kThreads, 0, stream>>>(a);
+      break;
+  }
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();
 }

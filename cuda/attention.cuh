@@ -20,7 +20,7 @@ namespace bulkhead::cuda {
 struct AttentionArgs {
   const float* q = nullptr;  // rows x q_stride fp32, the rotated queries at the start of a row
   int q_stride = 0;
-  int rows = 0, heads = 0, kv_heads = 0, head_dim = 0;  // head_dim divides 128
+  int rows = 0, heads = 0, kv_heads = 0, head_dim = 0;  // head_dim 16, 32, 64 or 128
   const uint32_t* positions = nullptr;                  // rows
   const uint32_t* row_table = nullptr;                  // rows: where the row's block table starts
   const uint32_t* block_tables = nullptr;

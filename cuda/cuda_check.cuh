@@ -12,6 +12,9 @@ namespace bulkhead::cuda {
 
 inline Status cudaStatus(cudaError_t err, const char* what, const char* file, int line) {
   if (err == cudaSuccess) return okStatus();
+  // A failed call is also the runtime's "last error": clear it, so the next launch's check does
+  // not report it again as its own.
+  (void)cudaGetLastError();
   return internalError(std::string(what) + " failed at " + file + ":" + std::to_string(line) +
                        ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }

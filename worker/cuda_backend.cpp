@@ -684,7 +684,8 @@ Status CudaBackend::launchForward(int n, int m, bool aligned) {
 }
 
 WeightReadVerdict CudaBackend::verifySlots() const {
-  WeightReadVerdict verdict{.checked = true};
+  WeightReadVerdict verdict;
+  verdict.checked = true;
   for (const Weight* w : weights_) {
     const auto tag = slot_tags_.find(w->ptr);
     if (tag != slot_tags_.end() && tag->second.tensor == w->tensor_index &&
@@ -703,7 +704,8 @@ WeightReadVerdict CudaBackend::verifySlots() const {
 
 WeightReadVerdict CudaBackend::verdictOfStep() const {
   const CudaState& d = *d_;
-  WeightReadVerdict verdict{.checked = limits_.checks_weight_reads};
+  WeightReadVerdict verdict;
+  verdict.checked = limits_.checks_weight_reads;
   if (!verdict.checked) return verdict;
   const auto* folds = d.resultHost<cuda::FoldAccount>(d.res.folds);
   const uint64_t rows = uint64_t(pending_.tokens), logits_rows = pending_.rows.size();
