@@ -12,8 +12,8 @@
 #include "cuda/checksum.cuh"
 #include "cuda/column_sums.cuh"
 #include "cuda/embedding.cuh"
+#include "cuda/gemm.cuh"
 #include "cuda/logits.cuh"
-#include "cuda/matmul.cuh"
 #include "cuda/resources.h"
 #include "cuda/rms_norm.cuh"
 #include "cuda/rope.cuh"
@@ -54,7 +54,6 @@ struct Layout {
 struct CudaState {
   cuda::Stream stream, scrub_stream;
   cuda::Event done;
-  std::unique_ptr<cuda::Matmul> matmul;
   DeviceMemory weights;             // every slot
   std::vector<std::byte*> slots;    // one per used tensor, in usedTensors() order
   std::vector<DeviceMemory> stale;  // stale copies made by fault injection
@@ -172,7 +171,6 @@ Status CudaBackend::load(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
-  BULKHEAD_ASSIGN_OR_RETURN(d.matmul, cuda::Matmul::create(d.stream.get()));
 
   // One slot per used tensor in one allocation, filled from the checkpoint's bytes. Each layer's
   // q, k and v slots come one after another, and its gate and up slots, so each group is one
@@ -486,16 +484,17 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     n += int(w->tensor->shape[0]);
   }
   const auto* input = static_cast<const __nv_bfloat16*>(x);
+  cudaStream_t stream = d_->stream.get();
   if (adjacent) {
-    BULKHEAD_RETURN_IF_ERROR(d_->matmul->run(
-        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, false, ldy));
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
+        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream));
   }
   int column = 0;
   for (const Weight* w : group) {
     const int wn = int(w->tensor->shape[0]);
     if (!adjacent)
-      BULKHEAD_RETURN_IF_ERROR(d_->matmul->run(
-          input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k, y + column, false, ldy));
+      BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
+          input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k, y + column, ldy, stream));
     BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
     column += wn;
   }

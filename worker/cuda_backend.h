@@ -1,6 +1,7 @@
 // The CUDA backend: every weight resident in its own tagged device slot, a paged bf16 KV cache,
-// and a forward pass of our kernels (cuda/) around workspace-0 cuBLAS products, launched on one
-// stream by enqueueStep() and waited for in waitStep(). Logits rows go straight into the
+// and a forward pass of our own kernels (cuda/), every product on the invariant tensor-core
+// kernel (cuda/gemm.cuh), launched on one stream (decode steps as a graph) by enqueueStep() and
+// waited for in waitStep(). Logits rows go straight into the
 // host-registered arena with their checksum and finite flag computed on the device, and every
 // step checks itself: slot tags before it runs, the arithmetic check of every product, and the
 // folded words of every weight our own kernels load (DESIGN.md, "Integrity").

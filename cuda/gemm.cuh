@@ -1,0 +1,23 @@
+// Our matrix multiply for every product of a step: y[m][n] = sum_k x[m][k] * w[n][k], bf16 in,
+// fp32 out, on the tensor cores (mma.sync m16n8k16). A row's result is the same whatever the
+// number of rows, by construction rather than by observation: each output element is one fixed
+// sequence of operations that depends on the shape (n, k) alone. The weight rows go on the
+// instruction's 16-row side and the tokens on its 8-column side, so a decode step of one token
+// wastes only token columns, not weight bandwidth; k is split over the 8 warps of a block in a
+// fixed interleave and the warps' sums are added in warp order. Any number of rows, any n, k a
+// multiple of 8; x, w 16-byte aligned.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "shared/status.h"
+
+namespace bulkhead::cuda {
+
+// x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
+// `ldy` apart. Device memory, asynchronous on `stream`.
+Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
+                  int ldy, cudaStream_t stream);
+
+}  // namespace bulkhead::cuda
