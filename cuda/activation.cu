@@ -1,4 +1,4 @@
-// SiLU * up: one block per row, threads striding over the row's elements.
+// SiLU * up: blocks of 1024 elements of a row, every load issued before the arithmetic.
 #include "cuda/activation.cuh"
 
 #include <string>
@@ -10,43 +10,50 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kPerThread = 4;
+constexpr int kPerBlock = kThreads * kPerThread;
 
+// grid: (blocks per row, rows). Each element is computed alone; the checks' sums add up over a
+// row's blocks (in double, so the order they arrive in does not matter to the check).
 __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
-  __shared__ double scratch[kWarps];
-  const int r = blockIdx.x;
+  __shared__ double scratch[4 * kWarps];
+  const int r = blockIdx.y, first = blockIdx.x * kPerBlock;
   const float* gate = a.gate_up + size_t(r) * 2 * a.inter;
   const float* up = gate + a.inter;
   __nv_bfloat16* out = a.out + size_t(r) * a.inter;
-  double gate_sum = 0.0, up_sum = 0.0, expected = 0.0, bound = 0.0;
-  for (int i = threadIdx.x; i < a.inter; i += kThreads) {
-    const float g = gate[i], u = up[i];
-    gate_sum += double(g);
-    up_sum += double(u);
+  float g[kPerThread], u[kPerThread], cs[kPerThread], as[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = first + threadIdx.x + j * kThreads;
+    const bool in = i < a.inter, check = in && a.down.role >= 0;
+    g[j] = in ? gate[i] : 0.0f;
+    u[j] = in ? up[i] : 0.0f;
+    cs[j] = check ? a.down.colsum[i] : 0.0f;
+    as[j] = check ? a.down.abssum[i] : 0.0f;
+  }
+  double sums[4] = {};  // gate, up, the down product's expected and bound
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = first + threadIdx.x + j * kThreads;
+    if (i >= a.inter) break;
     const __nv_bfloat16 o =
-        __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
+        __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g[j], __fadd_rn(1.0f, expf(-g[j]))), u[j]));
     out[i] = o;
-    if (a.down.role >= 0) {
-      const float of = __bfloat162float(o);
-      expected += double(a.down.colsum[i]) * of;
-      bound += double(a.down.abssum[i]) * fabsf(of);
-    }
+    const float of = __bfloat162float(o);
+    sums[0] += double(g[j]);
+    sums[1] += double(u[j]);
+    sums[2] += double(cs[j]) * of;
+    sums[3] += double(as[j]) * fabsf(of);
   }
+  if (a.gate_role < 0 && a.up_role < 0 && a.down.role < 0) return;
+  blockSums(sums, scratch);
+  if (threadIdx.x != 0) return;
   ProductCheck* row = a.checks.products + size_t(r) * a.checks.roles;
-  if (a.gate_role >= 0) {
-    gate_sum = blockSum(gate_sum, scratch);
-    if (threadIdx.x == 0) atomicAdd(&row[a.gate_role].produced, gate_sum);
-  }
-  if (a.up_role >= 0) {
-    up_sum = blockSum(up_sum, scratch);
-    if (threadIdx.x == 0) atomicAdd(&row[a.up_role].produced, up_sum);
-  }
+  if (a.gate_role >= 0) atomicAdd(&row[a.gate_role].produced, sums[0]);
+  if (a.up_role >= 0) atomicAdd(&row[a.up_role].produced, sums[1]);
   if (a.down.role >= 0) {
-    expected = blockSum(expected, scratch);
-    bound = blockSum(bound, scratch);
-    if (threadIdx.x == 0) {
-      atomicAdd(&row[a.down.role].expected, expected);
-      atomicAdd(&row[a.down.role].bound, bound);
-    }
+    atomicAdd(&row[a.down.role].expected, sums[2]);
+    atomicAdd(&row[a.down.role].bound, sums[3]);
   }
 }
 
@@ -57,7 +64,8 @@ Status launchSiluMul(const SiluMulArgs& a, cudaStream_t stream) {
     return invalidArgument("silu of " + std::to_string(a.rows) + " rows of " +
                            std::to_string(a.inter));
   if (a.rows == 0) return okStatus();
-  siluMulKernel<<<a.rows, kThreads, 0, stream>>>(a);
+  const dim3 grid(unsigned((a.inter + kPerBlock - 1) / kPerBlock), unsigned(a.rows));
+  siluMulKernel<<<grid, kThreads, 0, stream>>>(a);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();
 }

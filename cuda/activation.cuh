@@ -1,7 +1,7 @@
 // The SiLU-gated MLP activation, from the fp32 output of the fused gate/up multiply to the bf16
 // input of the down projection: out[r][i] = bf16(silu(g) * u), g = gate_up[r][i],
-// u = gate_up[r][inter + i], silu(g) = g / (1 + e^-g). One block per row, each element by the
-// same operations whatever the launch. It reads the gate and up products' outputs and writes the
+// u = gate_up[r][inter + i], silu(g) = g / (1 + e^-g). Each element by the same operations
+// whatever the launch. It reads the gate and up products' outputs and writes the
 // down product's input, so it adds to all three arithmetic checks.
 #pragma once
 

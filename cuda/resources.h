@@ -1,6 +1,7 @@
 // RAII owners for the CUDA runtime's resources (device and pinned buffers, streams, events, a
-// host-memory registration). Destructors ignore errors: they run on paths that are already
-// leaving, and a worker whose device failed exits anyway.
+// host-memory registration, a graph). Destructors ignore errors: they run on paths that are
+// already leaving, and a worker whose device failed exits anyway. (The factories move into their
+// Result explicitly: nvcc does not move a returned local implicitly.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,10 +19,10 @@ class DeviceMemory {
   DeviceMemory() = default;
   static Result<DeviceMemory> allocate(size_t bytes) {
     DeviceMemory m;
-    if (bytes == 0) return m;
+    if (bytes == 0) return Result<DeviceMemory>(std::move(m));
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&m.ptr_, bytes));
     m.bytes_ = bytes;
-    return m;
+    return Result<DeviceMemory>(std::move(m));
   }
   DeviceMemory(DeviceMemory&& o) noexcept
       : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
@@ -50,10 +51,10 @@ class PinnedMemory {
   PinnedMemory() = default;
   static Result<PinnedMemory> allocate(size_t bytes) {
     PinnedMemory m;
-    if (bytes == 0) return m;
+    if (bytes == 0) return Result<PinnedMemory>(std::move(m));
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&m.ptr_, bytes, cudaHostAllocMapped));
     m.bytes_ = bytes;
-    return m;
+    return Result<PinnedMemory>(std::move(m));
   }
   PinnedMemory(PinnedMemory&& o) noexcept
       : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
@@ -82,7 +83,7 @@ class Stream {
   static Result<Stream> create() {
     Stream s;
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
-    return s;
+    return Result<Stream>(std::move(s));
   }
   Stream(Stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
   Stream& operator=(Stream&& o) noexcept {
@@ -104,7 +105,7 @@ class Event {
   static Result<Event> create() {
     Event e;
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming));
-    return e;
+    return Result<Event>(std::move(e));
   }
   Event(Event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
   Event& operator=(Event&& o) noexcept {
@@ -132,7 +133,7 @@ class HostRegistration {
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device, base, 0));
     r.device_ = device;
     r.bytes_ = bytes;
-    return r;
+    return Result<HostRegistration>(std::move(r));
   }
   HostRegistration(HostRegistration&& o) noexcept
       : base_(std::exchange(o.base_, nullptr)),
@@ -171,7 +172,7 @@ class GraphExec {
     const cudaError_t err = cudaGraphInstantiate(&e.exec_, graph, 0);
     cudaGraphDestroy(graph);
     BULKHEAD_CUDA_RETURN_IF_ERROR(err);
-    return e;
+    return Result<GraphExec>(std::move(e));
   }
   GraphExec(GraphExec&& o) noexcept : exec_(std::exchange(o.exec_, nullptr)) {}
   GraphExec& operator=(GraphExec&& o) noexcept {

@@ -1,5 +1,6 @@
-// RMSNorm: one block of kThreads per row. Each thread sums a fixed strided slice of pairs in
-// order, then a fixed butterfly within warps and a fixed sum over the warps.
+// RMSNorm: one block of kThreads per row, the row held in registers (loaded once, all loads
+// issued before the arithmetic). Each thread sums a fixed strided slice of pairs in order, then a
+// fixed butterfly within warps and a fixed sum over the warps.
 #include "cuda/rms_norm.cuh"
 
 #include <string>
@@ -9,30 +10,40 @@
 namespace bulkhead::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaxPairs = 8;  // per thread: rows of up to 8192 values, held in registers
 
 __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   __shared__ float warp_sums[kWarps];
-  __shared__ double scratch[kWarps];
+  __shared__ double scratch[2 * kMaxNormConsumers * kWarps];
   __shared__ unsigned long long fold_scratch[kWarps];
   const int r = blockIdx.x, pairs = a.hidden / 2;
   float2* row = reinterpret_cast<float2*>(a.x + size_t(r) * a.hidden);
   const float2* delta =
       a.delta ? reinterpret_cast<const float2*>(a.delta + size_t(r) * a.hidden) : nullptr;
+  // Every load first, then the arithmetic: the row is in registers from here on.
+  float2 v[kMaxPairs], d[kMaxPairs];
+#pragma unroll
+  for (int j = 0; j < kMaxPairs; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    v[j] = i < pairs ? row[i] : make_float2(0.0f, 0.0f);
+    d[j] = i < pairs && delta != nullptr ? delta[i] : make_float2(0.0f, 0.0f);
+  }
   float sum = 0.0f;
-  double produced = 0.0;
-  for (int i = threadIdx.x; i < pairs; i += kThreads) {
-    float2 v = row[i];
+  double produced[1] = {0.0};
+#pragma unroll
+  for (int j = 0; j < kMaxPairs; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i >= pairs) break;
     if (delta != nullptr) {
-      const float2 d = delta[i];
-      produced += double(d.x) + double(d.y);
-      v.x = __fadd_rn(v.x, d.x);
-      v.y = __fadd_rn(v.y, d.y);
-      row[i] = v;
+      produced[0] += double(d[j].x) + double(d[j].y);
+      v[j].x = __fadd_rn(v[j].x, d[j].x);
+      v[j].y = __fadd_rn(v[j].y, d[j].y);
+      row[i] = v[j];
     }
-    sum = fmaf(v.x, v.x, sum);
-    sum = fmaf(v.y, v.y, sum);
+    sum = fmaf(v[j].x, v[j].x, sum);
+    sum = fmaf(v[j].y, v[j].y, sum);
   }
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
@@ -41,46 +52,50 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
   const float inv = 1.0f / sqrtf(total / float(a.hidden) + a.eps);
   if (a.delta_role >= 0) {
-    produced = blockSum(produced, scratch);
+    blockSums(produced, scratch);
     if (threadIdx.x == 0)
-      atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.delta_role].produced, produced);
+      atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.delta_role].produced,
+                produced[0]);
   }
 
   const int out_r = a.out_row != nullptr ? a.out_row[r] : r;
   if (out_r < 0) return;  // uniform across the block
   const uint32_t* weight_words = reinterpret_cast<const uint32_t*>(a.weight);
   __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
-  double expected[kMaxNormConsumers] = {}, bound[kMaxNormConsumers] = {};
+  double sums[2 * kMaxNormConsumers] = {};  // expected, then bound, per consumer
   unsigned long long fold = 0;
-  for (int i = threadIdx.x; i < pairs; i += kThreads) {
+#pragma unroll
+  for (int j = 0; j < kMaxPairs; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i >= pairs) break;
     const uint32_t word = weight_words[i];
     if (a.weight_fold >= 0) fold += foldTerm(word, a.weight_salt, uint64_t(i));
     __nv_bfloat162 w;
     memcpy(&w, &word, 4);
-    const float2 v = row[i];
-    const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v.x * inv),
-                                                   __bfloat162float(w.y) * (v.y * inv));
+    const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v[j].x * inv),
+                                                   __bfloat162float(w.y) * (v[j].y * inv));
     dst[i] = o;
     const float o0 = __bfloat162float(o.x), o1 = __bfloat162float(o.y);
 #pragma unroll
     for (int c = 0; c < kMaxNormConsumers; ++c) {
       if (a.consumers[c].role < 0) continue;
-      const float* cs = a.consumers[c].colsum + 2 * i;
-      const float* as = a.consumers[c].abssum + 2 * i;
-      expected[c] += double(cs[0]) * o0 + double(cs[1]) * o1;
-      bound[c] += double(as[0]) * fabsf(o0) + double(as[1]) * fabsf(o1);
+      const float2 cs = reinterpret_cast<const float2*>(a.consumers[c].colsum)[i];
+      const float2 as = reinterpret_cast<const float2*>(a.consumers[c].abssum)[i];
+      sums[c] += double(cs.x) * o0 + double(cs.y) * o1;
+      sums[kMaxNormConsumers + c] += double(as.x) * fabsf(o0) + double(as.y) * fabsf(o1);
     }
   }
   if (a.weight_fold >= 0)
     addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs, fold_scratch);
+  if (a.consumers[0].role < 0) return;  // consumers fill from the first
+  blockSums(sums, scratch);
+  if (threadIdx.x == 0) {
 #pragma unroll
-  for (int c = 0; c < kMaxNormConsumers; ++c) {
-    if (a.consumers[c].role < 0) continue;
-    const double e = blockSum(expected[c], scratch), b = blockSum(bound[c], scratch);
-    if (threadIdx.x == 0) {
+    for (int c = 0; c < kMaxNormConsumers; ++c) {
+      if (a.consumers[c].role < 0) continue;
       ProductCheck& p = a.checks.products[size_t(out_r) * a.checks.roles + a.consumers[c].role];
-      atomicAdd(&p.expected, e);
-      atomicAdd(&p.bound, b);
+      atomicAdd(&p.expected, sums[c]);
+      atomicAdd(&p.bound, sums[kMaxNormConsumers + c]);
     }
   }
 }
@@ -88,7 +103,8 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
 }  // namespace
 
 Status launchRmsNorm(const RmsNormArgs& args, cudaStream_t stream) {
-  if (args.rows < 0 || args.hidden <= 0 || args.hidden % 2 != 0)
+  if (args.rows < 0 || args.hidden <= 0 || args.hidden % 2 != 0 ||
+      args.hidden > 2 * kMaxPairs * kThreads)
     return invalidArgument("rms norm of " + std::to_string(args.rows) + " rows of " +
                            std::to_string(args.hidden));
   if (args.rows == 0) return okStatus();

@@ -32,7 +32,7 @@ struct RmsNormArgs {
   // norm of the rows whose logits were asked for); null: into row r. The consumers' checks are
   // kept by out row.
   const int* out_row = nullptr;
-  ConsumerSums consumers[kMaxNormConsumers];
+  ConsumerSums consumers[kMaxNormConsumers];  // filled from the first
   CheckView checks;
 };
 

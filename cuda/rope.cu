@@ -1,4 +1,4 @@
-// Bias + RoPE + KV write: one block per row; threads stride over the row's (head, pair)s.
+// Bias + RoPE + KV write: a thread per pair of q or k, or element of v.
 #include "cuda/rope.cuh"
 
 #include <cmath>
@@ -9,89 +9,81 @@
 namespace bulkhead::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// Rotates the pairs of `heads` heads of u (bias added first), writing back into u or, when
-// `cache` is set, into the cache. Returns this thread's share of the raw values' sum.
-__device__ double rotateHeads(float* u, int heads, int head_dim, const __nv_bfloat16* bias,
-                              const float* cos_row, const float* sin_row, bool write_back,
-                              __nv_bfloat16* cache, int kv_stride_heads) {
-  const int half = head_dim / 2;
-  double produced = 0.0;
-  for (int idx = threadIdx.x; idx < heads * half; idx += kThreads) {
-    const int h = idx / half, i = idx % half;
-    const int e = h * head_dim + i;
-    float a = u[e], b = u[e + half];
-    produced += double(a) + double(b);
-    if (bias != nullptr) {
-      a = __fadd_rn(a, __bfloat162float(bias[e]));
-      b = __fadd_rn(b, __bfloat162float(bias[e + half]));
-    }
-    const float c = cos_row[i], s = sin_row[i];
-    // As the CPU engine computes it: two rounded multiplies, then one rounded subtraction or
-    // addition (the _rn intrinsics are never contracted into fused multiply-adds).
-    const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    const float rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-    if (write_back) {
-      u[e] = ra;
-      u[e + half] = rb;
-    }
-    if (cache != nullptr) {
-      __nv_bfloat16* dst = cache + size_t(h) * kv_stride_heads;
-      dst[i] = __float2bfloat16_rn(ra);
-      dst[i + half] = __float2bfloat16_rn(rb);
-    }
-  }
-  return produced;
-}
-
+// grid: (blocks per row, rows); one thread per item of a row: a pair of q, a pair of k, or an
+// element of v, in that order.
 __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
-  __shared__ double scratch[kWarps];
+  __shared__ double scratch[3 * kWarps];
   __shared__ unsigned long long fold_scratch[kWarps];
-  const int r = blockIdx.x, half = a.head_dim / 2;
+  const int r = blockIdx.y, half = a.head_dim / 2;
   const int q_dim = a.heads * a.head_dim, kv_dim = a.kv_heads * a.head_dim;
+  const int q_pairs = a.heads * half, k_pairs = a.kv_heads * half;
+  const int item = blockIdx.x * kThreads + threadIdx.x;
   float* row = a.qkv + size_t(r) * a.stride;
   const uint32_t p = a.positions[r];
-  const float* cos_row = a.cos_table + size_t(p) * half;
-  const float* sin_row = a.sin_table + size_t(p) * half;
-  // The cache rows of this position: head h of k at k_at + h * block_size * head_dim.
-  __nv_bfloat16 *k_at = nullptr, *v_at = nullptr;
   const int head_stride = a.block_size * a.head_dim;
+  // This position's place in the cache: head h of k at k_at + h * head_stride.
+  __nv_bfloat16 *k_at = nullptr, *v_at = nullptr;
   if (a.k_cache != nullptr) {
     const size_t slot = size_t(a.row_block[r]) * a.kv_heads * head_stride +
                         size_t(p % uint32_t(a.block_size)) * a.head_dim;
     k_at = a.k_cache + slot;
     v_at = a.v_cache + slot;
   }
-  double produced[3];
-  produced[0] =
-      rotateHeads(row, a.heads, a.head_dim, a.bias[0], cos_row, sin_row, true, nullptr, 0);
-  produced[1] = rotateHeads(row + q_dim, a.kv_heads, a.head_dim, a.bias[1], cos_row, sin_row,
-                            k_at == nullptr, k_at, head_stride);
-  produced[2] = 0.0;
-  for (int e = threadIdx.x; e < kv_dim; e += kThreads) {
+  double produced[3] = {};
+  if (item < q_pairs + k_pairs) {
+    const bool is_q = item < q_pairs;
+    const int pair = is_q ? item : item - q_pairs, h = pair / half, i = pair % half;
+    const int e = h * a.head_dim + i;  // within q, or within k
+    float* u = is_q ? row : row + q_dim;
+    const __nv_bfloat16* bias = a.bias[is_q ? 0 : 1];
+    float x0 = u[e], x1 = u[e + half];
+    produced[is_q ? 0 : 1] = double(x0) + double(x1);
+    if (bias != nullptr) {
+      x0 = __fadd_rn(x0, __bfloat162float(bias[e]));
+      x1 = __fadd_rn(x1, __bfloat162float(bias[e + half]));
+    }
+    const float c = a.cos_table[size_t(p) * half + i], s = a.sin_table[size_t(p) * half + i];
+    // As the CPU engine computes it: two rounded multiplies, then one rounded subtraction or
+    // addition (the _rn intrinsics are never contracted into fused multiply-adds).
+    const float r0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    const float r1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+    if (is_q || k_at == nullptr) {
+      u[e] = r0;
+      u[e + half] = r1;
+    } else {
+      __nv_bfloat16* dst = k_at + size_t(h) * head_stride;
+      dst[i] = __float2bfloat16_rn(r0);
+      dst[i + half] = __float2bfloat16_rn(r1);
+    }
+  } else if (item < q_pairs + k_pairs + kv_dim) {
+    const int e = item - q_pairs - k_pairs;
     float v = row[q_dim + kv_dim + e];
-    produced[2] += double(v);
+    produced[2] = double(v);
     if (a.bias[2] != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[2][e]));
     if (v_at != nullptr)
       v_at[size_t(e / a.head_dim) * head_stride + e % a.head_dim] = __float2bfloat16_rn(v);
     else
       row[q_dim + kv_dim + e] = v;
   }
-  for (int i = 0; i < 3; ++i) {
-    if (a.bias[i] != nullptr && a.bias_fold[i] >= 0) {
+  // The row's first block also loads every bias word once, for the in-step check of the biases.
+  if (blockIdx.x == 0) {
+    for (int i = 0; i < 3; ++i) {
+      if (a.bias[i] == nullptr || a.bias_fold[i] < 0) continue;
       const int words = (i == 0 ? q_dim : kv_dim) / 2;
       foldVector(reinterpret_cast<const uint32_t*>(a.bias[i]), words, a.bias_salt[i],
                  a.checks.folds + a.bias_fold[i], fold_scratch);
     }
-    if (a.product_role[i] >= 0) {
-      const double total = blockSum(produced[i], scratch);
-      if (threadIdx.x == 0)
-        atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.product_role[i]].produced,
-                  total);
-    }
   }
+  if (a.product_role[0] < 0 && a.product_role[1] < 0 && a.product_role[2] < 0) return;
+  blockSums(produced, scratch);
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < 3; ++i)
+    if (a.product_role[i] >= 0)
+      atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.product_role[i]].produced,
+                produced[i]);
 }
 
 }  // namespace
@@ -118,7 +110,9 @@ Status launchQkv(const QkvArgs& a, cudaStream_t stream) {
                            std::to_string(a.kv_heads) + " heads of " + std::to_string(a.head_dim) +
                            " in rows of " + std::to_string(a.stride));
   if (a.rows == 0) return okStatus();
-  qkvKernel<<<a.rows, kThreads, 0, stream>>>(a);
+  const int items = (a.heads + a.kv_heads) * (a.head_dim / 2) + a.kv_heads * a.head_dim;
+  const dim3 grid(unsigned((items + kThreads - 1) / kThreads), unsigned(a.rows));
+  qkvKernel<<<grid, kThreads, 0, stream>>>(a);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();
 }

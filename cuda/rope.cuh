@@ -4,10 +4,10 @@
 //   u[i]        = u[i] * cos[p][i] - u[i + half] * sin[p][i]
 //   u[i + half] = u[i + half] * cos[p][i] + u[i] * sin[p][i],   p = positions[r].
 // The cos/sin tables are computed once on the host with the CPU engine's float arithmetic
-// (ropeTables), so both backends rotate by the same values. One block per row, each element by
-// one fixed sequence of operations: rows are independent of each other. The kernel reads the
-// products' outputs, so it adds their produced sums to the arithmetic checks, and it folds the
-// bias words it loads.
+// (ropeTables), so both backends rotate by the same values. Each element by one fixed sequence of
+// operations: rows are independent of each other. The kernel reads the products' outputs, so it
+// adds their produced sums to the arithmetic checks, and it folds the bias words (a row's first
+// block loads each once for that).
 #pragma once
 
 #include <cuda_bf16.h>

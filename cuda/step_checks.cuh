@@ -59,6 +59,28 @@ __device__ inline double blockSum(double v, double* scratch) {
   return total;
 }
 
+// Sums N doubles over the block at once, each by the same fixed tree as blockSum; every thread
+// gets the totals in v. `scratch` holds N * blockDim.x / 32 doubles.
+template <int N>
+__device__ inline void blockSums(double (&v)[N], double* scratch) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    for (int offset = 16; offset > 0; offset /= 2)
+      v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (threadIdx.x % 32 == 0)
+#pragma unroll
+    for (int i = 0; i < N; ++i) scratch[i * warps + warp] = v[i];
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    double total = 0.0;
+    for (int w = 0; w < warps; ++w) total += scratch[i * warps + w];
+    v[i] = total;
+  }
+}
+
 // The fold of one 32-bit weight word at `index` (shared/checksum.h foldWeightRow).
 __device__ inline unsigned long long foldTerm(uint32_t word, uint32_t salt, uint64_t index) {
   return checksumTerm(word ^ salt, uint32_t(index));

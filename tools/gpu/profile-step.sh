@@ -20,7 +20,7 @@ name_i = head.index("Kernel Name"); val_i = head.index("Metric Value"); unit_i =
 total = collections.defaultdict(float); count = collections.Counter()
 for r in rows:
     v = float(r[val_i].replace(",", ""))
-    v = v / 1000 if r[unit_i] == "nsecond" else v * 1000 if r[unit_i] == "msecond" else v
+    v = {"ns": v / 1000, "nsecond": v / 1000, "ms": v * 1000, "msecond": v * 1000}.get(r[unit_i], v)
     name = r[name_i].split("(")[0][:70]
     total[name] += v; count[name] += 1
 print(f"{len(rows)} launches, {sum(total.values()):.1f} us of GPU time")
