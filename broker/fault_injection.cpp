@@ -40,7 +40,7 @@ FaultSpec faultSpecFor(Fault fault, uint64_t r, const WorkerHello& hello,
   return spec;
 }
 
-std::vector<std::string_view> expectedDetections(Fault fault) {
+std::vector<std::string_view> expectedDetections(Fault fault, std::string_view backend) {
   switch (fault) {
     case Fault::kWorkerKill:
       return {"worker exited"};
@@ -49,6 +49,8 @@ std::vector<std::string_view> expectedDetections(Fault fault) {
       return {"timed out"};
     case Fault::kWeightBitflip:
       // In the step that reads it, or by the scrubber when no step reads that word.
+      if (backend == "cuda")
+        return {"(in-step weight reads)", "(arithmetic check)", "weight corruption"};
       return {"(in-step weight reads)", "weight corruption"};
     case Fault::kLogitsCorrupt:
     case Fault::kTornWrite:
@@ -70,8 +72,9 @@ std::vector<std::string_view> expectedDetections(Fault fault) {
   return {};
 }
 
-bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as) {
-  for (std::string_view m : expectedDetections(fault))
+bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as,
+                               std::string_view backend) {
+  for (std::string_view m : expectedDetections(fault, backend))
     if (detected_as.find(m) != std::string_view::npos) return true;
   return false;
 }
