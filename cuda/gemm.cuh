@@ -11,13 +11,25 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "cuda/step_checks.cuh"
 #include "shared/status.h"
 
 namespace bulkhead::cuda {
 
+// The in-step check of the weight words a product loads: every word is folded (step_checks.cuh
+// foldTerm, keyed by the weight's salt and the word's index in its weight) into its weight's
+// account, once per launch. w may hold up to three weights one after another (fused q/k/v,
+// gate/up): weight s has rows [row_end[s - 1], row_end[s]), each boundary a multiple of 16.
+struct GemmFold {
+  int weights = 0;  // 0: nothing is folded
+  FoldAccount* account[3] = {};
+  uint32_t salt[3] = {};
+  int row_end[3] = {};
+};
+
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
 // `ldy` apart. Device memory, asynchronous on `stream`.
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
-                  int ldy, cudaStream_t stream);
+                  int ldy, cudaStream_t stream, const GemmFold& fold = {});
 
 }  // namespace bulkhead::cuda

@@ -3,9 +3,11 @@
 #include "worker/cuda_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "cuda/activation.cuh"
 #include "cuda/attention.cuh"
@@ -250,29 +252,45 @@ Status CudaBackend::load(const Options& options) {
     at += 2 * size_t(cols);
   }
 
-  // What the weights our kernels load must fold to, from the checkpoint's own bytes.
-  auto fold = [&](Weight& w, FoldRole::Uses uses) {
-    if (w.tensor == nullptr) return;
-    w.fold = int(folds_.size());
-    FoldRole& f = folds_.emplace_back();
-    f.weight = &w;
-    f.uses = uses;
-    const size_t row_bytes = size_t(w.tensor->shape.back()) * 2;
-    const size_t rows = w.tensor->data.size() / row_bytes;
-    for (size_t j = 0; j < rows; ++j) {
-      const uint64_t v = foldWeightRow(w.tensor->data.data() + j * row_bytes, row_bytes,
-                                       j * weightRowWords(row_bytes), w.salt);
-      if (uses == FoldRole::kGathered) f.row_expected.push_back(v);
-      f.expected += v;
-    }
-    f.words = rows * weightRowWords(row_bytes);
-  };
+  // What every weight our kernels load must fold to, from the checkpoint's own bytes: the
+  // norms, biases and embedding in our elementwise kernels, the products' weights in ours.
   if (options.check_weight_reads) {
-    fold(embed_, FoldRole::kGathered);
-    fold(final_norm_, FoldRole::kLogitsRows);
-    for (Layer& L : layers_)
+    auto role = [&](Weight& w, FoldRole::Uses uses) {
+      if (w.tensor == nullptr) return;
+      w.fold = int(folds_.size());
+      FoldRole& f = folds_.emplace_back();
+      f.weight = &w;
+      f.uses = uses;
+    };
+    role(embed_, FoldRole::kGathered);
+    role(final_norm_, FoldRole::kLogitsRows);
+    role(lm_head_, FoldRole::kLogitsChunks);
+    for (Layer& L : layers_) {
       for (Weight* w : {&L.input_norm, &L.post_norm, &L.q_bias, &L.k_bias, &L.v_bias})
-        fold(*w, FoldRole::kTokenRows);
+        role(*w, FoldRole::kTokenRows);
+      for (Weight* w : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
+        role(*w, FoldRole::kProducts);
+    }
+    // Every weight once (gigabytes for a large model): on every core.
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < folds_.size();) {
+        FoldRole& f = folds_[i];
+        const TensorView& t = *f.weight->tensor;
+        const size_t row_bytes = size_t(t.shape.back()) * 2, rows = t.data.size() / row_bytes;
+        for (size_t j = 0; j < rows; ++j) {
+          const uint64_t v = foldWeightRow(t.data.data() + j * row_bytes, row_bytes,
+                                           j * weightRowWords(row_bytes), f.weight->salt);
+          if (f.uses == FoldRole::kGathered) f.row_expected.push_back(v);
+          f.expected += v;
+        }
+        f.words = rows * weightRowWords(row_bytes);
+      }
+    };
+    std::vector<std::thread> team(std::max(1u, std::thread::hardware_concurrency()) - 1);
+    for (std::thread& t : team) t = std::thread(work);
+    work();
+    for (std::thread& t : team) t.join();
   }
 
   // The KV cache: what is left after the step's buffers, in the share the options give.
@@ -475,26 +493,42 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
   const int k = int(first.tensor->shape[1]);
+  // One product needs the slots adjacent, and its fold needs each weight but the last to end
+  // on a 16-row tile.
   bool adjacent = true;
   int n = 0;
   const std::byte* next = static_cast<const std::byte*>(first.ptr);
+  cuda::GemmFold fused;
   for (const Weight* w : group) {
-    adjacent = adjacent && w->ptr == next && int(w->tensor->shape[1]) == k;
+    adjacent = adjacent && w->ptr == next && int(w->tensor->shape[1]) == k && n % 16 == 0;
     next = static_cast<const std::byte*>(w->ptr) + w->tensor->data.size();
     n += int(w->tensor->shape[0]);
+    if (fused.weights < 3 && w->fold >= 0 && limits_.checks_weight_reads) {
+      fused.account[fused.weights] = d_->view.folds + w->fold;
+      fused.salt[fused.weights] = w->salt;
+      fused.row_end[fused.weights++] = n;
+    }
   }
+  if (fused.weights != int(group.size())) fused = {};
+  auto alone = [&](const Weight& w) {
+    cuda::GemmFold f;
+    if (w.fold >= 0 && limits_.checks_weight_reads)
+      f = {1, {d_->view.folds + w.fold}, {w.salt}, {int(w.tensor->shape[0])}};
+    return f;
+  };
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
   if (adjacent) {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
-        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream));
+        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused));
   }
   int column = 0;
   for (const Weight* w : group) {
     const int wn = int(w->tensor->shape[0]);
     if (!adjacent)
-      BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
-          input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k, y + column, ldy, stream));
+      BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(input, rows,
+                                                static_cast<const __nv_bfloat16*>(w->ptr), wn, k,
+                                                y + column, ldy, stream, alone(*w)));
     BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
     column += wn;
   }
@@ -720,6 +754,16 @@ WeightReadVerdict CudaBackend::verdictOfStep() const {
         want_sum = logits_rows * f.expected;
         want_words = logits_rows * f.words;
         break;
+      case FoldRole::kProducts:
+        want_sum = f.expected;
+        want_words = f.words;
+        break;
+      case FoldRole::kLogitsChunks: {
+        const uint64_t launches = (logits_rows + kLogitsChunk - 1) / kLogitsChunk;
+        want_sum = launches * f.expected;
+        want_words = launches * f.words;
+        break;
+      }
       case FoldRole::kGathered:
         for (uint32_t token : pending_.gathered) want_sum += f.row_expected[token];
         want_words = pending_.gathered.size() * (f.words / f.row_expected.size());

@@ -3,8 +3,9 @@
 // kernel (cuda/gemm.cuh), launched on one stream (decode steps as a graph) by enqueueStep() and
 // waited for in waitStep(). Logits rows go straight into the
 // host-registered arena with their checksum and finite flag computed on the device, and every
-// step checks itself: slot tags before it runs, the arithmetic check of every product, and the
-// folded words of every weight our own kernels load (DESIGN.md, "Integrity").
+// step checks itself: slot tags before it runs, the folded words of every weight its kernels
+// load (the products' included), and the arithmetic check of every product (DESIGN.md,
+// "Integrity").
 #pragma once
 
 #include <initializer_list>
@@ -71,10 +72,13 @@ class CudaBackend final : public Backend {
   // A weight our kernels load, and what its reads must fold to.
   struct FoldRole {
     Weight* weight = nullptr;
+    // How often a step reads it: once a token row (norms, biases), once a logits row (the final
+    // norm), once a gathered row (the embedding), once (a product's weight), once a chunk of
+    // logits rows (lm_head).
+    enum Uses { kTokenRows, kLogitsRows, kGathered, kProducts, kLogitsChunks } uses = kTokenRows;
     uint64_t expected = 0;  // one full read of the checkpoint's bytes
     uint64_t words = 0;
     std::vector<uint64_t> row_expected;  // read row by row (the embedding)
-    enum Uses { kTokenRows, kLogitsRows, kGathered } uses = kTokenRows;
   };
 
   CudaBackend() = default;

@@ -303,8 +303,9 @@ TEST_P(CudaBackendModels, AStaleSlotFailsItsSlotTagBeforeComputing) {
 
 TEST_P(CudaBackendModels, AFlippedWeightBitFailsTheStepThatReadsIt) {
   const auto tokens = randomTokens(8, vocab_, 13);
-  // The high exponent bit of the first bf16 of every used tensor: every one is read by a step of
-  // all its rows except the embedding (one row per token), whose first row token 0 reads.
+  // The high exponent bit, then the lowest mantissa bit, of the first bf16 of every used tensor:
+  // every one is read by a step of all its rows except the embedding (one row per token), whose
+  // first row token 0 reads.
   std::vector<uint32_t> with_zero = tokens;
   with_zero[3] = 0;
   uint64_t offset = 0;
@@ -313,6 +314,13 @@ TEST_P(CudaBackendModels, AFlippedWeightBitFailsTheStepThatReadsIt) {
     const auto verdict = verdictOf(*backend_, with_zero, 1);
     EXPECT_FALSE(verdict.failed_tensor.empty()) << t->name << " flipped, step passed";
     ASSERT_TRUE(backend_->flipWeightBit(offset + 1, 6).ok());  // flip back
+    // The lowest mantissa bit: far inside the arithmetic check's tolerance, so only the folded
+    // words of the reads can see it.
+    ASSERT_TRUE(backend_->flipWeightBit(offset, 0).ok());
+    const auto low = verdictOf(*backend_, with_zero, 1);
+    EXPECT_FALSE(low.failed_tensor.empty()) << t->name << " low bit flipped, step passed";
+    EXPECT_EQ(low.failed_check, WeightCheck::kReads) << t->name << ": " << low.why;
+    ASSERT_TRUE(backend_->flipWeightBit(offset, 0).ok());
     offset += t->data.size();
   }
   const auto clean = verdictOf(*backend_, with_zero, 2);
