@@ -164,9 +164,12 @@ uint64_t canaryDigest(std::span<const uint64_t> row_checksums) {
 
 float canaryTolerance(const std::string& backend) {
   // The CPU engine is the reference: the same code on the same checkpoint must agree bit for bit.
-  // Other engines round differently (bf16 products, other summation orders); 2% of the largest
-  // logit keeps the argmax meaningful while allowing that.
-  return backend == "cpu" ? 0.0f : 0.02f;
+  // Other engines round differently: the CUDA backend rounds every product's input to bf16 and
+  // keeps its KV cache in bf16, an error that grows with depth (measured on random-weight
+  // checkpoints: within 2% of the largest logit on the 24-layer 0.5B shape, 2.9% on the
+  // 28-layer 7B shape). 5% of the largest logit allows that and still refuses an engine that
+  // computes wrongly; once qualified, the riding canary holds a worker to its digest exactly.
+  return backend == "cpu" ? 0.0f : 0.05f;
 }
 
 Status qualifyRows(std::span<const std::span<const float>> worker,
