@@ -3,11 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "broker/histogram.h"
 #include "broker/latency_window.h"
+#include "broker/sequence.h"
 
 namespace bulkhead {
 
@@ -15,7 +18,7 @@ struct SchedulerStats {
   uint64_t requests_received = 0, requests_completed = 0, requests_failed = 0,
            requests_rejected = 0;
   uint32_t requests_running = 0, requests_waiting = 0;
-  uint64_t tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
+  uint64_t prompt_tokens = 0, tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
            replayed_sequences = 0, integrity_failures = 0, weight_corruptions = 0, canary_runs = 0,
            canary_failures = 0, rolled_back_tokens = 0;
   // From the end of a token's step to its release; and the steps themselves (last 4096 each).
@@ -24,6 +27,17 @@ struct SchedulerStats {
   // verification and sampling of the step's rows, and the broker's time from one step's reply
   // to the next step's request when it went straight on (no wait for work in between).
   double compute_ms_p50 = 0, sample_ms_p50 = 0, between_steps_ms_p50 = 0;
+  // Worker replacements by what caused them, and failed integrity checks by check.
+  std::map<std::string, uint64_t> restarts_by_cause, integrity_failures_by_check;
+};
+
+// Since the broker started, for the metrics endpoint.
+struct StatsHistograms {
+  Histogram step_ms = Histogram::latencyMs();         // a step's round trip
+  Histogram release_ms = Histogram::latencyMs();      // a token's step end to its release
+  Histogram first_token_ms = Histogram::latencyMs();  // request arrival to its first token
+  Histogram inter_token_ms = Histogram::latencyMs();  // between a sequence's token releases
+  Histogram batch_size = Histogram::batchSize();      // sequences in a step
 };
 
 struct WorkerStatus {
@@ -61,16 +75,28 @@ class StatsBoard {
     out.between_steps_ms_p50 = between_ms_.percentile(50);
     return out;
   }
-  void addReleaseLatencies(const std::vector<double>& ms) {
+  void addReleaseTimes(const ReleaseTimes& times) {
     std::lock_guard lock(mu_);
-    for (double v : ms) release_ms_.add(v);
+    for (double v : times.after_step) {
+      release_ms_.add(v);
+      histograms_.release_ms.add(v);
+    }
+    for (double v : times.first_token) histograms_.first_token_ms.add(v);
+    for (double v : times.inter_token) histograms_.inter_token_ms.add(v);
   }
-  // A completed step: its round trip, the worker's compute and the broker's sampling.
-  void addStepTimes(double step_ms, double compute_ms, double sample_ms) {
+  // A completed step: its round trip, the worker's compute, the broker's sampling, and how many
+  // sequences it carried.
+  void addStepTimes(double step_ms, double compute_ms, double sample_ms, size_t batch) {
     std::lock_guard lock(mu_);
     step_ms_.add(step_ms);
     compute_ms_.add(compute_ms);
     sample_ms_.add(sample_ms);
+    histograms_.step_ms.add(step_ms);
+    histograms_.batch_size.add(double(batch));
+  }
+  StatsHistograms histograms() const {
+    std::lock_guard lock(mu_);
+    return histograms_;
   }
   void addBetweenSteps(double ms) {
     std::lock_guard lock(mu_);
@@ -86,6 +112,7 @@ class StatsBoard {
   SchedulerStats stats_;
   WorkerStatus worker_;
   LatencyWindow release_ms_, step_ms_, compute_ms_, sample_ms_, between_ms_;
+  StatsHistograms histograms_;
 };
 
 }  // namespace bulkhead

@@ -19,6 +19,7 @@
 #include <CLI/CLI.hpp>
 
 #include "broker/generator_service.h"
+#include "broker/metrics.h"
 #include "broker/scheduler.h"
 #include "broker/worker_client.h"
 #include "shared/model_config.h"
@@ -96,6 +97,10 @@ int main(int argc, char** argv) {
                  "A flag passed on to every worker the broker starts (repeatable; e.g. "
                  "--worker-arg=--cpu-threads=8)")
       ->allow_extra_args(false);
+  std::string metrics_listen;
+  app.add_option("--metrics-listen", metrics_listen,
+                 "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; "
+                 "empty: none)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -197,6 +202,20 @@ int main(int argc, char** argv) {
   if (ready_fd >= 0) {
     const std::string line = "listening " + bound + "\n";
     if (::write(ready_fd, line.data(), line.size()) < 0) spdlog::error("ready fd: write failed");
+  }
+  std::unique_ptr<MetricsServer> metrics;
+  if (!metrics_listen.empty()) {
+    auto started = MetricsServer::start(metrics_listen, scheduler.board());
+    if (!started.ok()) {
+      spdlog::critical("{}", started.status().message());
+      return 1;
+    }
+    metrics = std::move(*started);
+    spdlog::info("metrics at http://{}/metrics", metrics->address());
+    if (ready_fd >= 0) {
+      const std::string line = "metrics " + metrics->address() + "\n";
+      if (::write(ready_fd, line.data(), line.size()) < 0) spdlog::error("ready fd: write failed");
+    }
   }
 
   std::once_flag ready_once;

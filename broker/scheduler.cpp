@@ -117,6 +117,7 @@ void Scheduler::setServing(bool serving) {
 
 Status Scheduler::submit(GenerationRequest request, std::shared_ptr<TokenSink> sink) {
   auto seq = std::make_unique<Sequence>(std::move(request), std::move(sink));
+  const size_t prompt = seq->request.prompt.size();
   Status refused;
   {
     std::lock_guard lock(mu_);
@@ -136,6 +137,7 @@ Status Scheduler::submit(GenerationRequest request, std::shared_ptr<TokenSink> s
   board_.update([&](SchedulerStats& s, WorkerStatus&) {
     ++s.requests_received;
     if (!refused.ok()) ++s.requests_rejected;
+    if (refused.ok()) s.prompt_tokens += prompt;
   });
   if (refused.ok()) notify();
   return refused;
@@ -280,7 +282,7 @@ bool Scheduler::stepOnce(WorkerConnection& worker) {
   std::vector<SampledRow> sampled;
   WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, ride, step_id, sampled);
   board_.addStepTimes(msBetween(sent, step_done), double(reply->compute_micros) / 1000.0,
-                      msBetween(step_done, Clock::now()));
+                      msBetween(step_done, Clock::now()), batch.size());
   last_reply_ = step_done;
   if (!bad.ok()) return handleStepFailure(bad, batch);
   step_failures_in_a_row_ = 0;
@@ -337,10 +339,11 @@ WorkerFailure Scheduler::sampleRows(const std::vector<Sequence*>& batch,
 }
 
 bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch) {
-  slot_.failed(std::string(workerFailureKindName(f.kind)) +
-               (f.kind == WorkerFailure::Kind::kIntegrityFailure
-                    ? " (" + std::string(integrityCheckName(f.check)) + ")"
-                    : ""));
+  const std::string detected = std::string(workerFailureKindName(f.kind)) +
+                               (f.kind == WorkerFailure::Kind::kIntegrityFailure
+                                    ? " (" + std::string(integrityCheckName(f.check)) + ")"
+                                    : "");
+  slot_.failed(detected);
   if (f.kind == WorkerFailure::Kind::kRejected) {
     // The worker refused input the broker validated: a broker bug, not the client's.
     spdlog::error("worker rejected a step: {}", f.toString());
@@ -348,7 +351,10 @@ bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequ
     return true;
   }
   if (f.kind == WorkerFailure::Kind::kIntegrityFailure) {
-    board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.integrity_failures; });
+    board_.update([&f](SchedulerStats& s, WorkerStatus&) {
+      ++s.integrity_failures;
+      ++s.integrity_failures_by_check[std::string(integrityCheckName(f.check))];
+    });
     if (++step_failures_in_a_row_ <= options_.integrity_retries) {
       // Rows are never sampled from; the same step runs again (KV writes are idempotent).
       spdlog::warn("step rows failed verification, retrying: {}", f.toString());
@@ -356,7 +362,7 @@ bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequ
     }
   }
   step_failures_in_a_row_ = 0;
-  slot_.replace(f.toString());
+  slot_.replace(detected, f.toString());
   return true;
 }
 
@@ -380,9 +386,9 @@ void Scheduler::applyScrub(const ScrubStatus& scrub, bool gated) {
     queues_.rollBack(from);
     return;
   }
-  std::vector<double> latencies;
-  queues_.release(gated ? scrub.clean_through : UINT64_MAX, &latencies);
-  board_.addReleaseLatencies(latencies);
+  ReleaseTimes times;
+  queues_.release(gated ? scrub.clean_through : UINT64_MAX, &times);
+  board_.addReleaseTimes(times);
 }
 
 }  // namespace bulkhead

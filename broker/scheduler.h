@@ -92,6 +92,8 @@ class Scheduler {
 
   SchedulerStats stats() const { return board_.withLatencies(); }
   WorkerStatus workerStatus() const { return board_.worker(); }
+  // The counters and histograms, for the metrics endpoint (thread-safe).
+  const StatsBoard& board() const { return board_; }
 
  private:
   void run();

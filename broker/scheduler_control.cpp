@@ -56,7 +56,7 @@ Result<InjectionOutcome> Scheduler::injectFault(Fault fault, uint64_t random, mi
 void Scheduler::handleRestart() {
   const WorkerConnection* old = slot_.worker();
   const uint64_t old_incarnation = old ? old->hello().incarnation : 0;
-  slot_.replace("restart requested by an operator", /*operator_request=*/true);
+  slot_.replace("operator", "restart requested by an operator", /*operator_request=*/true);
   WorkerConnection* now = slot_.ensure();
   std::lock_guard lock(mu_);
   if (now != nullptr) {

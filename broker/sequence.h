@@ -32,6 +32,14 @@ struct GenerationRequest {
   std::optional<std::chrono::steady_clock::time_point> deadline;
 };
 
+// What a release measured, in milliseconds: per token, from the end of the step that produced
+// it; per sequence's first token, from the request's arrival (time to first token); per later
+// token, from the previous token's release (the inter-token gap; tokens released together after
+// the first of them have a gap of 0).
+struct ReleaseTimes {
+  std::vector<double> after_step, first_token, inter_token;
+};
+
 class TokenSink {
  public:
   virtual ~TokenSink() = default;

@@ -158,18 +158,26 @@ FinishReason SequenceQueues::stopReason(const Sequence& s) const {
   return FinishReason::kNone;
 }
 
-void SequenceQueues::release(uint64_t clean_through, std::vector<double>* latencies_ms) {
+void SequenceQueues::release(uint64_t clean_through, ReleaseTimes* times) {
   std::vector<std::chrono::steady_clock::time_point> produced;
   const auto now = std::chrono::steady_clock::now();
+  auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
   for (auto* list : {&running_, &finishing_}) {
     for (auto& s : *list) {
       produced.clear();
       const std::vector<TokenChoice> out = s->ledger.takeReleasable(clean_through, &produced);
       if (out.empty()) continue;
       s->sink->onTokens(out);
-      if (latencies_ms == nullptr) continue;
-      for (const auto& at : produced)
-        latencies_ms->push_back(std::chrono::duration<double, std::milli>(now - at).count());
+      if (times != nullptr) {
+        for (const auto& at : produced) times->after_step.push_back(ms(now - at));
+        if (s->last_release) {
+          times->inter_token.push_back(ms(now - *s->last_release));
+        } else {
+          times->first_token.push_back(ms(now - s->submitted));
+        }
+        times->inter_token.insert(times->inter_token.end(), out.size() - 1, 0.0);
+      }
+      s->last_release = now;
     }
   }
   std::erase_if(finishing_, [&](const SequencePtr& s) {

@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "broker/batch_planner.h"
@@ -26,10 +27,14 @@ struct Sequence {
   uint32_t computed = 0;  // tokens whose KV the current worker holds
   std::vector<uint32_t> blocks;
   FinishReason finish_reason = FinishReason::kNone;
+  // When the broker took the request, and when it last handed tokens to the client.
+  std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
+  std::optional<std::chrono::steady_clock::time_point> last_release;
 
   Sequence(GenerationRequest r, std::shared_ptr<TokenSink> s)
       : request(std::move(r)), sink(std::move(s)), ledger(request.prompt) {}
 };
+
 using SequencePtr = std::unique_ptr<Sequence>;
 
 // A planned step as the worker is asked for it: the sequences, and each one's part of the step
@@ -90,7 +95,7 @@ class SequenceQueues {
 
   // Sends the tokens of steps up to `clean_through`; ends requests with nothing left to send.
   // Adds each sent token's latency since its step completed (ms) to `latencies_ms` when given.
-  void release(uint64_t clean_through, std::vector<double>* latencies_ms = nullptr);
+  void release(uint64_t clean_through, ReleaseTimes* times = nullptr);
   // Drops unsent tokens from `from_step` on and replays everything. Returns tokens dropped.
   size_t rollBack(uint64_t from_step);
   // The worker is gone: unsent tokens are dropped and every sequence is replayed.

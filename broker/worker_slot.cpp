@@ -42,14 +42,14 @@ bool WorkerSlot::start() {
     const std::string why = "start failed: " + started.error().toString();
     spdlog::error("worker start {} failed: {}", incarnation, started.error().toString());
     failed(why);
-    replace(why);
+    replace("start failed", why);
     return false;
   }
   worker_ = std::move(*started);
   const WorkerHello& h = worker_->hello();
   if (h.vocab_size != options_.vocab_size) {
-    replace("worker reports vocabulary " + std::to_string(h.vocab_size) + ", the model has " +
-            std::to_string(options_.vocab_size));
+    replace("vocabulary mismatch", "worker reports vocabulary " + std::to_string(h.vocab_size) +
+                                       ", the model has " + std::to_string(options_.vocab_size));
     return false;
   }
   last_contact_ = Clock::now();
@@ -113,7 +113,7 @@ bool WorkerSlot::passesRide() {
     return true;
   }
   failed(why);
-  replace(why);
+  replace("canary", why);
   return false;
 }
 
@@ -147,7 +147,7 @@ void WorkerSlot::quarantine(const std::string& why) {
   spdlog::error("worker incarnation {} quarantined: {}", worker_->hello().incarnation, why);
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_failures; });
   failed(why);
-  replace(why);
+  replace("canary", why);
 }
 
 void WorkerSlot::checkExited() {
@@ -155,7 +155,7 @@ void WorkerSlot::checkExited() {
   pollfd p{worker_->exitFd(), POLLIN, 0};
   if (::poll(&p, 1, 0) > 0) {
     failed("worker exited");
-    replace("worker process exited while idle");
+    replace("worker exited", "worker process exited while idle");
   }
 }
 
@@ -173,7 +173,7 @@ void WorkerSlot::idle() {
     return;
   }
   failed(std::string(workerFailureKindName(beat.kind)));
-  replace("heartbeat: " + beat.toString());
+  replace(workerFailureKindName(beat.kind), "heartbeat: " + beat.toString());
 }
 
 WorkerSlot::Clock::time_point WorkerSlot::nextDuty() const {
@@ -196,7 +196,7 @@ void WorkerSlot::failed(const std::string& what) {
   injector_.failureSeen(what);
 }
 
-void WorkerSlot::replace(const std::string& why, bool operator_request) {
+void WorkerSlot::replace(std::string_view cause, const std::string& why, bool operator_request) {
   const bool had_worker = worker_ != nullptr;
   if (had_worker)
     spdlog::warn("replacing worker incarnation {}: {}", worker_->hello().incarnation, why);
@@ -219,6 +219,7 @@ void WorkerSlot::replace(const std::string& why, bool operator_request) {
   board_.update([&](SchedulerStats& s, WorkerStatus& w) {
     if (had_worker) {
       ++s.worker_restarts;
+      ++s.restarts_by_cause[std::string(cause)];
       ++w.restarts;
     }
     w.last_failure = why;
@@ -242,7 +243,7 @@ std::optional<ScrubStatus> WorkerSlot::vouch() {
     return std::move(*scrub);
   }
   failed(std::string(workerFailureKindName(scrub.error().kind)));
-  replace(scrub.error().toString());
+  replace(workerFailureKindName(scrub.error().kind), scrub.error().toString());
   return std::nullopt;
 }
 

@@ -78,8 +78,9 @@ class WorkerSlot {
   void stepCompleted();
   void failed(const std::string& what);  // detection only (injection timing)
   // Replaces the worker: kills it, tells the scheduler its sequences are lost, counts the
-  // failure towards a crash loop unless an operator asked for it.
-  void replace(const std::string& why, bool operator_request = false);
+  // failure towards a crash loop unless an operator asked for it. `cause` is a short name from a
+  // fixed set ("canary", "timed out", ...): the metrics count replacements by it.
+  void replace(std::string_view cause, const std::string& why, bool operator_request = false);
   // Arms a fault an operator asked for on the current worker.
   void armPendingFault(std::chrono::milliseconds step_timeout);
   // Asks the worker for a full scrub pass; replaces it when that fails.

@@ -5,8 +5,13 @@
 // SIGTERM answers an admin call still waiting.
 #include <gtest/gtest.h>
 
+#include <httplib.h>
+#include <signal.h>
+
 #include <future>
+#include <map>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include <grpcpp/generic/generic_stub.h>
@@ -511,6 +516,73 @@ TEST(BrokerShutdownTest, SigtermAnswersAnAdminCallThatIsStillWaiting) {
   ExitInfo info;
   ASSERT_TRUE(broker.process().waitExit(std::chrono::steady_clock::now() + 30s, &info));
   EXPECT_EQ(info.exit_code, 0) << info.describe();
+}
+
+}  // namespace
+}  // namespace bulkhead
+
+namespace bulkhead {
+namespace {
+
+// Prometheus text: name{labels} -> value.
+std::map<std::string, double> scrape(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  httplib::Client client(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
+  client.set_read_timeout(10, 0);
+  auto res = client.Get("/metrics");
+  std::map<std::string, double> samples;
+  if (!res || res->status != 200) {
+    ADD_FAILURE() << "GET /metrics failed";
+    return samples;
+  }
+  std::istringstream in(res->body);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    samples[line.substr(0, space)] = std::stod(line.substr(space + 1));
+  }
+  return samples;
+}
+
+TEST(BrokerMetricsTest, ScrapedAfterTrafficAndAWorkerKill) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_TRUE(broker.ok());
+  ASSERT_FALSE(broker.metricsAddress().empty());
+  constexpr uint32_t kRequests = 4, kTokens = 12;
+  for (uint32_t i = 0; i < kRequests; ++i) {
+    auto r = request({5, 6, 7 + i}, kTokens);
+    r.set_ignore_eos(true);
+    ASSERT_TRUE(generate(*broker.channel(), r).status.ok());
+  }
+  // A real restart: the worker process is killed, the broker notices and starts another.
+  const v1::WorkerInfo before = test::workerInfo(*broker.channel());
+  ASSERT_GT(before.pid(), 0);
+  ASSERT_EQ(::kill(before.pid(), SIGKILL), 0);
+  const v1::WorkerInfo after = test::waitForWorker(
+      *broker.channel(),
+      [&](const v1::WorkerInfo& w) {
+        return w.incarnation() != before.incarnation() && w.state() == "ready";
+      },
+      std::chrono::seconds(60));
+  ASSERT_NE(after.incarnation(), before.incarnation()) << "no new worker";
+  auto r = request({9, 9, 9}, kTokens);
+  r.set_ignore_eos(true);
+  ASSERT_TRUE(generate(*broker.channel(), r).status.ok());
+
+  const auto m = scrape(broker.metricsAddress());
+  const double requests = kRequests + 1, tokens = requests * kTokens;
+  EXPECT_EQ(m.at("bulkhead_requests_total{outcome=\"completed\"}"), requests);
+  EXPECT_EQ(m.at("bulkhead_prompt_tokens_total"), requests * 3);
+  EXPECT_GE(m.at("bulkhead_generated_tokens_total"), tokens);
+  EXPECT_EQ(m.at("bulkhead_worker_restarts_total{cause=\"worker exited\"}"), 1);
+  EXPECT_EQ(m.at("bulkhead_worker_ready"), 1);
+  // Every released token is either a sequence's first or follows another.
+  EXPECT_EQ(m.at("bulkhead_time_to_first_token_seconds_count"), requests);
+  EXPECT_EQ(m.at("bulkhead_inter_token_seconds_count"), tokens - requests);
+  EXPECT_EQ(m.at("bulkhead_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), requests);
+  EXPECT_GT(m.at("bulkhead_step_duration_seconds_count"), 0);
+  EXPECT_EQ(m.at("bulkhead_step_batch_size_count"), m.at("bulkhead_step_duration_seconds_count"));
 }
 
 }  // namespace

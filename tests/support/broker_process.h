@@ -53,6 +53,14 @@ class BrokerProcess {
       return;
     }
     address_ = listening->substr(10);
+    if (std::find(extra.begin(), extra.end(), "--metrics-listen") != extra.end()) {
+      auto metrics = process_.readReadyLine(deadline);
+      if (!metrics.ok() || metrics->rfind("metrics ", 0) != 0) {
+        ADD_FAILURE() << "broker did not report its metrics address";
+        return;
+      }
+      metrics_address_ = metrics->substr(8);
+    }
     if (wait_serving) {
       auto serving = process_.readReadyLine(deadline);
       if (!serving.ok() || *serving != "serving") {
@@ -73,13 +81,15 @@ class BrokerProcess {
 
   bool ok() const { return channel_ != nullptr; }
   const std::string& address() const { return address_; }
+  // host:port of the metrics endpoint, when started with --metrics-listen.
+  const std::string& metricsAddress() const { return metrics_address_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   ChildProcess& process() { return process_; }
 
  private:
   TempDir state_;
   ChildProcess process_;
-  std::string address_;
+  std::string address_, metrics_address_;
   std::shared_ptr<grpc::Channel> channel_;
 };
 

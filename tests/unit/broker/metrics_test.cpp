@@ -1,0 +1,82 @@
+// renderMetrics: every family declared once with its type, labelled counters escaped, histograms
+// cumulative with +Inf equal to the count, durations in seconds.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "broker/metrics.h"
+
+namespace bulkhead {
+namespace {
+
+// name{labels} -> value, and the declared type of each family.
+struct Parsed {
+  std::map<std::string, double> samples;
+  std::map<std::string, std::string> types;
+};
+
+Parsed parse(const std::string& text) {
+  Parsed p;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("# TYPE ", 0) == 0) {
+      const std::string rest = line.substr(7);
+      const std::string name = rest.substr(0, rest.find(' '));
+      EXPECT_EQ(p.types.count(name), 0u) << name << " declared twice";
+      p.types[name] = rest.substr(rest.find(' ') + 1);
+      continue;
+    }
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    EXPECT_NE(space, std::string::npos) << line;
+    p.samples[line.substr(0, space)] = std::stod(line.substr(space + 1));
+  }
+  return p;
+}
+
+TEST(Metrics, RendersCountersLabelsAndCumulativeHistograms) {
+  SchedulerStats s;
+  s.requests_completed = 7;
+  s.requests_failed = 1;
+  s.tokens_generated = 90;
+  s.prompt_tokens = 21;
+  s.restarts_by_cause = {{"worker exited", 2}, {"odd \"cause\"", 1}};
+  s.integrity_failures_by_check = {{"payload checksum", 3}};
+  WorkerStatus w;
+  w.state = "ready";
+  w.kv_blocks_total = 100;
+  w.kv_blocks_free = 60;
+  StatsHistograms h;
+  for (double ms : {0.1, 0.3, 3.0, 3.0, 70.0, 20000.0}) h.step_ms.add(ms);
+  h.batch_size.add(3);
+
+  const Parsed p = parse(renderMetrics(s, w, h));
+  EXPECT_EQ(p.types.at("bulkhead_requests_total"), "counter");
+  EXPECT_EQ(p.samples.at("bulkhead_requests_total{outcome=\"completed\"}"), 7);
+  EXPECT_EQ(p.samples.at("bulkhead_requests_total{outcome=\"failed\"}"), 1);
+  EXPECT_EQ(p.samples.at("bulkhead_generated_tokens_total"), 90);
+  EXPECT_EQ(p.samples.at("bulkhead_prompt_tokens_total"), 21);
+  EXPECT_EQ(p.samples.at("bulkhead_worker_restarts_total{cause=\"worker exited\"}"), 2);
+  EXPECT_EQ(p.samples.at("bulkhead_worker_restarts_total{cause=\"odd \\\"cause\\\"\"}"), 1);
+  EXPECT_EQ(p.samples.at("bulkhead_integrity_failures_total{check=\"payload checksum\"}"), 3);
+  EXPECT_EQ(p.samples.at("bulkhead_worker_ready"), 1);
+  EXPECT_EQ(p.samples.at("bulkhead_kv_blocks_free"), 60);
+
+  EXPECT_EQ(p.types.at("bulkhead_step_duration_seconds"), "histogram");
+  EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_bucket{le=\"0.00025\"}"), 1);
+  EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_bucket{le=\"0.0005\"}"), 2);
+  EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_bucket{le=\"0.005\"}"), 4);
+  EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_bucket{le=\"0.1\"}"), 5);
+  EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_bucket{le=\"10\"}"), 5);
+  EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_bucket{le=\"+Inf\"}"), 6);
+  EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_count"), 6);
+  EXPECT_NEAR(p.samples.at("bulkhead_step_duration_seconds_sum"), 20.0764, 1e-9);
+  EXPECT_EQ(p.samples.at("bulkhead_step_batch_size_bucket{le=\"4\"}"), 1);
+  EXPECT_EQ(p.samples.at("bulkhead_step_batch_size_bucket{le=\"2\"}"), 0);
+}
+
+}  // namespace
+}  // namespace bulkhead
