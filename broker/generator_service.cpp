@@ -121,6 +121,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     startNext();
   }
 
+  // With channel->mu held, in Generate: a refusal that is not the scheduler's (authorization).
+  void finishWithStatus(const grpc::Status& status) {
+    if (finish_pending_) return;
+    final_status_ = status;
+    finish_pending_ = true;
+    startNext();
+  }
+
   void OnWriteDone(bool ok) override {
     std::lock_guard lock(channel_->mu);
     pending_.pop_front();
@@ -284,9 +292,11 @@ grpc::Status toGrpcStatus(const Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
 }
 
-GeneratorService::GeneratorService(Scheduler& scheduler, ModelLimits model, size_t writer_threads)
+GeneratorService::GeneratorService(Scheduler& scheduler, ModelLimits model, const Authorizer& auth,
+                                   size_t writer_threads)
     : scheduler_(scheduler),
       model_(std::move(model)),
+      auth_(auth),
       writers_(std::make_unique<StreamWriters>(writer_threads)) {}
 
 GeneratorService::~GeneratorService() {
@@ -306,6 +316,12 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GeneratorService::Generate(
     std::lock_guard lock(channel->mu);
     reactor->finishWith(Verdict{FinishReason::kNone, {}, status});
   };
+  if (const grpc::Status allowed = auth_.check(*context, Authorizer::Api::kGenerate);
+      !allowed.ok()) {
+    std::lock_guard lock(channel->mu);
+    reactor->finishWithStatus(allowed);
+    return reactor;
+  }
   auto valid = validateRequest(*request, model_);
   if (!valid.ok()) {
     reject(valid.status());
@@ -323,9 +339,18 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GeneratorService::Generate(
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AdminService::refused(grpc::CallbackServerContext* context) const {
+  const grpc::Status allowed = auth_.check(*context, Authorizer::Api::kAdmin);
+  if (allowed.ok()) return nullptr;
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(allowed);
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext* context,
                                                     const v1::ListWorkersRequest*,
                                                     v1::ListWorkersResponse* response) {
+  if (auto* refusal = refused(context)) return refusal;
   const WorkerStatus w = scheduler_.workerStatus();
   v1::WorkerInfo* info = response->add_workers();
   info->set_name("worker-0");
@@ -344,6 +369,7 @@ grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext*
 
 grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* context,
                                                  const v1::GetStatsRequest*, v1::Stats* out) {
+  if (auto* refusal = refused(context)) return refusal;
   const SchedulerStats s = scheduler_.stats();
   out->set_requests_received(s.requests_received);
   out->set_requests_completed(s.requests_completed);
@@ -375,6 +401,7 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* AdminService::RestartWorker(grpc::CallbackServerContext* context,
                                                       const v1::RestartWorkerRequest* request,
                                                       v1::RestartWorkerResponse* response) {
+  if (auto* refusal = refused(context)) return refusal;
   auto* reactor = context->DefaultReactor();
   if (!request->name().empty() && request->name() != "worker-0") {
     reactor->Finish(
@@ -397,6 +424,7 @@ grpc::ServerUnaryReactor* AdminService::RestartWorker(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* context,
                                               const v1::DrainRequest*,
                                               v1::DrainResponse* response) {
+  if (auto* refusal = refused(context)) return refusal;
   auto* reactor = context->DefaultReactor();
   // Draining waits for running requests to end: off the callback thread.
   Status started = executor_.submit([this, reactor, response] {
@@ -411,6 +439,7 @@ grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* conte
 grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext* context,
                                                     const v1::InjectFaultRequest* request,
                                                     v1::InjectFaultResponse* response) {
+  if (auto* refusal = refused(context)) return refusal;
   auto* reactor = context->DefaultReactor();
   if (!fault_injection_) {
     spdlog::warn("refused a fault injection request: fault injection is disabled");

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "broker/admin_executor.h"
+#include "broker/auth.h"
 #include "broker/scheduler.h"
 #include "bulkhead/v1/generator.grpc.pb.h"
 
@@ -22,7 +23,7 @@ class GeneratorService final : public v1::Generator::CallbackService {
  public:
   static constexpr size_t kDefaultWriterThreads = 2;
 
-  GeneratorService(Scheduler& scheduler, ModelLimits model,
+  GeneratorService(Scheduler& scheduler, ModelLimits model, const Authorizer& auth,
                    size_t writer_threads = kDefaultWriterThreads);
   ~GeneratorService() override;
 
@@ -37,13 +38,14 @@ class GeneratorService final : public v1::Generator::CallbackService {
  private:
   Scheduler& scheduler_;
   const ModelLimits model_;
+  const Authorizer& auth_;
   std::unique_ptr<StreamWriters> writers_;
 };
 
 class AdminService final : public v1::Admin::CallbackService {
  public:
-  AdminService(Scheduler& scheduler, bool fault_injection)
-      : scheduler_(scheduler), fault_injection_(fault_injection) {}
+  AdminService(Scheduler& scheduler, bool fault_injection, const Authorizer& auth)
+      : scheduler_(scheduler), fault_injection_(fault_injection), auth_(auth) {}
   ~AdminService() override { stop(); }
 
   // Refuses new Drain, RestartWorker and InjectFault calls (UNAVAILABLE) and joins those in
@@ -67,8 +69,12 @@ class AdminService final : public v1::Admin::CallbackService {
                                         v1::InjectFaultResponse* response) override;
 
  private:
+  // A reactor finished with the caller's refusal, or null when the caller may go on.
+  grpc::ServerUnaryReactor* refused(grpc::CallbackServerContext* context) const;
+
   Scheduler& scheduler_;
   const bool fault_injection_;
+  const Authorizer& auth_;
   // The RPCs that wait on the scheduler run here, off gRPC's callback threads.
   AdminExecutor executor_;
 };

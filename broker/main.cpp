@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -43,6 +44,7 @@ bool writeReadyFile(const std::string& path, const std::string& address) {
 int main(int argc, char** argv) {
   using namespace bulkhead;
   CLI::App app{"bulkhead-broker: serves LLM generations from supervised workers"};
+  app.option_defaults()->always_capture_default();  // --print-config shows the defaults
   std::string model_dir, listen = "127.0.0.1:50051", backend = "auto", ready_file, worker_path;
   std::string log_level = "info";
   uint32_t kv_blocks = 0, arena_slots = 0;
@@ -97,12 +99,32 @@ int main(int argc, char** argv) {
                  "A flag passed on to every worker the broker starts (repeatable; e.g. "
                  "--worker-arg=--cpu-threads=8)")
       ->allow_extra_args(false);
+  std::string tls_cert, tls_key, tls_client_ca, token_file, admin_token_file;
+  app.add_option("--tls-cert", tls_cert, "PEM certificate chain: serve gRPC over TLS");
+  app.add_option("--tls-key", tls_key, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", tls_client_ca,
+                 "PEM CA bundle: require client certificates signed by it (mutual TLS)");
+  app.add_option("--token-file", token_file,
+                 "File holding the bearer token Generate requires (mode 600)");
+  app.add_option("--admin-token-file", admin_token_file,
+                 "File holding the bearer token Admin requires (mode 600; with --token-file and "
+                 "without this, Admin is closed)");
   std::string metrics_listen;
   app.add_option("--metrics-listen", metrics_listen,
                  "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; "
                  "empty: none)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
+  // Every option is also a key of a TOML file (the flag's name without the dashes); flags given
+  // on the command line win over the file.
+  app.set_config("--config", "", "TOML file of options, one key per flag");
+  bool print_config = false;
+  app.add_flag("--print-config", print_config, "Print the effective options as TOML and exit")
+      ->configurable(false);
   CLI11_PARSE(app, argc, argv);
+  if (print_config) {
+    std::cout << app.config_to_str(/*default_also=*/true, /*write_description=*/true);
+    return 0;
+  }
   spdlog::set_level(spdlog::level::from_str(log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [broker] %l: %v");
   options.step_timeout_base = std::chrono::milliseconds(step_timeout_ms);
@@ -178,13 +200,21 @@ int main(int argc, char** argv) {
       },
       model, options, pool);
 
-  GeneratorService generator(scheduler, model);
-  AdminService admin(scheduler, fault_injection);
+  auto auth = Authorizer::load(token_file, admin_token_file);
+  auto credentials = serverCredentials(tls_cert, tls_key, tls_client_ca);
+  for (const Status& s : {auth.status(), credentials.status()}) {
+    if (!s.ok()) {
+      spdlog::critical("{}", s.message());
+      return 2;
+    }
+  }
+  GeneratorService generator(scheduler, model, *auth);
+  AdminService admin(scheduler, fault_injection, *auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&generator);
   builder.RegisterService(&admin);
   builder.SetMaxReceiveMessageSize(16 << 20);

@@ -37,6 +37,8 @@ std::string_view codeName(Code code) {
       return "UNAVAILABLE";
     case Code::kDataLoss:
       return "DATA_LOSS";
+    case Code::kUnauthenticated:
+      return "UNAUTHENTICATED";
   }
   return "UNKNOWN";
 }

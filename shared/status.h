@@ -28,6 +28,7 @@ enum class Code : int {
   kInternal = 13,
   kUnavailable = 14,
   kDataLoss = 15,
+  kUnauthenticated = 16,
 };
 
 std::string_view codeName(Code code);

@@ -64,7 +64,17 @@ int main(int argc, char** argv) {
   auto* generate = app.add_subcommand(
       "generate",
       "Stream a generation from a broker (--server), or run greedy in-process (--model)");
+  // How generate and bench reach a broker that serves TLS or asks for a token.
+  auto addSecurity = [](CLI::App* command, ClientSecurity& security) {
+    command->add_option("--tls-ca", security.tls_ca, "PEM CA bundle: connect over TLS");
+    command->add_option("--tls-cert", security.tls_cert,
+                        "PEM client certificate, for a broker that requires one");
+    command->add_option("--tls-key", security.tls_key, "PEM private key of --tls-cert");
+    command->add_option("--token-file", security.token_file,
+                        "File holding the bearer token to send (mode 600)");
+  };
   auto* server_opt = generate->add_option("--server", remote.server, "Broker address host:port");
+  addSecurity(generate, remote.security);
   auto* model_opt =
       generate->add_option("--model", gen.model_dir, "Run in-process on this checkpoint instead");
   server_opt->excludes(model_opt);
@@ -87,6 +97,7 @@ int main(int argc, char** argv) {
   BenchCommand bench_cmd;
   auto* bench = app.add_subcommand("bench", "Load generator against a broker");
   bench->add_option("--server", bench_cmd.server, "Broker address host:port")->required();
+  addSecurity(bench, bench_cmd.security);
   bench->add_option("--concurrency", bench_cmd.concurrency, "Concurrent streams");
   bench->add_option("--prompt-len", bench_cmd.prompt_len, "Prompt tokens per request");
   bench->add_option("--gen-len", bench_cmd.gen_len, "Generated tokens per request");
@@ -129,9 +140,10 @@ int main(int argc, char** argv) {
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
   step_bench->add_option("--sampling-threads", step_opts.sampling_threads,
                          "Threads verifying and sampling rows (0: one per core)");
-  step_bench->add_option("--worker-arg", step_opts.worker_args,
-                         "An argument passed on to the worker (repeatable; e.g. "
-                         "--worker-arg=--cpu-threads=8)")
+  step_bench
+      ->add_option("--worker-arg", step_opts.worker_args,
+                   "An argument passed on to the worker (repeatable; e.g. "
+                   "--worker-arg=--cpu-threads=8)")
       ->allow_extra_args(false);
   bool no_in_step_checks = false;
   step_bench->add_flag("--no-in-step-checks", no_in_step_checks,

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bulkhead/v1/generator.grpc.pb.h"
+#include "shared/secret_file.h"
 #include "tools/percentile.h"
 
 namespace bulkhead {
@@ -26,10 +27,44 @@ Status fromGrpc(const grpc::Status& s) {
   return Status(static_cast<Code>(s.error_code()), s.error_message());
 }
 
-std::shared_ptr<grpc::Channel> channelTo(const std::string& server) {
+Result<std::string> readPem(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return invalidArgument(std::string(flag) + " " + path + ": cannot read");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// A channel to the broker, over TLS when the security options ask for it, and the metadata every
+// call carries (the bearer token).
+struct Connection {
+  std::shared_ptr<grpc::Channel> channel;
+  std::string authorization;  // empty: none
+  void prepare(grpc::ClientContext& context) const {
+    if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+  }
+};
+
+Result<Connection> connectTo(const std::string& server, const ClientSecurity& security) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
-  return grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!security.tls_ca.empty() || !security.tls_cert.empty()) {
+    grpc::SslCredentialsOptions tls;
+    if (!security.tls_ca.empty()) {
+      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_root_certs, readPem(security.tls_ca, "--tls-ca"));
+    }
+    if (!security.tls_cert.empty()) {
+      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_cert_chain, readPem(security.tls_cert, "--tls-cert"));
+      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_private_key, readPem(security.tls_key, "--tls-key"));
+    }
+    credentials = grpc::SslCredentials(tls);
+  }
+  Connection c{grpc::CreateCustomChannel(server, credentials, args), ""};
+  if (!security.token_file.empty()) {
+    BULKHEAD_ASSIGN_OR_RETURN(std::string token,
+                              readSecretFile(security.token_file, "--token-file"));
+    c.authorization = "Bearer " + token;
+  }
+  return c;
 }
 
 const char* finishName(v1::FinishReason r) {
@@ -48,7 +83,8 @@ const char* finishName(v1::FinishReason r) {
 }  // namespace
 
 Status runRemoteGenerate(const RemoteGenerateCommand& c) {
-  auto stub = v1::Generator::NewStub(channelTo(c.server));
+  BULKHEAD_ASSIGN_OR_RETURN(const Connection connection, connectTo(c.server, c.security));
+  auto stub = v1::Generator::NewStub(connection.channel);
   v1::GenerateRequest request;
   for (uint32_t t : c.tokens) request.add_prompt_token_ids(t);
   request.set_max_tokens(c.max_tokens);
@@ -66,6 +102,7 @@ Status runRemoteGenerate(const RemoteGenerateCommand& c) {
   request.set_top_logprobs(c.top_logprobs);
 
   grpc::ClientContext context;
+  connection.prepare(context);
   if (c.timeout_s > 0) {
     context.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::milliseconds(int64_t(c.timeout_s * 1000)));
@@ -100,8 +137,13 @@ Status runRemoteGenerate(const RemoteGenerateCommand& c) {
 }
 
 BenchResult measureBench(const BenchCommand& c) {
-  auto channel = channelTo(c.server);
   BenchResult result;
+  auto connection = connectTo(c.server, c.security);
+  if (!connection.ok()) {
+    result.first_error = connection.status().message();
+    return result;
+  }
+  const auto& channel = connection->channel;
   result.requests = c.requests != 0 ? c.requests : 4 * c.concurrency;
   std::atomic<uint32_t> next{0};
   std::mutex mu;
@@ -126,6 +168,7 @@ BenchResult measureBench(const BenchCommand& c) {
           request.mutable_sampling()->set_seed(c.seed + i);
         }
         grpc::ClientContext context;
+        connection->prepare(context);
         const auto sent = Clock::now();
         auto reader = stub->Generate(&context, request);
         v1::GenerateResponse response;
@@ -160,6 +203,7 @@ Status runBench(const BenchCommand& c) {
   if (c.concurrency == 0 || c.prompt_len == 0 || c.gen_len == 0)
     return invalidArgument("--concurrency, --prompt-len and --gen-len must be positive");
   const BenchResult r = measureBench(c);
+  if (r.requests == 0 && !r.first_error.empty()) return invalidArgument(r.first_error);
   std::printf("bench: %s, concurrency %u, prompt %u, gen %u, %u requests (%u failed)\n",
               c.server.c_str(), c.concurrency, c.prompt_len, c.gen_len, r.requests, r.failed);
   std::printf("%12s %10s %10s %10s %10s %10s\n", "tokens/s", "ttft_p50", "ttft_p99", "itl_p50",

@@ -11,8 +11,15 @@
 
 namespace bulkhead {
 
+// How a client reaches a secured broker: TLS (the server's CA; a client certificate for mutual
+// TLS) and a bearer token from a file. All empty: plain text, no token.
+struct ClientSecurity {
+  std::string tls_ca, tls_cert, tls_key, token_file;
+};
+
 struct RemoteGenerateCommand {
   std::string server;
+  ClientSecurity security;
   std::vector<uint32_t> tokens;
   uint32_t max_tokens = 16;
   float temperature = 0, top_p = 0, min_p = 0, repetition_penalty = 0;
@@ -29,6 +36,7 @@ Status runRemoteGenerate(const RemoteGenerateCommand& command);
 
 struct BenchCommand {
   std::string server;
+  ClientSecurity security;
   float temperature = 0;  // 0: greedy
   float top_p = 1;
   uint32_t concurrency = 1;

@@ -90,5 +90,41 @@ TEST(Cli, MakeModelThenGenerate) {
   EXPECT_FALSE(first.out.empty());
 }
 
+// The broker and the worker read every option from a TOML file too; flags win over the file, and
+// --print-config writes the effective options back as a file that reads the same.
+TEST(Cli, ConfigFilesGiveEveryOptionAndFlagsWin) {
+  test::TempDir dir;
+  test::writeFile(dir.file("broker.toml"),
+                  "model = \"/srv/models/q05\"\nmax-running = 7\nscrub-share = 0.25\n");
+  auto r = test::runBinary(
+      dir, "bulkhead-broker",
+      {"--config", dir.file("broker.toml"), "--max-running", "9", "--print-config"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("model=\"/srv/models/q05\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("max-running=9"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("scrub-share=0.25"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("listen=\"127.0.0.1:50051\""), std::string::npos) << "defaults shown";
+  EXPECT_EQ(r.out.find("print-config"), std::string::npos) << "--print-config is no option";
+  test::writeFile(dir.file("effective.toml"), r.out);
+  auto again = test::runBinary(dir, "bulkhead-broker",
+                               {"--config", dir.file("effective.toml"), "--print-config"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(again.out, r.out);
+
+  test::writeFile(dir.file("worker.toml"),
+                  "model = \"m\"\nsocket = \"/run/w.sock\"\nbackend = \"cuda\"\n");
+  auto w = test::runBinary(dir, "bulkhead-worker",
+                           {"--config", dir.file("worker.toml"), "--print-config"});
+  ASSERT_EQ(w.exit_code, 0) << w.err;
+  EXPECT_NE(w.out.find("backend=\"cuda\""), std::string::npos) << w.out;
+  EXPECT_NE(w.out.find("socket=\"/run/w.sock\""), std::string::npos) << w.out;
+
+  test::writeFile(dir.file("bad.toml"), "max-running = \"many\"\n");
+  auto bad =
+      test::runBinary(dir, "bulkhead-broker", {"--config", dir.file("bad.toml"), "--print-config"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("max-running"), std::string::npos) << bad.err;
+}
+
 }  // namespace
 }  // namespace bulkhead

@@ -32,7 +32,12 @@ std::string quote(const std::string& s) {
 }  // namespace
 
 CommandResult runBulkhead(const TempDir& dir, const std::vector<std::string>& args) {
-  std::string cmd = quote(binDir() + "/bulkhead");
+  return runBinary(dir, "bulkhead", args);
+}
+
+CommandResult runBinary(const TempDir& dir, const std::string& name,
+                        const std::vector<std::string>& args) {
+  std::string cmd = quote(binDir() + "/" + name);
   for (const auto& a : args) cmd += " " + quote(a);
   cmd += " > " + quote(dir.file("stdout")) + " 2> " + quote(dir.file("stderr"));
   const int status = std::system(cmd.c_str());

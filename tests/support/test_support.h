@@ -35,6 +35,9 @@ struct CommandResult {
   std::string out, err;
 };
 CommandResult runBulkhead(const TempDir& dir, const std::vector<std::string>& args);
+// Any of the built executables (bulkhead-broker, bulkhead-worker), the same way.
+CommandResult runBinary(const TempDir& dir, const std::string& name,
+                        const std::vector<std::string>& args);
 
 // ../shared/fixtures/<name>; aborts the test with a clear message when absent.
 std::string fixtureDir(const std::string& name);
