@@ -13,26 +13,40 @@
 
 namespace bulkhead::cuda {
 
-// `bytes` of device memory (cudaMalloc: never managed memory).
-class DeviceMemory {
- public:
-  DeviceMemory() = default;
-  static Result<DeviceMemory> allocate(size_t bytes) {
-    DeviceMemory m;
-    if (bytes == 0) return Result<DeviceMemory>(std::move(m));
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&m.ptr_, bytes));
-    m.bytes_ = bytes;
-    return Result<DeviceMemory>(std::move(m));
+// Where a Buffer's bytes live: device memory (cudaMalloc: never managed memory), or page-locked
+// host memory mapped into the device's address space.
+struct DeviceAllocator {
+  static cudaError_t allocate(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+  static void release(void* p) { cudaFree(p); }
+};
+struct PinnedAllocator {
+  static cudaError_t allocate(void** p, size_t bytes) {
+    return cudaHostAlloc(p, bytes, cudaHostAllocMapped);
   }
-  DeviceMemory(DeviceMemory&& o) noexcept
+  static void release(void* p) { cudaFreeHost(p); }
+};
+
+// `bytes` bytes from `Allocator`, released at destruction.
+template <typename Allocator>
+class Buffer {
+ public:
+  Buffer() = default;
+  static Result<Buffer> allocate(size_t bytes) {
+    Buffer m;
+    if (bytes == 0) return Result<Buffer>(std::move(m));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(Allocator::allocate(&m.ptr_, bytes));
+    m.bytes_ = bytes;
+    return Result<Buffer>(std::move(m));
+  }
+  Buffer(Buffer&& o) noexcept
       : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
+  Buffer& operator=(Buffer&& o) noexcept {
     std::swap(ptr_, o.ptr_);
     std::swap(bytes_, o.bytes_);
     return *this;
   }
-  ~DeviceMemory() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+  ~Buffer() {
+    if (ptr_ != nullptr) Allocator::release(ptr_);
   }
   template <typename T = void>
   T* get() const {
@@ -44,38 +58,8 @@ class DeviceMemory {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
-
-// Page-locked host memory, mapped into the device's address space.
-class PinnedMemory {
- public:
-  PinnedMemory() = default;
-  static Result<PinnedMemory> allocate(size_t bytes) {
-    PinnedMemory m;
-    if (bytes == 0) return Result<PinnedMemory>(std::move(m));
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&m.ptr_, bytes, cudaHostAllocMapped));
-    m.bytes_ = bytes;
-    return Result<PinnedMemory>(std::move(m));
-  }
-  PinnedMemory(PinnedMemory&& o) noexcept
-      : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  PinnedMemory& operator=(PinnedMemory&& o) noexcept {
-    std::swap(ptr_, o.ptr_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  ~PinnedMemory() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+using DeviceMemory = Buffer<DeviceAllocator>;
+using PinnedMemory = Buffer<PinnedAllocator>;
 
 class Stream {
  public:

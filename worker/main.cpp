@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <iostream>
 #include <optional>
 #include <string>
 
@@ -18,6 +19,7 @@
 int main(int argc, char** argv) {
   using namespace bulkhead;
   CLI::App app{"bulkhead-worker: runs model steps for the bulkhead broker"};
+  app.option_defaults()->always_capture_default();  // --print-config shows the defaults
   WorkerOptions options;
   std::string backend_name = "auto", log_level = "info";
   BackendOptions backend_options;
@@ -55,7 +57,17 @@ int main(int argc, char** argv) {
                  "simulates a kernel that computes wrongly from birth while its weight reads and "
                  "products all check out)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
+  // Every option is also a key of a TOML file (the flag's name without the dashes); flags given
+  // on the command line win over the file.
+  app.set_config("--config", "", "TOML file of options, one key per flag");
+  bool print_config = false;
+  app.add_flag("--print-config", print_config, "Print the effective options as TOML and exit")
+      ->configurable(false);
   CLI11_PARSE(app, argc, argv);
+  if (print_config) {
+    std::cout << app.config_to_str(/*default_also=*/true, /*write_description=*/true);
+    return 0;
+  }
 
   spdlog::set_level(spdlog::level::from_str(log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [worker %P] %l: %v");

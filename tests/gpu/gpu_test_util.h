@@ -2,9 +2,12 @@
 // allocation and copies.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <initializer_list>
 #include <vector>
 
 namespace bulkhead::test {
@@ -38,5 +41,26 @@ struct DeviceBuffer {
   }
   std::vector<T> read() const { return read(0, n); }
 };
+
+// y = x · wᵀ (m x n, from bf16 x: m x k and w: n x k) against the product in double, for `rows`
+// and three outputs of each: bf16 products are exact in fp32, and fp32 sums stay well within
+// this bound.
+inline void expectMatchesProduct(const std::vector<float>& y, const std::vector<__nv_bfloat16>& x,
+                                 const std::vector<__nv_bfloat16>& w, int n, int k,
+                                 std::initializer_list<int> rows) {
+  for (int r : rows) {
+    for (int j : {0, n / 3, n - 1}) {
+      double expect = 0, scale = 0;
+      for (int i = 0; i < k; ++i) {
+        const double p = double(__bfloat162float(x[size_t(r) * k + i])) *
+                         double(__bfloat162float(w[size_t(j) * k + i]));
+        expect += p;
+        scale += std::fabs(p);
+      }
+      EXPECT_NEAR(y[size_t(r) * n + j], expect, 1e-5 * scale + 1e-6)
+          << "row " << r << ", output " << j;
+    }
+  }
+}
 
 }  // namespace bulkhead::test

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <span>
 #include <vector>
@@ -78,6 +79,35 @@ class BackendDriver {
     }
     for (const Chunk& c : chunks) c.seq->position += uint32_t(c.tokens.size());
     return out;
+  }
+
+  // `target` in chunks of 5 tokens through a fresh sequence, each step shared with the other
+  // sequences (`others`, prefilling and decoding at their own positions), the target at a
+  // different place in the batch each step. Returns the target's rows.
+  Rows runAmongOthers(const std::vector<uint32_t>& target,
+                      const std::vector<std::vector<uint32_t>>& others) {
+    TestSequence t = newSequence(100, uint32_t(target.size()));
+    std::vector<TestSequence> o;
+    for (size_t i = 0; i < others.size(); ++i)
+      o.push_back(newSequence(200 + i, uint32_t(others[i].size())));
+    Rows batched;
+    for (size_t begin = 0, step = 0; begin < target.size(); begin += 5, ++step) {
+      std::vector<Chunk> chunks;
+      for (size_t i = 0; i < others.size(); ++i) {
+        const size_t pos = o[i].position;
+        const size_t len = std::min<size_t>(3 + i * 4, others[i].size() - pos);
+        if (len > 0)
+          chunks.push_back(
+              {&o[i], {others[i].begin() + long(pos), others[i].begin() + long(pos + len)}});
+      }
+      const size_t where = step % (chunks.size() + 1);
+      const size_t end = std::min(target.size(), begin + 5);
+      chunks.insert(chunks.begin() + long(where),
+                    {&t, {target.begin() + long(begin), target.begin() + long(end)}});
+      auto out = this->step(chunks);
+      batched.insert(batched.end(), out[where].begin(), out[where].end());
+    }
+    return batched;
   }
 
   // Runs `tokens` alone through a fresh sequence in chunks of `chunk` tokens.

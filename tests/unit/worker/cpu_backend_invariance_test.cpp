@@ -81,25 +81,7 @@ TEST_P(InvarianceTest, BatchCompositionDoesNotChangeLogits) {
   // prefilling and decoding; the target sits at a different place in the batch each step.
   std::vector<std::vector<uint32_t>> others = {randomTokens(50, 3), randomTokens(9, 4),
                                                randomTokens(33, 5)};
-  test::TestSequence t = driver.newSequence(100, uint32_t(target.size()));
-  std::vector<test::TestSequence> o;
-  for (size_t i = 0; i < others.size(); ++i)
-    o.push_back(driver.newSequence(200 + i, uint32_t(others[i].size())));
-  test::Rows batched;
-  for (size_t begin = 0, step = 0; begin < target.size(); begin += 5, ++step) {
-    std::vector<test::BackendDriver::Chunk> chunks;
-    for (size_t i = 0; i < others.size(); ++i) {
-      const size_t pos = o[i].position, len = std::min<size_t>(3 + i * 4, others[i].size() - pos);
-      if (len > 0)
-        chunks.push_back(
-            {&o[i], {others[i].begin() + long(pos), others[i].begin() + long(pos + len)}});
-    }
-    const size_t where = step % (chunks.size() + 1);
-    chunks.insert(chunks.begin() + long(where),
-                  {&t, {target.begin() + long(begin), target.begin() + long(begin + 5)}});
-    auto out = driver.step(chunks);
-    batched.insert(batched.end(), out[where].begin(), out[where].end());
-  }
+  const test::Rows batched = driver.runAmongOthers(target, others);
   expectIdentical(alone, batched, "batched");
 }
 
