@@ -24,6 +24,7 @@
 #include "broker/scheduler.h"
 #include "broker/worker_client.h"
 #include "shared/model_config.h"
+#include "shared/service_notify.h"
 #include "worker/reference_engine.h"
 
 namespace {
@@ -43,6 +44,9 @@ bool writeReadyFile(const std::string& path, const std::string& address) {
 
 int main(int argc, char** argv) {
   using namespace bulkhead;
+  // Read first, and cleared from the environment, so the workers this broker spawns never report
+  // as its service.
+  const ServiceNotifier notifier = ServiceNotifier::fromEnvironment();
   CLI::App app{"bulkhead-broker: serves LLM generations from supervised workers"};
   app.option_defaults()->always_capture_default();  // --print-config shows the defaults
   std::string model_dir, listen = "127.0.0.1:50051", backend = "auto", ready_file, worker_path;
@@ -252,8 +256,11 @@ int main(int argc, char** argv) {
   scheduler.setServingCallback([&](bool serving) {
     health->SetServingStatus(serving);
     health->SetServingStatus("bulkhead.v1.Generator", serving);
+    notifier.notify(serving ? "STATUS=serving on " + bound
+                            : "STATUS=not serving: no healthy worker");
     if (serving) {
       std::call_once(ready_once, [&] {
+        notifier.notify("READY=1");
         if (!ready_file.empty() && !writeReadyFile(ready_file, bound))
           spdlog::error("cannot write {}", ready_file);
         if (ready_fd >= 0) {
@@ -272,6 +279,7 @@ int main(int argc, char** argv) {
   while (::read(sfd, &info, sizeof(info)) < 0 && errno == EINTR) {
   }
   spdlog::info("signal {} received; shutting down", info.ssi_signo);
+  notifier.notify("STOPPING=1");
   health->SetServingStatus(false);
   // Order matters. Stopping the scheduler finishes every stream and ends the waits of admin
   // calls; their threads are then joined while the scheduler they call still exists; the stream

@@ -13,11 +13,14 @@
 #include <CLI/CLI.hpp>
 
 #include "shared/checkpoint.h"
+#include "shared/service_notify.h"
 #include "worker/backend_factory.h"
 #include "worker/worker_server.h"
 
 int main(int argc, char** argv) {
   using namespace bulkhead;
+  // Read first, and cleared from the environment, so nothing this worker starts reports as it.
+  const ServiceNotifier notifier = ServiceNotifier::fromEnvironment();
   CLI::App app{"bulkhead-worker: runs model steps for the bulkhead broker"};
   app.option_defaults()->always_capture_default();  // --print-config shows the defaults
   WorkerOptions options;
@@ -114,6 +117,7 @@ int main(int argc, char** argv) {
     }
     spdlog::warn("fault injection: resident weight byte {} bit {} flipped at start", byte, bit);
   }
+  options.notifier = notifier;
   auto server = WorkerServer::create(std::move(*backend), shared, options);
   if (!server.ok()) {
     spdlog::critical("{}", server.status().toString());
@@ -121,6 +125,7 @@ int main(int argc, char** argv) {
   }
   // A backend failure ends serve() with an error: crash-only, the broker replaces this worker.
   Status served = (*server)->serve();
+  notifier.notify("STOPPING=1");
   if (!served.ok()) {
     spdlog::critical("{}", served.toString());
     return 1;

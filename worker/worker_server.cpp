@@ -132,15 +132,11 @@ Status WorkerServer::serve() {
     ::close(options_.ready_fd);
     options_.ready_fd = -1;
   }
+  options_.notifier.notify("READY=1\nSTATUS=serving on " + options_.socket_path);
   // Started here, after create() blocked SIGTERM/SIGINT, so the thread inherits the mask.
   scrubber_->start();
   while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {signal_fd_, POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return internalError(std::string("poll: ") + std::strerror(errno));
-    }
-    if (fds[1].revents & POLLIN) {
+    if (!awaitInput(listen_fd_)) {
       spdlog::info("signal received; shutting down");
       return okStatus();
     }
@@ -151,6 +147,28 @@ Status WorkerServer::serve() {
     ::close(fd);
     if (!stop.ok()) return stop.status();
     if (*stop) return okStatus();
+  }
+}
+
+void WorkerServer::watchdogIfDue() {
+  const auto period = options_.notifier.watchdogPeriod();
+  if (period.count() == 0) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_watchdog_ < period) return;
+  options_.notifier.notify("WATCHDOG=1");
+  last_watchdog_ = now;
+}
+
+bool WorkerServer::awaitInput(int fd) {
+  const auto period = options_.notifier.watchdogPeriod();
+  while (true) {
+    watchdogIfDue();
+    pollfd fds[2] = {{fd, POLLIN, 0}, {signal_fd_, POLLIN, 0}};
+    const int ready = ::poll(fds, 2, period.count() == 0 ? -1 : int(period.count()));
+    if (ready < 0 && errno != EINTR) return true;  // the read that follows reports the error
+    if (ready <= 0) continue;
+    if (fds[1].revents & POLLIN) return false;
+    return true;
   }
 }
 
@@ -187,6 +205,7 @@ Result<bool> WorkerServer::serveConnection(int fd) {
   if (!sendHello(fd).ok()) return false;
   std::vector<capnp::word> words;
   while (true) {
+    if (!awaitInput(fd)) return true;  // SIGTERM/SIGINT
     FrameReadResult frame = readFrame(fd, words, SteadyTime::max(), /*extra_fd=*/signal_fd_);
     if (frame.status.code() == Code::kAborted) return true;  // SIGTERM/SIGINT
     if (!frame.status.ok()) {

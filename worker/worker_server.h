@@ -8,6 +8,7 @@
 // take it shared, weight repairs and bit flips exclusive.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <shared_mutex>
 #include <string>
@@ -16,6 +17,7 @@
 
 #include "shared/checkpoint.h"
 #include "shared/logits_arena.h"
+#include "shared/service_notify.h"
 #include "worker/backend.h"
 #include "worker/fault_hooks.h"
 #include "worker/step_runner.h"
@@ -32,6 +34,9 @@ struct WorkerOptions {
   int ready_fd = -1;  // written to (one byte) and closed once the socket listens
   // Share of one core's time the scrub thread may be busy (0: no scrubbing).
   double scrub_share = kDefaultScrubShare;
+  // systemd's readiness protocol: READY=1 once the model is loaded and the socket listens,
+  // WATCHDOG=1 from the serving loop itself (between steps and while idle), STOPPING=1.
+  ServiceNotifier notifier;
 };
 
 class WorkerServer {
@@ -47,6 +52,10 @@ class WorkerServer {
 
  private:
   WorkerServer() = default;
+  // Waits until `fd` (or the signal descriptor) is readable, sending WATCHDOG=1 when one is due
+  // meanwhile; false when a signal arrived.
+  bool awaitInput(int fd);
+  void watchdogIfDue();
   // Serves one connection; true when the worker should stop, an error when it must die.
   Result<bool> serveConnection(int fd);
   Status sendHello(int fd);
@@ -68,6 +77,7 @@ class WorkerServer {
   WorkerOptions options_;
   uint64_t weight_digest_ = 0;
   int listen_fd_ = -1;
+  std::chrono::steady_clock::time_point last_watchdog_{};
   int signal_fd_ = -1;
 };
 
