@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # systemd-analyze verify on every unit in systemd/, with ExecStart pointing at the built binaries
-# (the units name /usr/local/bin, where an install puts them). Any warning fails the test.
+# (the units name /usr/local/bin, where an install puts them). Any warning fails the test. Then
+# the sysusers.d and tmpfiles.d files, applied to an empty root: the user, and its directories
+# owner-only.
 # Usage: systemd_units_test.sh BIN_DIR SOURCE_DIR
 set -euo pipefail
 bin=$1 src=$2
@@ -20,3 +22,15 @@ if [ -n "$out" ]; then
   exit 1
 fi
 echo "units verified"
+
+root="$tmp/root"
+mkdir -p "$root/etc"
+systemd-sysusers --root="$root" "$src/systemd/bulkhead.sysusers" > /dev/null
+uid=$(awk -F: '$1 == "bulkhead" { print $3 }' "$root/etc/passwd")
+[ -n "$uid" ] || { echo "sysusers made no bulkhead user"; exit 1; }
+systemd-tmpfiles --create --root="$root" "$src/systemd/bulkhead.tmpfiles"
+for dir in /run/bulkhead /var/lib/bulkhead /etc/bulkhead; do
+  got=$(stat -c '%a %u' "$root$dir")
+  [ "$got" = "700 $uid" ] || { echo "$dir: mode and owner $got, want 700 $uid"; exit 1; }
+done
+echo "sysusers and tmpfiles applied"
