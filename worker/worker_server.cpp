@@ -44,6 +44,9 @@ Status bindListener(const std::string& path, int& out_fd) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) return failedPrecondition(path + " exists and is not a socket");
+    // Another user's socket is never probed, removed or taken over.
+    if (st.st_uid != ::geteuid())
+      return failedPrecondition(path + " exists and belongs to user " + std::to_string(st.st_uid));
     int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     const bool alive =
         probe >= 0 && ::connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;

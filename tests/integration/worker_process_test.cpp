@@ -3,6 +3,10 @@
 // promptly as the right typed error.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -11,6 +15,7 @@
 #include "broker/step_rows.h"
 #include "broker/worker_client.h"
 #include "shared/checkpoint.h"
+#include "shared/child_process.h"
 #include "support/backend_driver.h"
 #include "support/test_support.h"
 #include "worker/cpu_backend.h"
@@ -377,6 +382,47 @@ TEST_F(WorkerProcessTest, KilledWorkersArenaIsRemovedByItsClient) {
     ASSERT_TRUE(std::filesystem::exists(arena));
   }  // destruction SIGKILLs the worker
   EXPECT_FALSE(std::filesystem::exists(arena));
+}
+
+}  // namespace
+}  // namespace bulkhead
+
+namespace bulkhead {
+namespace {
+
+// The worker's socket path: never through a symlink, never another user's socket.
+TEST(WorkerSocketPathTest, RefusesASymlinkAndAnotherUsersSocket) {
+  test::TempDir dir;
+  auto start = [&](const std::string& socket) {
+    auto child = ChildProcess::spawn({test::binDir() + "/bulkhead-worker", "--model",
+                                      test::fixtureDir("tiny-qwen2"), "--socket", socket,
+                                      "--backend", "cpu", "--log-level", "warn"});
+    EXPECT_TRUE(child.ok()) << child.status().toString();
+    ExitInfo exit;
+    EXPECT_TRUE(child->waitExit(std::chrono::steady_clock::now() + std::chrono::seconds(30), &exit))
+        << "the worker took over " << socket;
+    return exit;
+  };
+  // A symlink at the path, to a file the worker must not touch.
+  test::writeFile(dir.file("target"), "keep");
+  ASSERT_EQ(::symlink(dir.file("target").c_str(), dir.file("link.sock").c_str()), 0);
+  EXPECT_NE(start(dir.file("link.sock")).exit_code, 0);
+  EXPECT_EQ(test::readFile(dir.file("target")), "keep");
+  EXPECT_TRUE(std::filesystem::is_symlink(dir.file("link.sock")));
+
+  if (::geteuid() != 0) GTEST_SKIP() << "making another user's socket needs root";
+  const std::string theirs = dir.file("theirs.sock");
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  theirs.copy(addr.sun_path, sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(fd);  // a stale socket: nobody listens
+  ASSERT_EQ(::chown(theirs.c_str(), 65534, 65534), 0);
+  EXPECT_NE(start(theirs).exit_code, 0);
+  struct stat st {};
+  ASSERT_EQ(::lstat(theirs.c_str(), &st), 0) << "another user's socket was removed";
+  EXPECT_EQ(st.st_uid, 65534u);
 }
 
 }  // namespace
