@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -113,6 +114,12 @@ int main(int argc, char** argv) {
   app.add_option("--admin-token-file", admin_token_file,
                  "File holding the bearer token Admin requires (mode 600; with --token-file and "
                  "without this, Admin is closed)");
+  std::vector<std::string> workers_from;
+  app.add_option("--workers-from", workers_from,
+                 "Attach to the worker systemd runs on this socket instead of spawning one");
+  uint32_t attach_timeout_s = 600;
+  app.add_option("--attach-timeout-s", attach_timeout_s,
+                 "How long to wait for an attached worker to listen (it loads its model first)");
   std::string metrics_listen;
   app.add_option("--metrics-listen", metrics_listen,
                  "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; "
@@ -194,15 +201,35 @@ int main(int argc, char** argv) {
   spawn.extra_args.insert(spawn.extra_args.end(), worker_args.begin(), worker_args.end());
   // Verification and sampling of logits rows, spread over the host's cores.
   WorkPool pool(sampling_threads);
-  Scheduler scheduler(
+  // Set on SIGTERM before the scheduler stops: an attach still waiting for a worker gives up.
+  auto stopping = std::make_unique<std::atomic<bool>>(false);
+  WorkerFactory factory =
       [spawn](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
-        WorkerClient::SpawnOptions o = spawn;
-        o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32);
-        auto client = WorkerClient::spawn(o);
-        if (!client.ok()) return client.error();
-        return std::unique_ptr<WorkerConnection>(std::move(*client));
-      },
-      model, options, pool);
+    WorkerClient::SpawnOptions o = spawn;
+    o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32);
+    auto client = WorkerClient::spawn(o);
+    if (!client.ok()) return client.error();
+    return std::unique_ptr<WorkerConnection>(std::move(*client));
+  };
+  if (!workers_from.empty()) {
+    if (workers_from.size() > 1) {
+      spdlog::critical("--workers-from: one worker per broker today ({} given)",
+                       workers_from.size());
+      return 2;
+    }
+    // Attach mode: systemd runs the worker; the broker connects, and after replacing it (which
+    // kills it) waits for systemd's next one. Never the incarnation just replaced.
+    auto replaced = std::make_shared<uint64_t>(0);
+    factory = [path = workers_from[0], replaced, timeout = std::chrono::seconds(attach_timeout_s),
+               stopping =
+                   stopping.get()](uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+      auto client = WorkerClient::attach(path, *replaced, timeout, stopping);
+      if (!client.ok()) return client.error();
+      *replaced = (*client)->hello().incarnation;
+      return std::unique_ptr<WorkerConnection>(std::move(*client));
+    };
+  }
+  Scheduler scheduler(std::move(factory), model, options, pool);
 
   auto auth = Authorizer::load(token_file, admin_token_file);
   auto credentials = serverCredentials(tls_cert, tls_key, tls_client_ca);
@@ -280,6 +307,7 @@ int main(int argc, char** argv) {
   }
   spdlog::info("signal {} received; shutting down", info.ssi_signo);
   notifier.notify("STOPPING=1");
+  stopping->store(true);
   health->SetServingStatus(false);
   // Order matters. Stopping the scheduler finishes every stream and ends the waits of admin
   // calls; their threads are then joined while the scheduler they call still exists; the stream

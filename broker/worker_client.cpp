@@ -7,12 +7,14 @@
 #include <signal.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include <capnp/serialize.h>
 
@@ -168,6 +170,35 @@ WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::connect(const std::str
   return client;
 }
 
+WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::attach(
+    const std::string& socket_path, uint64_t replaced, milliseconds timeout,
+    const std::atomic<bool>* stopping) {
+  const SteadyTime deadline = after(timeout);
+  // Systemd gives no event for "the restarted worker listens": ask again, backing off to 200 ms.
+  milliseconds wait{5};
+  WorkerFailure last = failure(Kind::kStartFailed, "no worker listens on " + socket_path);
+  while (true) {
+    const auto left =
+        std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto client = connect(socket_path, std::max(milliseconds(1), left));
+    if (client.ok() && (*client)->hello().incarnation != replaced) {
+      const int pidfd = int(::syscall(SYS_pidfd_open, pid_t((*client)->hello().pid), 0));
+      if (pidfd < 0)
+        return failure(Kind::kStartFailed,
+                       "worker on " + socket_path + " (pid " +
+                           std::to_string((*client)->hello().pid) +
+                           "): cannot watch its process: " + std::strerror(errno));
+      (*client)->attached_pidfd_ = pidfd;
+      return client;
+    }
+    if (!client.ok()) last = client.error();
+    if (stopping != nullptr && stopping->load()) return last;
+    if (std::chrono::steady_clock::now() + wait >= deadline) return last;
+    std::this_thread::sleep_for(wait);
+    wait = std::min(wait * 2, milliseconds(200));
+  }
+}
+
 WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
   FrameReadResult frame = readFrame(fd_, reply_words_, deadline, child_.exitFd());
   if (!frame.status.ok()) {
@@ -216,6 +247,15 @@ WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
 
 WorkerClient::~WorkerClient() {
   if (fd_ >= 0) ::close(fd_);
+  if (attached_pidfd_ >= 0) {
+    // Replaced: a worker the broker stopped trusting must not serve again; systemd starts a
+    // fresh one. After shutdown() the worker stays up for the next broker.
+    if (!let_go_) {
+      (void)::syscall(SYS_pidfd_send_signal, attached_pidfd_, SIGKILL, nullptr, 0);
+      if (arena_) arena_->unlink();
+    }
+    ::close(attached_pidfd_);
+  }
   if (child_.running()) {
     child_.kill();
     // A killed worker cannot remove its own arena.
@@ -449,6 +489,12 @@ WorkerFailure WorkerClient::injectFault(const FaultSpec& fault, milliseconds tim
 }
 
 WorkerFailure WorkerClient::shutdown(milliseconds timeout) {
+  if (attached_pidfd_ >= 0) {
+    // Attach mode: the worker is systemd's to stop; the broker only lets go of it.
+    let_go_ = true;
+    broken_by_ = failure(Kind::kExited, "worker was let go");
+    return {};
+  }
   capnp::MallocMessageBuilder message;
   auto request = message.initRoot<wire::ToWorker>();
   request.setRequestId(next_request_id_++);

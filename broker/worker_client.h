@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -42,14 +43,25 @@ class WorkerClient final : public WorkerConnection {
   // Connects to a worker someone else runs (systemd). Its exit cannot be observed directly.
   static WorkerResult<std::unique_ptr<WorkerClient>> connect(const std::string& socket_path,
                                                              std::chrono::milliseconds timeout);
+  // Attach mode: connects to the worker systemd runs on `socket_path`, waiting up to `timeout`
+  // for one to listen (a restarted worker loads its model first) whose incarnation is not
+  // `replaced` (never re-attach to the worker just replaced). Holds a pidfd of the worker's
+  // process: its exit is noticed as a spawned worker's is, and destroying the client (the broker
+  // replacing the worker) kills it, so systemd starts a fresh one. shutdown() only disconnects.
+  // Gives up early once `*stopping` is set (the broker shutting down).
+  static WorkerResult<std::unique_ptr<WorkerClient>> attach(const std::string& socket_path,
+                                                            uint64_t replaced,
+                                                            std::chrono::milliseconds timeout,
+                                                            const std::atomic<bool>* stopping);
   ~WorkerClient();
   WorkerClient(const WorkerClient&) = delete;
   WorkerClient& operator=(const WorkerClient&) = delete;
 
   const WorkerHello& hello() const override { return hello_; }
-  pid_t pid() const { return child_.pid(); }
-  // Readable once a spawned worker has exited (-1 when connected to one we did not spawn).
-  int exitFd() const override { return child_.exitFd(); }
+  pid_t pid() const { return attached_pidfd_ >= 0 ? pid_t(hello_.pid) : child_.pid(); }
+  // Readable once the worker has exited (-1 when connected to one we neither spawned nor
+  // attached to).
+  int exitFd() const override { return attached_pidfd_ >= 0 ? attached_pidfd_ : child_.exitFd(); }
   // After any failure other than kRejected or kIntegrityFailure the connection is unusable;
   // further calls fail fast.
   bool broken() const { return !broken_by_.ok(); }
@@ -81,7 +93,9 @@ class WorkerClient final : public WorkerConnection {
                            std::chrono::milliseconds timeout);
 
   int fd_ = -1;
-  ChildProcess child_;  // empty when connected to a worker someone else runs
+  ChildProcess child_;       // empty when connected to a worker someone else runs
+  int attached_pidfd_ = -1;  // attach mode: the worker's process
+  bool let_go_ = false;      // attach mode: shut down by the broker, left running
   std::string owned_socket_dir_;
   WorkerHello hello_;
   std::unique_ptr<LogitsArena> arena_;

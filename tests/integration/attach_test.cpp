@@ -1,0 +1,118 @@
+// Attach mode: the broker connects to a worker it did not start (here the test plays systemd:
+// it starts each worker on the socket path and starts the next one when the last has gone).
+// A worker killed mid-generation is re-attached after its restart and every stream finishes
+// identical to a fault-free run; a worker the broker replaces is killed by the broker, so it
+// never serves again.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <future>
+#include <string>
+#include <vector>
+
+#include "shared/child_process.h"
+#include "support/broker_process.h"
+#include "support/test_support.h"
+
+namespace bulkhead {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A worker as systemd would run it: on a fixed socket, listening once its ready byte arrives.
+ChildProcess startWorker(const std::string& socket) {
+  auto child = ChildProcess::spawn({test::binDir() + "/bulkhead-worker", "--model",
+                                    test::fixtureDir("tiny-qwen2"), "--socket", socket, "--backend",
+                                    "cpu", "--ready-fd", "3", "--log-level", "warn"});
+  EXPECT_TRUE(child.ok()) << child.status().toString();
+  if (!child.ok()) return {};
+  EXPECT_TRUE(child->waitReady(std::chrono::steady_clock::now() + 60s).ok())
+      << "worker did not listen";
+  return std::move(*child);
+}
+
+v1::GenerateRequest seeded(uint32_t i) {
+  v1::GenerateRequest r;
+  for (uint32_t t : {11u, 12u, 13u + i}) r.add_prompt_token_ids(t);
+  r.set_max_tokens(200);
+  r.set_ignore_eos(true);
+  r.mutable_sampling()->set_temperature(0.9f);
+  r.mutable_sampling()->set_seed(7 + i);
+  return r;
+}
+
+v1::Stats stats(grpc::Channel& channel) {
+  auto admin = v1::Admin::NewStub(std::shared_ptr<grpc::Channel>(&channel, [](auto*) {}));
+  grpc::ClientContext ctx;
+  v1::Stats s;
+  EXPECT_TRUE(admin->GetStats(&ctx, {}, &s).ok());
+  return s;
+}
+
+TEST(AttachModeTest, AKilledWorkerIsReattachedAfterItsRestartAndStreamsFinishIdentically) {
+  test::TempDir dir;
+  const std::string socket = dir.file("worker.sock");
+  ChildProcess first = startWorker(socket);
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--workers-from", socket});
+  ASSERT_TRUE(broker.ok());
+  std::vector<test::Generation> reference;
+  for (uint32_t i = 0; i < 4; ++i) {
+    reference.push_back(test::generate(*broker.channel(), seeded(i)));
+    ASSERT_TRUE(reference.back().status.ok());
+  }
+  // The same requests again; the worker dies once the first stream has a token.
+  auto stub = v1::Generator::NewStub(broker.channel());
+  grpc::ClientContext first_ctx;
+  auto first_stream = stub->Generate(&first_ctx, seeded(0));
+  std::vector<std::future<test::Generation>> others;
+  for (uint32_t i = 1; i < 4; ++i)
+    others.push_back(std::async(std::launch::async,
+                                [&, i] { return test::generate(*broker.channel(), seeded(i)); }));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(first_stream->Read(&response));
+  std::vector<uint32_t> tokens(response.token_ids().begin(), response.token_ids().end());
+  first.kill();  // SIGKILL, reaped: systemd would now start the next one
+  ChildProcess second = startWorker(socket);
+  while (first_stream->Read(&response))
+    tokens.insert(tokens.end(), response.token_ids().begin(), response.token_ids().end());
+  ASSERT_TRUE(first_stream->Finish().ok());
+  EXPECT_EQ(tokens, reference[0].tokens);
+  for (uint32_t i = 1; i < 4; ++i) {
+    const test::Generation g = others[i - 1].get();
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.tokens, reference[i].tokens) << "request " << i;
+  }
+  const v1::Stats s = stats(*broker.channel());
+  EXPECT_EQ(s.worker_restarts(), 1u);
+  EXPECT_GE(s.replayed_sequences(), 1u) << "nothing was replayed";
+  EXPECT_EQ(test::workerInfo(*broker.channel()).pid(), second.pid());
+}
+
+TEST(AttachModeTest, AWorkerTheBrokerReplacesIsKilledAndTheNextOneServes) {
+  test::TempDir dir;
+  const std::string socket = dir.file("worker.sock");
+  ChildProcess first = startWorker(socket);
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--workers-from", socket});
+  ASSERT_TRUE(broker.ok());
+  const uint64_t before = test::workerInfo(*broker.channel()).incarnation();
+  auto restart = std::async(std::launch::async, [&] {
+    auto admin = v1::Admin::NewStub(broker.channel());
+    grpc::ClientContext ctx;
+    v1::RestartWorkerResponse r;
+    return std::make_pair(admin->RestartWorker(&ctx, {}, &r), r);
+  });
+  ExitInfo exit;
+  ASSERT_TRUE(first.waitExit(std::chrono::steady_clock::now() + 30s, &exit))
+      << "the broker left the replaced worker running";
+  EXPECT_EQ(exit.signal, SIGKILL) << exit.describe();
+  ChildProcess second = startWorker(socket);
+  const auto [status, response] = restart.get();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.old_incarnation(), before);
+  EXPECT_NE(response.new_incarnation(), before);
+  EXPECT_TRUE(test::generate(*broker.channel(), seeded(0)).status.ok());
+}
+
+}  // namespace
+}  // namespace bulkhead
