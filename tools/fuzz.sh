@@ -26,3 +26,4 @@ for t in "${targets[@]}"; do
   [ "$status" -eq 0 ] || { echo "fuzz_$t found a failure: $build/findings"; exit 1; }
 done
 echo "fuzzers: no findings"
+echo "fuzz: ${#targets[@]} passed, 0 failed"
