@@ -12,7 +12,7 @@ mkdir -p "$build"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DBULKHEAD_FUZZ=ON \
   -DBULKHEAD_CUDA=OFF > "$build/configure.log" 2>&1 || { cat "$build/configure.log"; exit 1; }
-targets=(safetensors request arena_row)
+targets=(safetensors request step_decode arena_row)
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]/#/fuzz_}"
 mkdir -p "$build/findings"
 for t in "${targets[@]}"; do

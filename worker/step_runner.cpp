@@ -6,16 +6,12 @@
 
 #include <spdlog/spdlog.h>
 
+#include "worker/step_decode.h"
+
 namespace bulkhead {
 
 static_assert(uint16_t(wire::WeightCheck::SLOT_TAG) == uint16_t(WeightCheck::kSlotTag));
 static_assert(uint16_t(wire::WeightCheck::ARITHMETIC) == uint16_t(WeightCheck::kArithmetic));
-namespace {
-
-// Caps on what one Step message may carry, checked before anything is copied.
-constexpr uint32_t kMaxSequencesPerStep = 4096;
-
-}  // namespace
 
 void fillScrubReport(wire::ScrubReport::Builder out, const ScrubReport& report) {
   out.setCleanThrough(report.clean_through);
@@ -67,45 +63,7 @@ StepOutcome StepRunner::run(wire::Step::Reader step, wire::FromWorker::Builder r
 }
 
 Status StepRunner::decode(wire::Step::Reader step, uint32_t& total_rows) {
-  const BackendLimits& limits = backend_.limits();
-  auto seqs = step.getSequences();
-  if (seqs.size() > kMaxSequencesPerStep)
-    return invalidArgument("step has " + std::to_string(seqs.size()) + " sequences, the limit is " +
-                           std::to_string(kMaxSequencesPerStep));
-  // Sizes first, so nothing oversized is copied; then one buffer holds every list.
-  size_t words = 0;
-  uint64_t rows = 0;
-  for (auto s : seqs) {
-    const size_t tokens = s.getTokens().size(), blocks = s.getKvBlocks().size();
-    const size_t logits_rows = s.getLogitsRows().size();
-    if (tokens > limits.max_step_tokens || blocks > limits.kv_block_count || logits_rows > tokens)
-      return invalidArgument("sequence " + std::to_string(s.getSequenceId()) +
-                             ": list lengths exceed the worker's limits");
-    words += tokens + blocks + logits_rows;
-    rows += logits_rows;
-  }
-  if (rows > arena_.slots())
-    return resourceExhausted("step asks for " + std::to_string(rows) +
-                             " logits rows, the arena holds " + std::to_string(arena_.slots()));
-  lists_.resize(words);
-  batch_.clear();
-  size_t at = 0;
-  auto copy = [&](auto list) {
-    const size_t begin = at;
-    for (uint32_t v : list) lists_[at++] = v;
-    return std::span<const uint32_t>(lists_.data() + begin, list.size());
-  };
-  for (auto s : seqs) {
-    const auto tokens = copy(s.getTokens());
-    const auto blocks = copy(s.getKvBlocks());
-    batch_.push_back({.sequence_id = s.getSequenceId(),
-                      .start_position = s.getStartPosition(),
-                      .tokens = tokens,
-                      .kv_blocks = blocks,
-                      .logits_rows = copy(s.getLogitsRows())});
-  }
-  total_rows = uint32_t(rows);
-  return okStatus();
+  return decodeStep(step, backend_.limits(), arena_.slots(), lists_, batch_, total_rows);
 }
 
 StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,

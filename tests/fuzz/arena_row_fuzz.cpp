@@ -61,13 +61,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   float written[kRowFloats] = {};
   std::memcpy(written, data, size < sizeof(written) ? size : sizeof(written));
   std::memcpy(payload, written, sizeof(written));
-  fields.checksum = honest ? bulkhead::checkRow(written, kRowFloats).checksum
-                           : take<uint64_t>(data, size);
+  fields.checksum =
+      honest ? bulkhead::checkRow(written, kRowFloats).checksum : take<uint64_t>(data, size);
   a.worker->publishHeader(0, fields);
 
-  bulkhead::RowExpectation expect{77, 1, 1, 1, 0, take<uint8_t>(data, size) % 2
-                                                      ? fields.checksum
-                                                      : take<uint64_t>(data, size)};
+  bulkhead::RowExpectation expect{
+      77, 1, 1, 1, 0, take<uint8_t>(data, size) % 2 ? fields.checksum : take<uint64_t>(data, size)};
   bulkhead::IntegrityCheck failed = bulkhead::IntegrityCheck::kNone;
   auto row = a.broker->verifyRow(expect, &failed);
   if (!row.ok()) return 0;
