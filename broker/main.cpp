@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   app.add_option("--admin-token-file", admin_token_file,
                  "File holding the bearer token Admin requires (mode 600; with --token-file and "
                  "without this, Admin is closed)");
-  std::vector<std::string> workers_from;
+  std::string workers_from;
   app.add_option("--workers-from", workers_from,
                  "Attach to the worker systemd runs on this socket instead of spawning one");
   uint32_t attach_timeout_s = 600;
@@ -212,15 +212,10 @@ int main(int argc, char** argv) {
     return std::unique_ptr<WorkerConnection>(std::move(*client));
   };
   if (!workers_from.empty()) {
-    if (workers_from.size() > 1) {
-      spdlog::critical("--workers-from: one worker per broker today ({} given)",
-                       workers_from.size());
-      return 2;
-    }
     // Attach mode: systemd runs the worker; the broker connects, and after replacing it (which
     // kills it) waits for systemd's next one. Never the incarnation just replaced.
     auto replaced = std::make_shared<uint64_t>(0);
-    factory = [path = workers_from[0], replaced, timeout = std::chrono::seconds(attach_timeout_s),
+    factory = [path = workers_from, replaced, timeout = std::chrono::seconds(attach_timeout_s),
                stopping =
                    stopping.get()](uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
       auto client = WorkerClient::attach(path, *replaced, timeout, stopping);
