@@ -27,6 +27,7 @@
 #include "shared/model_config.h"
 #include "shared/service_notify.h"
 #include "worker/reference_engine.h"
+#include "worker/weight_scrubber.h"
 
 namespace {
 
@@ -89,10 +90,10 @@ int main(int argc, char** argv) {
                  "recorded (default: qualify against the CPU reference engine and record in the "
                  "state directory)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "Heartbeat an idle worker this often");
-  std::optional<double> scrub_share;
+  double scrub_share = kDefaultScrubShare;
   app.add_option("--scrub-share", scrub_share,
                  "Workers re-verify their weights in the background, busy at most this share of "
-                 "one core (0: no scrubbing; default: the worker's)")
+                 "one core (0: no scrubbing)")
       ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--enable-fault-injection", fault_injection,
                "Start workers that accept fault injection (tests and chaos runs only)");
@@ -194,10 +195,8 @@ int main(int argc, char** argv) {
   spawn.arena_slots = arena_slots != 0 ? arena_slots : options.max_running;
   spawn.enable_fault_injection = fault_injection;
   spawn.extra_args = {"--log-level", log_level};
-  if (scrub_share) {
-    spawn.extra_args.push_back("--scrub-share");
-    spawn.extra_args.push_back(std::to_string(*scrub_share));
-  }
+  spawn.extra_args.push_back("--scrub-share");
+  spawn.extra_args.push_back(std::to_string(scrub_share));
   spawn.extra_args.insert(spawn.extra_args.end(), worker_args.begin(), worker_args.end());
   // Verification and sampling of logits rows, spread over the host's cores.
   WorkPool pool(sampling_threads);

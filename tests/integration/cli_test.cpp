@@ -111,6 +111,15 @@ TEST(Cli, ConfigFilesGiveEveryOptionAndFlagsWin) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_EQ(again.out, r.out);
 
+  // The defaults alone read back too.
+  auto defaults = test::runBinary(dir, "bulkhead-broker", {"--model", "m", "--print-config"});
+  ASSERT_EQ(defaults.exit_code, 0) << defaults.err;
+  test::writeFile(dir.file("defaults.toml"), defaults.out);
+  auto defaults_again = test::runBinary(dir, "bulkhead-broker",
+                                        {"--config", dir.file("defaults.toml"), "--print-config"});
+  ASSERT_EQ(defaults_again.exit_code, 0) << defaults_again.err;
+  EXPECT_EQ(defaults_again.out, defaults.out);
+
   test::writeFile(dir.file("worker.toml"),
                   "model = \"m\"\nsocket = \"/run/w.sock\"\nbackend = \"cuda\"\n");
   auto w = test::runBinary(dir, "bulkhead-worker",
