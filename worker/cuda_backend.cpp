@@ -156,24 +156,9 @@ Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string&
   return okStatus();
 }
 
-Status CudaBackend::load(const Options& options) {
-  const ModelConfig& c = config();
+Result<uint64_t> CudaBackend::uploadWeights() {
   const ModelTensors& t = checkpoint_->tensors();
   CudaState& d = *d_;
-  if (!cuda::attentionSupportsHeadDim(c.head_dim))
-    return unimplemented("the CUDA backend's attention does not support head_dim " +
-                         std::to_string(c.head_dim));
-  if (c.hidden_size % 2 != 0 || c.intermediate_size % 2 != 0)
-    return unimplemented("the CUDA backend needs even hidden and intermediate sizes");
-  if (t.final_norm == nullptr) return unimplemented("the CUDA backend needs a final norm");
-  for (const LayerTensors& l : t.layers)
-    if (l.o_bias != nullptr)
-      return unimplemented("the CUDA backend has no o_proj bias (" + l.o_bias->name + ")");
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
-  BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
-  BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
-  BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
-
   // One slot per used tensor in one allocation, filled from the checkpoint's bytes. Each layer's
   // q, k and v slots come one after another, and its gate and up slots, so each group is one
   // weight matrix to the product that reads it (when their sizes keep the slots adjacent).
@@ -200,6 +185,11 @@ Status CudaBackend::load(const Options& options) {
     d.slots.push_back(slot);
   }
 
+  return weight_bytes;
+}
+
+Status CudaBackend::bindRoles() {
+  const ModelTensors& t = checkpoint_->tensors();
   // Roles: the products (layers in order, then lm_head), then the weights our kernels load.
   layers_.resize(t.layers.size());
   const bool tied = t.lm_head == t.embed;
@@ -233,6 +223,11 @@ Status CudaBackend::load(const Options& options) {
   linear_.push_back(&lm_head_);
   product_roles_ = int(linear_.size());
 
+  return okStatus();
+}
+
+Status CudaBackend::computeColumnSums() {
+  CudaState& d = *d_;
   // The column sums of every product's weight, computed on the device from the slot just filled
   // with the checkpoint's bytes (the scrubber verifies those bytes from then on).
   const size_t column_floats = [&] {
@@ -252,49 +247,54 @@ Status CudaBackend::load(const Options& options) {
     at += 2 * size_t(cols);
   }
 
+  return okStatus();
+}
+
+void CudaBackend::expectFolds() {
   // What every weight our kernels load must fold to, from the checkpoint's own bytes: the
   // norms, biases and embedding in our elementwise kernels, the products' weights in ours.
-  if (options.check_weight_reads) {
-    auto role = [&](Weight& w, FoldRole::Uses uses) {
-      if (w.tensor == nullptr) return;
-      w.fold = int(folds_.size());
-      FoldRole& f = folds_.emplace_back();
-      f.weight = &w;
-      f.uses = uses;
-    };
-    role(embed_, FoldRole::kGathered);
-    role(final_norm_, FoldRole::kLogitsRows);
-    role(lm_head_, FoldRole::kLogitsChunks);
-    for (Layer& L : layers_) {
-      for (Weight* w : {&L.input_norm, &L.post_norm, &L.q_bias, &L.k_bias, &L.v_bias})
-        role(*w, FoldRole::kTokenRows);
-      for (Weight* w : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
-        role(*w, FoldRole::kProducts);
-    }
-    // Every weight once (gigabytes for a large model): on every core.
-    std::atomic<size_t> next{0};
-    auto work = [&] {
-      for (size_t i; (i = next.fetch_add(1)) < folds_.size();) {
-        FoldRole& f = folds_[i];
-        const TensorView& t = *f.weight->tensor;
-        const size_t row_bytes = size_t(t.shape.back()) * 2, rows = t.data.size() / row_bytes;
-        for (size_t j = 0; j < rows; ++j) {
-          const uint64_t v = foldWeightRow(t.data.data() + j * row_bytes, row_bytes,
-                                           j * weightRowWords(row_bytes), f.weight->salt);
-          if (f.uses == FoldRole::kGathered) f.row_expected.push_back(v);
-          f.expected += v;
-        }
-        f.words = rows * weightRowWords(row_bytes);
-      }
-    };
-    std::vector<std::thread> team(std::max(1u, std::thread::hardware_concurrency()) - 1);
-    for (std::thread& t : team) t = std::thread(work);
-    work();
-    for (std::thread& t : team) t.join();
+  auto role = [&](Weight& w, FoldRole::Uses uses) {
+    if (w.tensor == nullptr) return;
+    w.fold = int(folds_.size());
+    FoldRole& f = folds_.emplace_back();
+    f.weight = &w;
+    f.uses = uses;
+  };
+  role(embed_, FoldRole::kGathered);
+  role(final_norm_, FoldRole::kLogitsRows);
+  role(lm_head_, FoldRole::kLogitsChunks);
+  for (Layer& L : layers_) {
+    for (Weight* w : {&L.input_norm, &L.post_norm, &L.q_bias, &L.k_bias, &L.v_bias})
+      role(*w, FoldRole::kTokenRows);
+    for (Weight* w : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
+      role(*w, FoldRole::kProducts);
   }
+  // Every weight once (gigabytes for a large model): on every core.
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < folds_.size();) {
+      FoldRole& f = folds_[i];
+      const TensorView& t = *f.weight->tensor;
+      const size_t row_bytes = size_t(t.shape.back()) * 2, rows = t.data.size() / row_bytes;
+      for (size_t j = 0; j < rows; ++j) {
+        const uint64_t v = foldWeightRow(t.data.data() + j * row_bytes, row_bytes,
+                                         j * weightRowWords(row_bytes), f.weight->salt);
+        if (f.uses == FoldRole::kGathered) f.row_expected.push_back(v);
+        f.expected += v;
+      }
+      f.words = rows * weightRowWords(row_bytes);
+    }
+  };
+  std::vector<std::thread> team(std::max(1u, std::thread::hardware_concurrency()) - 1);
+  for (std::thread& t : team) t = std::thread(work);
+  work();
+  for (std::thread& t : team) t.join();
+}
 
-  // The KV cache: what is left after the step's buffers, in the share the options give.
-  BULKHEAD_RETURN_IF_ERROR(allocateStep(options));
+Result<uint32_t> CudaBackend::allocateKvCache(const Options& options) {
+  const ModelConfig& c = config();
+  CudaState& d = *d_;
+  // What is left after the step's buffers, in the share the options give.
   if (options.kv_block_size == 0) return invalidArgument("kv block size must be positive");
   const uint64_t block_elems = uint64_t(options.kv_block_size) * c.num_kv_heads * c.head_dim;
   const uint64_t block_bytes = block_elems * 2 * 2 * c.num_layers;  // k and v, bf16
@@ -312,7 +312,12 @@ Status CudaBackend::load(const Options& options) {
   d.kv_layer_elems = size_t(blocks) * block_elems;
   BULKHEAD_ASSIGN_OR_RETURN(d.k_cache, DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
   BULKHEAD_ASSIGN_OR_RETURN(d.v_cache, DeviceMemory::allocate(d.kv_layer_elems * c.num_layers * 2));
+  return uint32_t(blocks);
+}
 
+Status CudaBackend::uploadRopeTables() {
+  const ModelConfig& c = config();
+  CudaState& d = *d_;
   const cuda::RopeTables rope = cuda::ropeTables(c.ropeInverseFrequencies(), c.max_context);
   BULKHEAD_ASSIGN_OR_RETURN(d.rope_cos, DeviceMemory::allocate(rope.cos.size() * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.rope_sin, DeviceMemory::allocate(rope.sin.size() * 4));
@@ -322,12 +327,41 @@ Status CudaBackend::load(const Options& options) {
       cudaMemcpy(d.rope_sin.get(), rope.sin.data(), rope.sin.size() * 4, cudaMemcpyHostToDevice));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
+  return okStatus();
+}
+
+Status CudaBackend::load(const Options& options) {
+  const ModelConfig& c = config();
+  const ModelTensors& t = checkpoint_->tensors();
+  CudaState& d = *d_;
+  if (!cuda::attentionSupportsHeadDim(c.head_dim))
+    return unimplemented("the CUDA backend's attention does not support head_dim " +
+                         std::to_string(c.head_dim));
+  if (c.hidden_size % 2 != 0 || c.intermediate_size % 2 != 0)
+    return unimplemented("the CUDA backend needs even hidden and intermediate sizes");
+  if (t.final_norm == nullptr) return unimplemented("the CUDA backend needs a final norm");
+  for (const LayerTensors& l : t.layers)
+    if (l.o_bias != nullptr)
+      return unimplemented("the CUDA backend has no o_proj bias (" + l.o_bias->name + ")");
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
+
+  BULKHEAD_ASSIGN_OR_RETURN(const uint64_t weight_bytes, uploadWeights());
+  BULKHEAD_RETURN_IF_ERROR(bindRoles());
+  BULKHEAD_RETURN_IF_ERROR(computeColumnSums());
+  if (options.check_weight_reads) expectFolds();
+  BULKHEAD_RETURN_IF_ERROR(allocateStep(options));
+  BULKHEAD_ASSIGN_OR_RETURN(const uint32_t blocks, allocateKvCache(options));
+  BULKHEAD_RETURN_IF_ERROR(uploadRopeTables());
+
   std::vector<uint32_t> buckets;
   for (uint32_t b = 1; options.cuda_graphs && b <= kMaxGraphRows; ++b) buckets.push_back(b);
   limits_ = {.vocab_size = uint32_t(c.vocab_size),
              .max_context = uint32_t(c.max_context),
              .kv_block_size = options.kv_block_size,
-             .kv_block_count = uint32_t(blocks),
+             .kv_block_count = blocks,
              .max_step_tokens = options.max_step_tokens,
              .graph_batch_buckets = std::move(buckets),
              .resident_weight_bytes = weight_bytes,

@@ -83,6 +83,15 @@ class CudaBackend final : public Backend {
 
   CudaBackend() = default;
   Status load(const Options& options);
+  // The parts of load(), in order: the weight slots (returns their bytes); the roles bound to
+  // them; the products' column sums; what each folded weight must fold to (with in-step checks);
+  // the KV cache (returns its blocks); the RoPE tables.
+  Result<uint64_t> uploadWeights();
+  Status bindRoles();
+  Status computeColumnSums();
+  void expectFolds();
+  Result<uint32_t> allocateKvCache(const Options& options);
+  Status uploadRopeTables();
   Status bind(Weight& w, const TensorView* tensor, const std::string& role);
   Status allocateStep(const Options& options);
   // The step's launches on the stream, from clearing the checks to reading them back.
