@@ -24,6 +24,7 @@
 #include "broker/metrics.h"
 #include "broker/scheduler.h"
 #include "broker/worker_client.h"
+#include "shared/logging.h"
 #include "shared/model_config.h"
 #include "shared/service_notify.h"
 #include "worker/reference_engine.h"
@@ -137,8 +138,7 @@ int main(int argc, char** argv) {
     std::cout << app.config_to_str(/*default_also=*/true, /*write_description=*/true);
     return 0;
   }
-  spdlog::set_level(spdlog::level::from_str(log_level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [broker] %l: %v");
+  configureLogging("broker", log_level);
   options.step_timeout_base = std::chrono::milliseconds(step_timeout_ms);
   options.step_timeout_per_token = std::chrono::microseconds(step_timeout_per_token_us);
   options.canary_interval = std::chrono::seconds(canary_interval_s);

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "shared/checkpoint.h"
+#include "shared/logging.h"
 #include "shared/service_notify.h"
 #include "worker/backend_factory.h"
 #include "worker/worker_server.h"
@@ -72,8 +73,7 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  spdlog::set_level(spdlog::level::from_str(log_level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e [worker %P] %l: %v");
+  configureLogging("worker %P", log_level);
   while (options.incarnation == 0) {
     if (::getrandom(&options.incarnation, sizeof(options.incarnation), 0) !=
         ssize_t(sizeof(options.incarnation))) {

@@ -1,6 +1,7 @@
 // The `bulkhead` executable end to end: logits against the golden fixture, make-model followed by
 // generate, and a one-line reason with a non-zero exit for bad input.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cmath>
@@ -133,6 +134,27 @@ TEST(Cli, ConfigFilesGiveEveryOptionAndFlagsWin) {
       test::runBinary(dir, "bulkhead-broker", {"--config", dir.file("bad.toml"), "--print-config"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("max-running"), std::string::npos) << bad.err;
+}
+
+// Under systemd (JOURNAL_STREAM names stdout, where the logs go) a log line carries the syslog
+// priority journald reads its level from, and no timestamp of its own; anywhere else, a timestamp.
+TEST(Cli, LogLinesCarryTheirPriorityForTheJournal) {
+  test::TempDir dir;
+  const std::vector<std::string> args = {"--model", dir.file("missing")};
+  auto plain = test::runBinary(dir, "bulkhead-broker", args);
+  EXPECT_NE(plain.exit_code, 0);
+  EXPECT_EQ(plain.out.find("<2>[broker] critical: "), std::string::npos) << plain.out;
+  EXPECT_NE(plain.out.find("[broker] critical: "), std::string::npos) << plain.out;
+
+  test::writeFile(dir.file("stdout"), "");  // the file runBinary sends stdout to, kept
+  struct stat st {};
+  ASSERT_EQ(::stat(dir.file("stdout").c_str(), &st), 0);
+  const std::string stream = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+  ::setenv("JOURNAL_STREAM", stream.c_str(), 1);
+  auto journal = test::runBinary(dir, "bulkhead-broker", args);
+  ::unsetenv("JOURNAL_STREAM");
+  EXPECT_NE(journal.exit_code, 0);
+  EXPECT_EQ(journal.out.rfind("<2>[broker] critical: ", 0), 0u) << journal.out;
 }
 
 }  // namespace
