@@ -24,6 +24,7 @@
 #include "broker/metrics.h"
 #include "broker/scheduler.h"
 #include "broker/worker_client.h"
+#include "shared/config_file.h"
 #include "shared/logging.h"
 #include "shared/model_config.h"
 #include "shared/service_notify.h"
@@ -51,7 +52,7 @@ int main(int argc, char** argv) {
   // as its service.
   const ServiceNotifier notifier = ServiceNotifier::fromEnvironment();
   CLI::App app{"bulkhead-broker: serves LLM generations from supervised workers"};
-  app.option_defaults()->always_capture_default();  // --print-config shows the defaults
+  ConfigFile config_file(app);
   std::string model_dir, listen = "127.0.0.1:50051", backend = "auto", ready_file, worker_path;
   std::string log_level = "info";
   uint32_t kv_blocks = 0, arena_slots = 0;
@@ -127,17 +128,9 @@ int main(int argc, char** argv) {
                  "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; "
                  "empty: none)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
-  // Every option is also a key of a TOML file (the flag's name without the dashes); flags given
-  // on the command line win over the file.
-  app.set_config("--config", "", "TOML file of options, one key per flag");
-  bool print_config = false;
-  app.add_flag("--print-config", print_config, "Print the effective options as TOML and exit")
-      ->configurable(false);
+  config_file.addOptions(app);
   CLI11_PARSE(app, argc, argv);
-  if (print_config) {
-    std::cout << app.config_to_str(/*default_also=*/true, /*write_description=*/true);
-    return 0;
-  }
+  if (config_file.printed(app)) return 0;
   configureLogging("broker", log_level);
   options.step_timeout_base = std::chrono::milliseconds(step_timeout_ms);
   options.step_timeout_per_token = std::chrono::microseconds(step_timeout_per_token_us);

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "shared/checkpoint.h"
+#include "shared/config_file.h"
 #include "shared/logging.h"
 #include "shared/service_notify.h"
 #include "worker/backend_factory.h"
@@ -23,7 +24,7 @@ int main(int argc, char** argv) {
   // Read first, and cleared from the environment, so nothing this worker starts reports as it.
   const ServiceNotifier notifier = ServiceNotifier::fromEnvironment();
   CLI::App app{"bulkhead-worker: runs model steps for the bulkhead broker"};
-  app.option_defaults()->always_capture_default();  // --print-config shows the defaults
+  ConfigFile config_file(app);
   WorkerOptions options;
   std::string backend_name = "auto", log_level = "info";
   BackendOptions backend_options;
@@ -61,17 +62,9 @@ int main(int argc, char** argv) {
                  "simulates a kernel that computes wrongly from birth while its weight reads and "
                  "products all check out)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
-  // Every option is also a key of a TOML file (the flag's name without the dashes); flags given
-  // on the command line win over the file.
-  app.set_config("--config", "", "TOML file of options, one key per flag");
-  bool print_config = false;
-  app.add_flag("--print-config", print_config, "Print the effective options as TOML and exit")
-      ->configurable(false);
+  config_file.addOptions(app);
   CLI11_PARSE(app, argc, argv);
-  if (print_config) {
-    std::cout << app.config_to_str(/*default_also=*/true, /*write_description=*/true);
-    return 0;
-  }
+  if (config_file.printed(app)) return 0;
 
   configureLogging("worker %P", log_level);
   while (options.incarnation == 0) {
