@@ -40,7 +40,12 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
                                     [this](const std::string& why) {
                                       queues_.failAll(unavailable("no healthy worker: " + why));
                                     },
-                                .serving = [this](bool serving) { setServing(serving); }}) {
+                                .serving = [this](bool serving) { setServing(serving); },
+                                .recovered =
+                                    [this] {
+                                      std::lock_guard lock(mu_);
+                                      failed_ = false;
+                                    }}) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 }
 

@@ -56,8 +56,9 @@ bool WorkerSlot::start() {
   if (!passesCanary()) return false;
   ready_ = true;
   supervision_.onReady();
-  // Serving first: that ends a crash loop, so whoever sees the state "ready" can submit.
-  callbacks_.serving(true);
+  // In this order: the crash loop ends, so whoever sees the state "ready" can submit; then the
+  // state, so whoever learns that the broker serves (health, its ready line) finds it "ready".
+  callbacks_.recovered();
   board_.update([&](SchedulerStats&, WorkerStatus& w) {
     w.state = std::string(workerStateName(supervision_.state()));
     w.incarnation = h.incarnation;
@@ -65,6 +66,7 @@ bool WorkerSlot::start() {
     w.backend = h.backend;
     w.kv_blocks_total = h.kv_block_count - reservedBlocks();  // the canary holds the rest
   });
+  callbacks_.serving(true);
   spdlog::info("worker incarnation {} ready (pid {}, {} backend, {} KV blocks)", h.incarnation,
                h.pid, h.backend, h.kv_block_count);
   return true;

@@ -43,6 +43,7 @@ class WorkerSlot {
     std::function<void(const std::string& why)> crash_loop;    // refuse new requests
     std::function<void(const std::string& why)> fail_waiting;  // then fail what waits
     std::function<void(bool serving)> serving;
+    std::function<void()> recovered;  // a start succeeded: the crash loop, if any, is over
   };
 
   WorkerSlot(WorkerFactory factory, WorkerSlotOptions options, CanaryStore& canaries,
