@@ -9,14 +9,14 @@ bin=$1 src=$2
 command -v systemd-analyze > /dev/null || { echo "systemd-analyze not found (install systemd)"; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-for unit in "$src"/systemd/*.service; do
+for unit in "$src"/systemd/*.service "$src"/systemd/*.target; do
   sed "s|/usr/local/bin/|$bin/|g" "$unit" > "$tmp/$(basename "$unit")"
 done
 # A template is verified through an instance.
 cp "$tmp/bulkhead-worker@.service" "$tmp/bulkhead-worker@0.service"
 cd "$tmp"
 out=$(SYSTEMD_LOG_LEVEL=notice systemd-analyze verify --man=no ./bulkhead-broker.service \
-  ./bulkhead-worker@0.service 2>&1) || { echo "$out"; exit 1; }
+  ./bulkhead-worker@0.service ./bulkhead.target 2>&1) || { echo "$out"; exit 1; }
 if [ -n "$out" ]; then
   echo "$out"
   exit 1
