@@ -22,10 +22,10 @@
 #include "broker/broker_stats.h"
 #include "broker/canary.h"
 #include "broker/fault_injection.h"
-#include "shared/work_pool.h"
 #include "broker/row_sampling.h"
 #include "broker/sequence_queues.h"
 #include "broker/worker_slot.h"
+#include "shared/work_pool.h"
 
 namespace bulkhead {
 
