@@ -62,7 +62,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   size_t offset = 0;
   for (const TensorView* m : used) {
     std::memcpy(base + offset, m->data.data(), m->data.size());
-    b->slot_tags_[base + offset] = {uint32_t(b->resident_.size()), 1};
+    b->slot_tags_.tag(base + offset, uint32_t(b->resident_.size()));
     b->resident_.push_back(base + offset);
     where[m] = base + offset;
     offset += aligned(m->data.size());
@@ -139,7 +139,7 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
   a.binding = &w;
   a.slot = w.data;
   a.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), &tensor) - used_.begin());
-  a.generation = slot_tags_.at(resident_[a.tensor_index]).generation;
+  a.generation = slot_tags_.generation(resident_[a.tensor_index]);
   w.salt = uint32_t(splitmix64(accounts_.size()));
   w.reads = &a.reads;
   const size_t row_bytes = w.rowBytes();
@@ -338,16 +338,11 @@ Status CpuBackend::enqueueStep(std::span<const SequenceStep> batch,
 WeightReadVerdict CpuBackend::verifySlots() const {
   WeightReadVerdict verdict{.checked = true};
   for (const ReadAccount& a : accounts_) {
-    const auto tag = slot_tags_.find(a.binding->data);
-    if (tag != slot_tags_.end() && tag->second.tensor == a.tensor_index &&
-        tag->second.generation == a.generation)
-      continue;
+    const std::string_view why = slot_tags_.mismatch(a.binding->data, a.tensor_index, a.generation);
+    if (why.empty()) continue;
     verdict.failed_tensor = a.tensor;
     verdict.failed_check = WeightCheck::kSlotTag;
-    verdict.why = tag == slot_tags_.end() ? "bound to memory that is no resident slot"
-                  : tag->second.tensor != a.tensor_index
-                      ? "bound to a slot tagged for another tensor"
-                      : "bound to an older generation of its slot";
+    verdict.why = why;
     break;
   }
   return verdict;

@@ -6,12 +6,12 @@
 #include <deque>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
 #include "worker/cpu_kernels.h"
+#include "worker/slot_tags.h"
 
 namespace bulkhead {
 
@@ -124,13 +124,7 @@ class CpuBackend final : public Backend {
   std::vector<std::string> role_names_;       // beside bindings_
   std::vector<cpu::WeightMatrix*> linear_;    // the matrices products read, for computeFault
   std::vector<std::string> linear_names_;     // beside linear_
-  // Each resident slot's tag: (tensor index, generation). A rebind or reuse of a slot would bump
-  // the generation; bindings are checked against the tags before every step.
-  struct SlotTag {
-    uint32_t tensor = 0;
-    uint32_t generation = 0;
-  };
-  std::unordered_map<const std::byte*, SlotTag> slot_tags_;
+  SlotTags slot_tags_;
   std::vector<std::unique_ptr<std::byte[]>> stale_copies_;
   // [layer][block][kv_head][slot][head_dim]
   // Left uninitialised: a slot is always written before it is read.

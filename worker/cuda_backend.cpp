@@ -150,7 +150,7 @@ Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string&
                          std::string(dtypeName(tensor->dtype)));
   w.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), tensor) - used_.begin());
   w.ptr = d_->slots[w.tensor_index];
-  w.generation = slot_tags_.at(w.ptr).generation;
+  w.generation = slot_tags_.generation(w.ptr);
   w.salt = uint32_t(splitmix64(weights_.size() + 1));
   weights_.push_back(&w);
   return okStatus();
@@ -181,7 +181,7 @@ Result<uint64_t> CudaBackend::uploadWeights() {
     std::byte* slot = d.weights.get<std::byte>() + offsets[i];
     BULKHEAD_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(slot, used_[i]->data.data(), used_[i]->data.size(), cudaMemcpyHostToDevice));
-    slot_tags_[slot] = {uint32_t(i), 1};
+    slot_tags_.tag(slot, uint32_t(i));
     d.slots.push_back(slot);
   }
 
@@ -754,16 +754,11 @@ WeightReadVerdict CudaBackend::verifySlots() const {
   WeightReadVerdict verdict;
   verdict.checked = true;
   for (const Weight* w : weights_) {
-    const auto tag = slot_tags_.find(w->ptr);
-    if (tag != slot_tags_.end() && tag->second.tensor == w->tensor_index &&
-        tag->second.generation == w->generation)
-      continue;
+    const std::string_view why = slot_tags_.mismatch(w->ptr, w->tensor_index, w->generation);
+    if (why.empty()) continue;
     verdict.failed_tensor = w->role;
     verdict.failed_check = WeightCheck::kSlotTag;
-    verdict.why = tag == slot_tags_.end() ? "bound to memory that is no resident slot"
-                  : tag->second.tensor != w->tensor_index
-                      ? "bound to a slot tagged for another tensor"
-                      : "bound to an older generation of its slot";
+    verdict.why = why;
     break;
   }
   return verdict;

@@ -11,12 +11,12 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "cuda/step_checks.cuh"
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
+#include "worker/slot_tags.h"
 
 namespace bulkhead {
 
@@ -115,11 +115,7 @@ class CudaBackend final : public Backend {
   uint64_t graph_launches_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;
-  struct SlotTag {
-    uint32_t tensor = 0;
-    uint32_t generation = 0;
-  };
-  std::unordered_map<const void*, SlotTag> slot_tags_;
+  SlotTags slot_tags_;
   Weight embed_, lm_head_, final_norm_;
   std::vector<Layer> layers_;
   std::vector<Weight*> weights_;  // every role, for slot checks and fault injection
