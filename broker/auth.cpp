@@ -1,21 +1,10 @@
 // Token checks (constant-time comparison) and the port's TLS credentials.
 #include "broker/auth.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "shared/secret_file.h"
 
 namespace bulkhead {
 namespace {
-
-Result<std::string> readFile(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return invalidArgument(std::string(what) + " " + path + ": cannot read");
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 // Equal strings, in time that does not depend on where they differ.
 bool sameToken(const std::string& a, const std::string& b) {
@@ -87,11 +76,12 @@ Result<std::shared_ptr<grpc::ServerCredentials>> serverCredentials(
       client_ca_file.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  BULKHEAD_ASSIGN_OR_RETURN(pair.cert_chain, readFile(cert_file, "--tls-cert"));
-  BULKHEAD_ASSIGN_OR_RETURN(pair.private_key, readFile(key_file, "--tls-key"));
+  BULKHEAD_ASSIGN_OR_RETURN(pair.cert_chain, readOptionFile(cert_file, "--tls-cert"));
+  BULKHEAD_ASSIGN_OR_RETURN(pair.private_key, readOptionFile(key_file, "--tls-key"));
   options.pem_key_cert_pairs.push_back(std::move(pair));
   if (!client_ca_file.empty()) {
-    BULKHEAD_ASSIGN_OR_RETURN(options.pem_root_certs, readFile(client_ca_file, "--tls-client-ca"));
+    BULKHEAD_ASSIGN_OR_RETURN(options.pem_root_certs,
+                              readOptionFile(client_ca_file, "--tls-client-ca"));
   }
   return grpc::SslServerCredentials(options);
 }

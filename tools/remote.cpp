@@ -27,12 +27,6 @@ Status fromGrpc(const grpc::Status& s) {
   return Status(static_cast<Code>(s.error_code()), s.error_message());
 }
 
-Result<std::string> readPem(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return invalidArgument(std::string(flag) + " " + path + ": cannot read");
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 // A channel to the broker, over TLS when the security options ask for it, and the metadata every
 // call carries (the bearer token).
 struct Connection {
@@ -50,11 +44,12 @@ Result<Connection> connectTo(const std::string& server, const ClientSecurity& se
   if (!security.tls_ca.empty() || !security.tls_cert.empty()) {
     grpc::SslCredentialsOptions tls;
     if (!security.tls_ca.empty()) {
-      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_root_certs, readPem(security.tls_ca, "--tls-ca"));
+      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_root_certs, readOptionFile(security.tls_ca, "--tls-ca"));
     }
     if (!security.tls_cert.empty()) {
-      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_cert_chain, readPem(security.tls_cert, "--tls-cert"));
-      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_private_key, readPem(security.tls_key, "--tls-key"));
+      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_cert_chain,
+                                readOptionFile(security.tls_cert, "--tls-cert"));
+      BULKHEAD_ASSIGN_OR_RETURN(tls.pem_private_key, readOptionFile(security.tls_key, "--tls-key"));
     }
     credentials = grpc::SslCredentials(tls);
   }
