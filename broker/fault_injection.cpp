@@ -40,7 +40,7 @@ FaultSpec faultSpecFor(Fault fault, uint64_t r, const WorkerHello& hello,
   return spec;
 }
 
-std::vector<std::string_view> expectedDetections(Fault fault, std::string_view backend) {
+std::vector<std::string_view> expectedDetections(Fault fault) {
   switch (fault) {
     case Fault::kWorkerKill:
       return {"worker exited"};
@@ -49,8 +49,6 @@ std::vector<std::string_view> expectedDetections(Fault fault, std::string_view b
       return {"timed out"};
     case Fault::kWeightBitflip:
       // In the step that reads it, or by the scrubber when no step reads that word.
-      if (backend == "cuda")
-        return {"(in-step weight reads)", "(arithmetic check)", "weight corruption"};
       return {"(in-step weight reads)", "weight corruption"};
     case Fault::kLogitsCorrupt:
     case Fault::kTornWrite:
@@ -72,9 +70,8 @@ std::vector<std::string_view> expectedDetections(Fault fault, std::string_view b
   return {};
 }
 
-bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as,
-                               std::string_view backend) {
-  for (std::string_view m : expectedDetections(fault, backend))
+bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as) {
+  for (std::string_view m : expectedDetections(fault))
     if (detected_as.find(m) != std::string_view::npos) return true;
   return false;
 }

@@ -35,11 +35,8 @@ FaultSpec faultSpecFor(Fault fault, uint64_t random, const WorkerHello& hello,
 
 // The mechanism that must catch each class, as the detection reads ("(slot tag)", "timed out",
 // ...): a fault caught by another mechanism was found by luck, or credited to the wrong fault.
-// On the CUDA backend the products' weights are checked in the step by the arithmetic check
-// (their words are not folded as they are loaded), so a flipped weight bit may be caught there.
-std::vector<std::string_view> expectedDetections(Fault fault, std::string_view backend = "cpu");
-bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as,
-                               std::string_view backend = "cpu");
+std::vector<std::string_view> expectedDetections(Fault fault);
+bool detectedByItsOwnMechanism(Fault fault, std::string_view detected_as);
 
 class FaultInjector {
  public:

@@ -189,7 +189,7 @@ int runChaos(const ChaosOptions& o) {
       c.detection_ms.push_back(resp.detection_ms());
       // The mechanism, without the step-specific details after the first ':'.
       ++c.detected_as[resp.detected_as().substr(0, resp.detected_as().find(':'))];
-      if (!detectedByItsOwnMechanism(fault, resp.detected_as(), o.backend)) {
+      if (!detectedByItsOwnMechanism(fault, resp.detected_as())) {
         ++c.misattributed;
         std::lock_guard lock(mu);
         problems.push_back("fault " + std::to_string(k) + " (" + req.fault() +
