@@ -459,11 +459,16 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   }
   // Each logits row goes straight to its arena slot when the arena is registered; otherwise
   // (tests, a fault's diverted row) through a device buffer, copied out chunk by chunk.
+  bool mapped = true, aligned = true;
+  pending_.copied_out.assign(size_t(m), false);
   for (int r = 0; r < m; ++r) {
-    void* mapped = d.outputs.deviceAddress(rows[size_t(r)].payload);
-    dst[r] = mapped != nullptr
-                 ? static_cast<float*>(mapped)
+    void* in_arena = d.outputs.deviceAddress(rows[size_t(r)].payload);
+    pending_.copied_out[size_t(r)] = in_arena == nullptr;
+    mapped = mapped && in_arena != nullptr;
+    dst[r] = in_arena != nullptr
+                 ? static_cast<float*>(in_arena)
                  : d.fallback.get<float>() + size_t(r % kLogitsChunk) * config().vocab_size;
+    aligned = aligned && uintptr_t(dst[r]) % 16 == 0;
   }
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
                                                 d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
@@ -477,11 +482,6 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       pending_.tokens = -1;
       return okStatus();
     }
-  }
-  bool mapped = true, aligned = true;
-  for (int r = 0; r < m; ++r) {
-    mapped = mapped && d.outputs.deviceAddress(rows[size_t(r)].payload) != nullptr;
-    aligned = aligned && uintptr_t(dst[r]) % 16 == 0;
   }
   // A decode step (a token and its logits row per sequence) runs as a graph, captured the
   // first time its size is seen; the same launches either way, so the same numbers.
@@ -719,7 +719,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchLogits(la, stream));
     // Rows not in the registered arena went to the fallback buffer: copy them out in order.
     for (int r = first; r < first + rows; ++r) {
-      if (d.outputs.deviceAddress(pending_.rows[size_t(r)].payload) != nullptr) continue;
+      if (!pending_.copied_out[size_t(r)]) continue;
       BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pending_.rows[size_t(r)].payload, dst_host[r],
                                                     size_t(vocab) * 4, cudaMemcpyDeviceToHost,
                                                     stream));

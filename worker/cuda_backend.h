@@ -130,6 +130,7 @@ class CudaBackend final : public Backend {
     bool queued = false;
     int tokens = 0;
     std::vector<RowOutput> rows;
+    std::vector<bool> copied_out;    // rows outside the registered arena: through the fallback
     std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold
   } pending_;
 };
