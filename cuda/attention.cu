@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   __shared__ float probs[kChunk];
   __shared__ float warp_values[kWarps];
   __shared__ float partial[kThreads];
-  __shared__ double scratch[kWarps];
+  __shared__ double scratch[2 * kWarps];
   const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
   const int part = t / HD, d = t % HD;
   const int kvh = h / (a.heads / a.kv_heads);
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   }
   partial[t] = acc;
   __syncthreads();
-  double expected = 0.0, bound = 0.0;
+  double sums[2] = {};  // the o product's expected sum and bound
   if (part == 0) {
     float total = partial[d];
     for (int p = 1; p < kParts; ++p) total += partial[p * HD + d];
@@ -124,17 +124,16 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
     a.out[size_t(r) * a.heads * HD + e] = o;
     if (a.consumer.role >= 0) {
       const float of = __bfloat162float(o);
-      expected = double(a.consumer.colsum[e]) * of;
-      bound = double(a.consumer.abssum[e]) * fabsf(of);
+      sums[0] = double(a.consumer.colsum[e]) * of;
+      sums[1] = double(a.consumer.abssum[e]) * fabsf(of);
     }
   }
   if (a.consumer.role >= 0) {
-    expected = blockSum(expected, scratch);
-    bound = blockSum(bound, scratch);
+    blockSums(sums, scratch);
     if (t == 0) {
       ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.consumer.role];
-      atomicAdd(&p.expected, expected);
-      atomicAdd(&p.bound, bound);
+      atomicAdd(&p.expected, sums[0]);
+      atomicAdd(&p.bound, sums[1]);
     }
   }
 }

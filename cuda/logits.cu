@@ -30,27 +30,27 @@ __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
   float* dst = a.dst[r];
   unsigned long long sum = 0;
   unsigned bad = 0;
-  double produced = 0.0;
+  double produced[1] = {};  // lm_head's produced sum, one element for blockSums
   if (a.aligned && a.vocab % 4 == 0) {
     for (int i = begin + 4 * threadIdx.x; i < end; i += 4 * kThreads) {
       const float4 v = *reinterpret_cast<const float4*>(src + i);
       *reinterpret_cast<float4*>(dst + i) = v;
-      account(v.x, i, sum, bad, produced);
-      account(v.y, i + 1, sum, bad, produced);
-      account(v.z, i + 2, sum, bad, produced);
-      account(v.w, i + 3, sum, bad, produced);
+      account(v.x, i, sum, bad, produced[0]);
+      account(v.y, i + 1, sum, bad, produced[0]);
+      account(v.z, i + 2, sum, bad, produced[0]);
+      account(v.w, i + 3, sum, bad, produced[0]);
     }
   } else {
     for (int i = begin + threadIdx.x; i < end; i += kThreads) {
       const float v = src[i];
       dst[i] = v;
-      account(v, i, sum, bad, produced);
+      account(v, i, sum, bad, produced[0]);
     }
   }
   bad = __syncthreads_or(bad);
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (threadIdx.x % 32 == 0) sum_scratch[threadIdx.x / 32] = sum;
-  produced = blockSum(produced, scratch);  // its barriers publish sum_scratch
+  blockSums(produced, scratch);  // its barriers publish sum_scratch
   if (threadIdx.x == 0) {
     unsigned long long total = 0;
     for (int w = 0; w < kWarps; ++w) total += sum_scratch[w];
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
     if (bad) atomicOr(a.row_nonfinite + r, 1u);
     if (a.role >= 0)
       atomicAdd(&a.checks.products[size_t(a.check_row + r) * a.checks.roles + a.role].produced,
-                produced);
+                produced[0]);
   }
 }
 

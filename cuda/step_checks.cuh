@@ -46,21 +46,8 @@ struct ConsumerSums {
 
 #ifdef __CUDACC__
 
-// Sum over the block of one double per thread, by a fixed tree; every thread gets the total.
-// `scratch` holds blockDim.x / 32 doubles. Callers must reach it uniformly.
-__device__ inline double blockSum(double v, double* scratch) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  __syncthreads();  // scratch may still be read from a previous call
-  if (threadIdx.x % 32 == 0) scratch[warp] = v;
-  __syncthreads();
-  double total = 0.0;
-  for (int w = 0; w < warps; ++w) total += scratch[w];
-  return total;
-}
-
-// Sums N doubles over the block at once, each by the same fixed tree as blockSum; every thread
-// gets the totals in v. `scratch` holds N * blockDim.x / 32 doubles.
+// Sums N doubles over the block at once, each by a fixed tree; every thread gets the totals in v.
+// `scratch` holds N * blockDim.x / 32 doubles. Callers must reach it uniformly.
 template <int N>
 __device__ inline void blockSums(double (&v)[N], double* scratch) {
 #pragma unroll
