@@ -32,16 +32,15 @@ Matmul::~Matmul() {
 }
 
 Status Matmul::run(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
-                   bool accumulate, int ldy) const {
-  if (ldy == 0) ldy = n;
-  if (m <= 0 || n <= 0 || k <= 0 || ldy < n)
+                   bool accumulate) const {
+  if (m <= 0 || n <= 0 || k <= 0)
     return invalidArgument("matmul of " + std::to_string(m) + "x" + std::to_string(k) + " by " +
                            std::to_string(n) + "x" + std::to_string(k));
   // In cuBLAS's column-major terms: w (row-major n x k) is a k x n matrix, used transposed; x
   // (row-major m x k) is k x m; the n x m result is y row-major m x n.
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   return cublasStatus(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w,
-                                   CUDA_R_16BF, k, x, CUDA_R_16BF, k, &beta, y, CUDA_R_32F, ldy,
+                                   CUDA_R_16BF, k, x, CUDA_R_16BF, k, &beta, y, CUDA_R_32F, n,
                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                       "cublasGemmEx");
 }

@@ -1,5 +1,5 @@
-// The CUDA backend's matrix multiply: y = x · wᵀ with bf16 inputs, fp32 accumulation and an fp32
-// output, on cuBLAS with no workspace. With a workspace cuBLAS may split K and combine the
+// cuBLAS, the reference our product (cuda/gemm.cuh) is tested against: y = x · wᵀ with bf16
+// inputs, fp32 accumulation and an fp32 output, with no workspace. With a workspace cuBLAS may split K and combine the
 // splits in an order that depends on the number of rows, so a row's result changes with the
 // batch; with none, every row came out bit-identical for every row count on the model shapes
 // measured (GPU-NOTES.md). That is an observation about one library version, so the GPU tests
@@ -25,10 +25,10 @@ class Matmul {
   Matmul& operator=(const Matmul&) = delete;
 
   // y[m x n] = x[m x k] · w[n x k]ᵀ (+ y when accumulate), every matrix row-major in device
-  // memory (w as a checkpoint stores a linear layer: one row per output), y's rows `ldy` floats
-  // apart (0: n). Asynchronous on the stream.
+  // memory (w as a checkpoint stores a linear layer: one row per output). Asynchronous on the
+  // stream.
   Status run(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
-             bool accumulate, int ldy = 0) const;
+             bool accumulate) const;
 
  private:
   Matmul() = default;
