@@ -1,9 +1,9 @@
 // cuBLAS, the reference our product (cuda/gemm.cuh) is tested against: y = x · wᵀ with bf16
-// inputs, fp32 accumulation and an fp32 output, with no workspace. With a workspace cuBLAS may split K and combine the
-// splits in an order that depends on the number of rows, so a row's result changes with the
-// batch; with none, every row came out bit-identical for every row count on the model shapes
-// measured (GPU-NOTES.md). That is an observation about one library version, so the GPU tests
-// (tests/gpu/matmul_gpu_test.cpp) are the judge, on every build.
+// inputs, fp32 accumulation and an fp32 output, with no workspace. With a workspace cuBLAS may
+// split K and combine the splits in an order that depends on the number of rows, so a row's result
+// changes with the batch; with none, every row came out bit-identical for every row count on the
+// model shapes measured (GPU-NOTES.md). That is an observation about one library version, so the
+// GPU tests (tests/gpu/matmul_gpu_test.cpp) are the judge, on every build.
 #pragma once
 
 #include <cublas_v2.h>
