@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kThreads)
   unsigned long long sum = 0;
   for (int i = threadIdx.x; i < pairs; i += kThreads) {
     const uint32_t word = src[i];
-    if (fold != nullptr) sum += foldTerm(word, salt, first_word + i);
+    if (fold != nullptr) sum += foldTerm(word, salt, uint32_t(first_word + i));
     __nv_bfloat162 v;
     memcpy(&v, &word, 4);
     dst[i] = __bfloat1622float2(v);

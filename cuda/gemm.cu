@@ -1,10 +1,17 @@
-// The invariant tensor-core product. Per block: 16 weight rows and up to 8 * kGroups tokens; per
-// warp: the k blocks of 32 numbered warp, warp + 8, ... in increasing order. Within a k block, lane
-// (g, c) loads 16 bytes of weight rows g and g + 8 and of token g at k offsets 8c .. 8c + 7, and
-// feeds them to two mma instructions: the k positions are permuted the same way for both
-// operands, so each instruction computes a fixed part of the dot product, in a fixed order. The
-// first block of each 16 rows also folds every weight word it loads (the in-step check).
+// The invariant tensor-core product. A weight's rows are cut into tiles of 16, and its k blocks of
+// 32 into `lanes` = splits x kWarps lanes: lane v takes the k blocks v, v + lanes, ... in
+// increasing order. A tile is one cluster of `splits` blocks of kWarps warps; warp w of block
+// rank r runs lane r * kWarps + w. Within a k block, lane (g, c) of a warp loads 16 bytes of weight
+// rows g and g + 8 and of token g at k offsets 8c .. 8c + 7, and feeds them to two mma
+// instructions: the k positions are permuted the same way for both operands, so each instruction
+// computes a fixed part of the dot product, in a fixed order. A block adds its warps' sums in warp
+// order; the cluster adds its blocks' sums in rank order, through distributed shared memory. The
+// splits depend on the weight's shape alone (gemmSplits), so every output element is the same
+// sequence of operations whatever the number of tokens. The blocks of the first token group also
+// fold every weight word they load (the in-step check).
 #include "cuda/gemm.cuh"
+
+#include <cooperative_groups.h>
 
 #include <cstdint>
 #include <string>
@@ -14,8 +21,11 @@
 namespace bulkhead::cuda {
 namespace {
 
-constexpr int kWarps = 8;
+namespace cg = cooperative_groups;
+
+constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kMaxSplits = 8;  // the portable cluster size
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -30,22 +40,25 @@ __device__ __forceinline__ uint4 load16(const __nv_bfloat16* p, bool valid) {
   return valid ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
 }
 
-// kGroups groups of 8 tokens per block; kUnroll k blocks loaded together.
 // The fold of the four words of a 16-byte load at word `index` of its weight.
-__device__ __forceinline__ unsigned long long foldPiece(uint4 v, uint32_t salt, uint64_t index) {
+__device__ __forceinline__ unsigned long long foldPiece(uint4 v, uint32_t salt, uint32_t index) {
   return foldTerm(v.x, salt, index) + foldTerm(v.y, salt, index + 1) +
          foldTerm(v.z, salt, index + 2) + foldTerm(v.w, salt, index + 3);
 }
 
+// kGroups groups of 8 tokens per block; kUnroll k blocks loaded together.
 template <int kGroups, int kUnroll>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
-               int n, int k, float* __restrict__ y, int ldy, GemmFold fold) {
+               int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits) {
+  constexpr int kOutputs = 16 * 8 * kGroups;
   __shared__ float partial[kWarps][16][8 * kGroups];
+  __shared__ float block_sum[kOutputs];
   __shared__ unsigned long long fold_scratch[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int n0 = blockIdx.x * 16, m0 = blockIdx.y * 8 * kGroups;
-  const int k_blocks = (k + 31) / 32;
+  const int rank = int(blockIdx.x) % splits;
+  const int n0 = int(blockIdx.x) / splits * 16, m0 = blockIdx.y * 8 * kGroups;
+  const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
   const bool row_lo = n0 + g < n, row_hi = n0 + g + 8 < n;
   const __nv_bfloat16* w_lo = w + size_t(row_lo ? n0 + g : 0) * k + 8 * c;
   const __nv_bfloat16* w_hi = w + size_t(row_hi ? n0 + g + 8 : 0) * k + 8 * c;
@@ -56,44 +69,46 @@ __global__ void __launch_bounds__(kThreads)
     token[t] = m0 + 8 * t + g < m;
     x_row[t] = x + size_t(token[t] ? m0 + 8 * t + g : 0) * k + 8 * c;
   }
-  // The first block of each 16 rows folds what it loads (one read of every word a launch).
-  int segment = 0;
-  while (segment + 1 < fold.weights && n0 >= fold.row_end[segment]) ++segment;
+  // The blocks of the first token group fold what they load: every word once a launch. A tile
+  // lies within one weight (the boundaries are multiples of 16).
+  const int segment =
+      (fold.weights > 1 && n0 >= fold.row_end[0]) + (fold.weights > 2 && n0 >= fold.row_end[1]);
   const bool folding = fold.weights > 0 && blockIdx.y == 0;
-  const int segment_begin = segment == 0 ? 0 : fold.row_end[segment - 1];
-  const uint32_t salt = fold.salt[segment];
-  const uint64_t row_words = uint64_t(k) / 2;
-  const uint64_t lo_word = uint64_t(n0 + g - segment_begin) * row_words + 4 * c;
-  const uint64_t hi_word = lo_word + 8 * row_words;
+  const int segment_begin = segment == 0 ? 0 : segment == 1 ? fold.row_end[0] : fold.row_end[1];
+  const uint32_t salt = segment == 0 ? fold.salt[0] : segment == 1 ? fold.salt[1] : fold.salt[2];
+  // Word indices within a weight fit in 32 bits (foldWordTerm), as the host's do.
+  const uint32_t row_words = uint32_t(k) / 2;
+  const uint32_t lo_word = uint32_t(n0 + g - segment_begin) * row_words + 4 * c;
+  const uint32_t hi_word = lo_word + 8 * row_words;
   unsigned long long folded = 0;
   float acc[kGroups][4] = {};
-  for (int base = warp; base < k_blocks; base += kWarps * kUnroll) {
+  for (int base = rank * kWarps + warp; base < k_blocks; base += lanes * kUnroll) {
     uint4 a_lo[kUnroll], a_hi[kUnroll], b[kUnroll][kGroups];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int kb = base + u * kWarps;
+      const int kb = base + u * lanes;
       const bool in_k = kb < k_blocks && 32 * kb + 8 * c < k;
       a_lo[u] = load16(w_lo + 32 * kb, in_k && row_lo);
       a_hi[u] = load16(w_hi + 32 * kb, in_k && row_hi);
 #pragma unroll
       for (int t = 0; t < kGroups; ++t) b[u][t] = load16(x_row[t] + 32 * kb, in_k && token[t]);
     }
-    if (folding) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int kb = base + u * kWarps;
-        if (kb >= k_blocks || 32 * kb + 8 * c >= k) continue;
-        if (row_lo) folded += foldPiece(a_lo[u], salt, lo_word + 16 * uint64_t(kb));
-        if (row_hi) folded += foldPiece(a_hi[u], salt, hi_word + 16 * uint64_t(kb));
-      }
-    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * kWarps >= k_blocks) break;  // the same for the whole warp
+      if (base + u * lanes >= k_blocks) break;  // the same for the whole warp
 #pragma unroll
       for (int t = 0; t < kGroups; ++t) {
         mma(acc[t], a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, b[u][t].x, b[u][t].y);
         mma(acc[t], a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, b[u][t].z, b[u][t].w);
+      }
+    }
+    if (folding) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int kb = base + u * lanes;
+        if (kb >= k_blocks || 32 * kb + 8 * c >= k) continue;
+        if (row_lo) folded += foldPiece(a_lo[u], salt, lo_word + 16 * uint32_t(kb));
+        if (row_hi) folded += foldPiece(a_hi[u], salt, hi_word + 16 * uint32_t(kb));
       }
     }
   }
@@ -104,22 +119,80 @@ __global__ void __launch_bounds__(kThreads)
     partial[warp][g + 8][8 * t + 2 * c] = acc[t][2];
     partial[warp][g + 8][8 * t + 2 * c + 1] = acc[t][3];
   }
-  __syncthreads();
-  for (int e = threadIdx.x; e < 16 * 8 * kGroups; e += kThreads) {
-    const int row = e % 16, col = e / 16;  // neighbouring threads store neighbouring outputs
-    if (n0 + row >= n || m0 + col >= m) continue;
-    float total = partial[0][row][col];
-#pragma unroll
-    for (int v = 1; v < kWarps; ++v) total += partial[v][row][col];
-    y[size_t(m0 + col) * ldy + n0 + row] = total;
-  }
   if (folding) {
-    const int rows = min(16, n - n0);
-    addFold(fold.account[segment], folded, (unsigned long long)(rows * row_words), fold_scratch);
+    for (int offset = 16; offset > 0; offset /= 2)
+      folded += __shfl_xor_sync(0xffffffffu, folded, offset);
+    if (lane == 0) fold_scratch[warp] = folded;
+  }
+  __syncthreads();
+  // Output e is weight row e % 16 and token e / 16: neighbouring threads store neighbouring
+  // outputs.
+  for (int e = threadIdx.x; e < kOutputs; e += kThreads) {
+    float total = partial[0][e % 16][e / 16];
+#pragma unroll
+    for (int v = 1; v < kWarps; ++v) total += partial[v][e % 16][e / 16];
+    block_sum[e] = total;
+  }
+  unsigned long long block_fold = 0;
+  if (folding && threadIdx.x == 0)
+    for (int v = 0; v < kWarps; ++v) block_fold += fold_scratch[v];
+  auto store = [&](int e, float value) {
+    if (n0 + e % 16 < n && m0 + e / 16 < m) y[size_t(m0 + e / 16) * ldy + n0 + e % 16] = value;
+  };
+  if (splits == 1) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < kOutputs; e += kThreads) store(e, block_sum[e]);
+  } else {
+    // The cluster's blocks are the tile's k splits: rank r adds up the outputs r, r + splits, ...
+    // over the blocks in rank order, and keeps its shared memory until every rank has read it.
+    if (folding && threadIdx.x == 0) fold_scratch[0] = block_fold;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
+      float total = *cluster.map_shared_rank(&block_sum[e], 0);
+      for (int s = 1; s < splits; ++s) total += *cluster.map_shared_rank(&block_sum[e], s);
+      store(e, total);
+    }
+    if (folding && rank == 0 && threadIdx.x == 0)
+      for (int s = 1; s < splits; ++s) block_fold += *cluster.map_shared_rank(&fold_scratch[0], s);
+    cluster.sync();
+  }
+  if (folding && rank == 0 && threadIdx.x == 0) {
+    FoldAccount* account = segment == 0   ? fold.account[0]
+                           : segment == 1 ? fold.account[1]
+                                          : fold.account[2];
+    atomicAdd(&account->sum, block_fold);
+    atomicAdd(&account->words, (unsigned long long)min(16, n - n0) * row_words);
   }
 }
 
+template <int kGroups, int kUnroll>
+cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
+                   float* y, int ldy, cudaStream_t stream, const GemmFold& fold) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim =
+      dim3(unsigned((n + 15) / 16 * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = unsigned(splits);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = splits > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll>, x, m, w, n, k, y, ldy, fold,
+                            splits);
+}
+
 }  // namespace
+
+int gemmSplits(int n, int k) {
+  const int tiles = (n + 15) / 16, k_blocks = (k + 31) / 32;
+  int splits = 1;
+  while (splits < kMaxSplits && tiles * splits < 512 && k_blocks >= 32 * splits) splits *= 2;
+  return splits;
+}
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold) {
@@ -136,19 +209,17 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     if (fold.row_end[s] % 16 != 0)
       return invalidArgument("product fold boundary at row " + std::to_string(fold.row_end[s]) +
                              " is not a multiple of 16");
-  const unsigned row_blocks = unsigned((n + 15) / 16);
-  auto grid = [&](int tokens_per_block) {
-    return dim3(row_blocks, unsigned((m + tokens_per_block - 1) / tokens_per_block));
-  };
-  if (m <= 8) {
-    gemmKernel<1, 4><<<grid(8), kThreads, 0, stream>>>(x, m, w, n, k, y, ldy, fold);
-  } else if (m <= 16) {
-    gemmKernel<2, 4><<<grid(16), kThreads, 0, stream>>>(x, m, w, n, k, y, ldy, fold);
-  } else if (m <= 32) {
-    gemmKernel<4, 2><<<grid(32), kThreads, 0, stream>>>(x, m, w, n, k, y, ldy, fold);
-  } else {
-    gemmKernel<8, 2><<<grid(64), kThreads, 0, stream>>>(x, m, w, n, k, y, ldy, fold);
-  }
+  const int splits = gemmSplits(n, k);
+  cudaError_t launched;
+  if (m <= 8)
+    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold);
+  else if (m <= 16)
+    launched = launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold);
+  else if (m <= 32)
+    launched = launch<4, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+  else
+    launched = launch<8, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+  BULKHEAD_CUDA_RETURN_IF_ERROR(launched);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();
 }

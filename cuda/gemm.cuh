@@ -3,9 +3,9 @@
 // number of rows, by construction rather than by observation: each output element is one fixed
 // sequence of operations that depends on the shape (n, k) alone. The weight rows go on the
 // instruction's 16-row side and the tokens on its 8-column side, so a decode step of one token
-// wastes only token columns, not weight bandwidth; k is split over the 8 warps of a block in a
-// fixed interleave and the warps' sums are added in warp order. Any number of rows, any n, k a
-// multiple of 8; x, w 16-byte aligned.
+// wastes only token columns, not weight bandwidth; k is split over the warps of a cluster of
+// blocks in a fixed interleave (gemmSplits blocks, from the shape alone) and their sums are added
+// in a fixed order. Any number of rows, any n, k a multiple of 8; x, w 16-byte aligned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,6 +26,11 @@ struct GemmFold {
   uint32_t salt[3] = {};
   int row_end[3] = {};
 };
+
+// How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
+// blocks to keep the GPU's memory busy on a small weight, without splitting a long row thinner
+// than 32 k blocks a block.
+int gemmSplits(int n, int k);
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
 // `ldy` apart. Device memory, asynchronous on `stream`.

@@ -1,6 +1,7 @@
 // RMSNorm: one block of kThreads per row, the row held in registers (loaded once, all loads
-// issued before the arithmetic). Each thread sums a fixed strided slice of pairs in order, then a
-// fixed butterfly within warps and a fixed sum over the warps.
+// issued before the arithmetic, the weight's and the column sums' too). Each thread sums a fixed
+// strided slice of pairs in order, then a fixed butterfly within warps and a fixed sum over the
+// warps.
 #include "cuda/rms_norm.cuh"
 
 #include <string>
@@ -14,26 +15,43 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxPairs = 8;  // per thread: rows of up to 8192 values, held in registers
 
+// kPairs pairs a thread, the fewest that cover the row: the same slices and order as any larger
+// count, so the result does not depend on it.
+template <int kPairs>
 __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   __shared__ float warp_sums[kWarps];
   __shared__ double scratch[2 * kMaxNormConsumers * kWarps];
   __shared__ unsigned long long fold_scratch[kWarps];
   const int r = blockIdx.x, pairs = a.hidden / 2;
+  const int out_r = a.out_row != nullptr ? a.out_row[r] : r;
   float2* row = reinterpret_cast<float2*>(a.x + size_t(r) * a.hidden);
   const float2* delta =
       a.delta ? reinterpret_cast<const float2*>(a.delta + size_t(r) * a.hidden) : nullptr;
-  // Every load first, then the arithmetic: the row is in registers from here on.
-  float2 v[kMaxPairs], d[kMaxPairs];
+  const uint32_t* weight_words = reinterpret_cast<const uint32_t*>(a.weight);
+  // Every load first, the weight and the consumers' column sums included, then the arithmetic:
+  // one memory latency a launch rather than one a phase.
+  float2 v[kPairs], d[kPairs], cs[kMaxNormConsumers][kPairs], as[kMaxNormConsumers][kPairs];
+  uint32_t words[kPairs];
 #pragma unroll
-  for (int j = 0; j < kMaxPairs; ++j) {
+  for (int j = 0; j < kPairs; ++j) {
     const int i = threadIdx.x + j * kThreads;
-    v[j] = i < pairs ? row[i] : make_float2(0.0f, 0.0f);
-    d[j] = i < pairs && delta != nullptr ? delta[i] : make_float2(0.0f, 0.0f);
+    const bool in = i < pairs;
+    v[j] = in ? row[i] : make_float2(0.0f, 0.0f);
+    d[j] = in && delta != nullptr ? delta[i] : make_float2(0.0f, 0.0f);
+    words[j] = in && out_r >= 0 ? weight_words[i] : 0u;
+#pragma unroll
+    for (int c = 0; c < kMaxNormConsumers; ++c) {
+      const bool used = in && out_r >= 0 && a.consumers[c].role >= 0;
+      cs[c][j] = used ? reinterpret_cast<const float2*>(a.consumers[c].colsum)[i]
+                      : make_float2(0.0f, 0.0f);
+      as[c][j] = used ? reinterpret_cast<const float2*>(a.consumers[c].abssum)[i]
+                      : make_float2(0.0f, 0.0f);
+    }
   }
   float sum = 0.0f;
   double produced[1] = {0.0};
 #pragma unroll
-  for (int j = 0; j < kMaxPairs; ++j) {
+  for (int j = 0; j < kPairs; ++j) {
     const int i = threadIdx.x + j * kThreads;
     if (i >= pairs) break;
     if (delta != nullptr) {
@@ -58,20 +76,17 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
                 produced[0]);
   }
 
-  const int out_r = a.out_row != nullptr ? a.out_row[r] : r;
   if (out_r < 0) return;  // uniform across the block
-  const uint32_t* weight_words = reinterpret_cast<const uint32_t*>(a.weight);
   __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
   double sums[2 * kMaxNormConsumers] = {};  // expected, then bound, per consumer
   unsigned long long fold = 0;
 #pragma unroll
-  for (int j = 0; j < kMaxPairs; ++j) {
+  for (int j = 0; j < kPairs; ++j) {
     const int i = threadIdx.x + j * kThreads;
     if (i >= pairs) break;
-    const uint32_t word = weight_words[i];
-    if (a.weight_fold >= 0) fold += foldTerm(word, a.weight_salt, uint64_t(i));
+    if (a.weight_fold >= 0) fold += foldTerm(words[j], a.weight_salt, uint32_t(i));
     __nv_bfloat162 w;
-    memcpy(&w, &word, 4);
+    memcpy(&w, &words[j], 4);
     const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v[j].x * inv),
                                                    __bfloat162float(w.y) * (v[j].y * inv));
     dst[i] = o;
@@ -79,10 +94,9 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
 #pragma unroll
     for (int c = 0; c < kMaxNormConsumers; ++c) {
       if (a.consumers[c].role < 0) continue;
-      const float2 cs = reinterpret_cast<const float2*>(a.consumers[c].colsum)[i];
-      const float2 as = reinterpret_cast<const float2*>(a.consumers[c].abssum)[i];
-      sums[c] += double(cs.x) * o0 + double(cs.y) * o1;
-      sums[kMaxNormConsumers + c] += double(as.x) * fabsf(o0) + double(as.y) * fabsf(o1);
+      sums[c] += double(cs[c][j].x) * o0 + double(cs[c][j].y) * o1;
+      sums[kMaxNormConsumers + c] +=
+          double(as[c][j].x) * fabsf(o0) + double(as[c][j].y) * fabsf(o1);
     }
   }
   if (a.weight_fold >= 0)
@@ -108,7 +122,15 @@ Status launchRmsNorm(const RmsNormArgs& args, cudaStream_t stream) {
     return invalidArgument("rms norm of " + std::to_string(args.rows) + " rows of " +
                            std::to_string(args.hidden));
   if (args.rows == 0) return okStatus();
-  rmsNormKernel<<<args.rows, kThreads, 0, stream>>>(args);
+  const int per_thread = (args.hidden / 2 + kThreads - 1) / kThreads;
+  if (per_thread <= 1)
+    rmsNormKernel<1><<<args.rows, kThreads, 0, stream>>>(args);
+  else if (per_thread <= 2)
+    rmsNormKernel<2><<<args.rows, kThreads, 0, stream>>>(args);
+  else if (per_thread <= 4)
+    rmsNormKernel<4><<<args.rows, kThreads, 0, stream>>>(args);
+  else
+    rmsNormKernel<kMaxPairs><<<args.rows, kThreads, 0, stream>>>(args);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();
 }

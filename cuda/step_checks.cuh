@@ -23,7 +23,7 @@ struct ProductCheck {
   double bound;
 };
 
-// One weight's folded reads in one step: the sum of checksumTerm(word ^ salt, index) over the
+// One weight's folded reads in one step: the sum of foldWordTerm(word, salt, index) over the
 // words loaded, and how many.
 struct FoldAccount {
   unsigned long long sum;
@@ -69,8 +69,8 @@ __device__ inline void blockSums(double (&v)[N], double* scratch) {
 }
 
 // The fold of one 32-bit weight word at `index` (shared/checksum.h foldWeightRow).
-__device__ inline unsigned long long foldTerm(uint32_t word, uint32_t salt, uint64_t index) {
-  return checksumTerm(word ^ salt, uint32_t(index));
+__device__ inline unsigned long long foldTerm(uint32_t word, uint32_t salt, uint32_t index) {
+  return foldWordTerm(word, salt, index);
 }
 
 // Adds a block's folded words to a weight's account, once per block (thread 0).
@@ -93,7 +93,7 @@ __device__ inline void addFold(FoldAccount* account, unsigned long long sum,
 __device__ inline void foldVector(const uint32_t* data, int words, uint32_t salt,
                                   FoldAccount* account, unsigned long long* scratch) {
   unsigned long long sum = 0;
-  for (int i = threadIdx.x; i < words; i += blockDim.x) sum += foldTerm(data[i], salt, uint64_t(i));
+  for (int i = threadIdx.x; i < words; i += blockDim.x) sum += foldTerm(data[i], salt, uint32_t(i));
   addFold(account, sum, (unsigned long long)words, scratch);
 }
 

@@ -45,12 +45,12 @@ uint64_t foldWeightRow(const std::byte* row, size_t bytes, uint64_t first_index,
   for (size_t i = 0; i < words; ++i) {
     uint32_t w;
     std::memcpy(&w, row + i * 4, 4);
-    sum += checksumTerm(w ^ salt, uint32_t(first_index + i));
+    sum += foldWordTerm(w, salt, uint32_t(first_index + i));
   }
   if (const size_t rest = bytes % 4; rest != 0) {
     uint32_t w = 0;
     std::memcpy(&w, row + words * 4, rest);
-    sum += checksumTerm(w ^ salt, uint32_t(first_index + words));
+    sum += foldWordTerm(w, salt, uint32_t(first_index + words));
   }
   return sum;
 }

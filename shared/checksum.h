@@ -23,11 +23,11 @@ uint64_t checksumBytes(std::span<const std::byte> bytes);
 std::vector<uint64_t> granuleChecksums(std::span<const std::byte> bytes,
                                        size_t granule_bytes = kChecksumGranuleBytes);
 
-// In-step weight verification: the terms of one weight row's 32-bit words as a kernel reads
-// them, keyed by a salt that names the weight's role (so the right bytes read in the wrong role
-// do not match) and by each word's index within the weight, `first_index` for the row's first
-// word. A trailing partial word is zero-padded. Rows are summed, so the order they are read in
-// does not matter.
+// In-step weight verification: the terms (mix.h foldWordTerm) of one weight row's 32-bit words
+// as a kernel reads them, keyed by a salt that names the weight's role (so the right bytes read in
+// the wrong role do not match) and by each word's index within the weight, `first_index` for the
+// row's first word. A trailing partial word is zero-padded. Rows are summed, so the order they are
+// read in does not matter.
 uint64_t foldWeightRow(const std::byte* row, size_t bytes, uint64_t first_index, uint32_t salt);
 // Words per row as foldWeightRow counts them.
 inline uint64_t weightRowWords(size_t bytes) {

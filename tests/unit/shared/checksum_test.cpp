@@ -32,6 +32,29 @@ TEST(Checksum, SwappedWordsAreDetected) {
   EXPECT_NE(checksumBytes(data), clean);
 }
 
+// The in-step fold: every single flip, and every pair of flips in different words, changes a
+// weight row's fold; the same bytes under another salt, or moved to other indices, do not match.
+TEST(Checksum, WeightFoldSeesEveryFlipAndPairOfFlips) {
+  std::vector<std::byte> row(4 * 96);
+  std::mt19937 rng(2);
+  for (auto& b : row) b = std::byte(rng());
+  const uint64_t first = 123456789, clean = foldWeightRow(row.data(), row.size(), first, 0xabcd);
+  for (size_t bit = 0; bit < 8 * row.size(); ++bit) {
+    row[bit / 8] ^= std::byte(1 << (bit % 8));
+    EXPECT_NE(foldWeightRow(row.data(), row.size(), first, 0xabcd), clean) << "bit " << bit;
+    for (size_t other = (bit / 32 + 1) * 32; other < 8 * row.size(); other += 29) {
+      row[other / 8] ^= std::byte(1 << (other % 8));
+      EXPECT_NE(foldWeightRow(row.data(), row.size(), first, 0xabcd), clean)
+          << "bits " << bit << " and " << other;
+      row[other / 8] ^= std::byte(1 << (other % 8));
+    }
+    row[bit / 8] ^= std::byte(1 << (bit % 8));
+  }
+  EXPECT_EQ(foldWeightRow(row.data(), row.size(), first, 0xabcd), clean);
+  EXPECT_NE(foldWeightRow(row.data(), row.size(), first, 0xabce), clean);
+  EXPECT_NE(foldWeightRow(row.data(), row.size(), first + 96, 0xabcd), clean);
+}
+
 TEST(Checksum, GranulesSplitTheBuffer) {
   std::vector<std::byte> data(10 * 1024 + 6, std::byte{7});
   const auto sums = granuleChecksums(data, 4096);
