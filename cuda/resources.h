@@ -86,9 +86,11 @@ class Stream {
 class Event {
  public:
   Event() = default;
-  static Result<Event> create() {
+  // Events order work and are not timed unless `timed`.
+  static Result<Event> create(bool timed = false) {
     Event e;
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&e.event_, timed ? cudaEventDefault : cudaEventDisableTiming));
     return Result<Event>(std::move(e));
   }
   Event(Event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}

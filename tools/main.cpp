@@ -1,5 +1,5 @@
 // `bulkhead`: the command-line tool. Subcommands: logits, make-model, generate, bench,
-// step-bench, sample-bench, chaos.
+// step-bench, bench-engine, sample-bench, chaos.
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -9,6 +9,7 @@
 #include "shared/dtype.h"
 #include "tools/chaos.h"
 #include "tools/commands.h"
+#include "tools/engine_bench.h"
 #include "tools/make_model.h"
 #include "tools/qualify.h"
 #include "tools/remote.h"
@@ -158,6 +159,22 @@ int main(int argc, char** argv) {
                    "IPC overhead alone)")
       ->check(CLI::Range(0.0, 1.0));
 
+  EngineBenchOptions engine_opts;
+  std::string engine_batches = "1,8,32,64", engine_graphs = "on";
+  auto* engine_bench = app.add_subcommand(
+      "bench-engine", "The backend alone, in process: prefill and decode speed per batch size");
+  engine_bench->add_option("--model", engine_opts.model_dir, "Checkpoint directory")->required();
+  engine_bench->add_option("--backend", engine_opts.backend, "cuda | cpu");
+  engine_bench->add_option("--batch", engine_batches, "Comma-separated batch sizes");
+  engine_bench->add_option("--graphs", engine_graphs, "on | off: decode steps as CUDA graphs")
+      ->check(CLI::IsMember({"on", "off"}));
+  engine_bench->add_option("--prompt", engine_opts.prompt, "Tokens prefilled per sequence");
+  engine_bench->add_option("--steps", engine_opts.steps, "Timed decode steps per batch size");
+  bool engine_alone = false;
+  engine_bench->add_flag("--no-compare", engine_alone,
+                         "Skip the runs without in-step checks and through cuBLAS");
+  engine_bench->add_option("--json", engine_opts.json_path, "Also write the results as JSON");
+
   SampleBenchOptions sample_opts;
   std::string sample_rows = "1,8,32,64";
   auto* sample_bench = app.add_subcommand(
@@ -280,6 +297,15 @@ int main(int argc, char** argv) {
     }
     auto s = runStepBench(step_opts);
     if (!s.ok()) return fail("step-bench", s.status());
+  } else if (*engine_bench) {
+    auto parsed = parseTokenList(engine_batches);
+    if (!parsed.ok() || parsed->empty())
+      return fail("bench-engine", invalidArgument("--batch: expected e.g. 1,8,32,64"));
+    engine_opts.batches = *parsed;
+    engine_opts.graphs = engine_graphs == "on";
+    engine_opts.compare = !engine_alone;
+    Status s = runEngineBench(engine_opts);
+    if (!s.ok()) return fail("bench-engine", s);
   } else if (*sample_bench) {
     auto parsed = parseTokenList(sample_rows);
     if (!parsed.ok() || parsed->empty())

@@ -16,6 +16,7 @@ struct BackendOptions {
   bool check_weight_reads = true;
   float attention_scale_factor = 1.0f;  // fault injection (CpuBackend::Options)
   bool cuda_graphs = true;              // the CUDA backend runs decode steps as graphs
+  bool cuda_cublas_products = false;    // CudaBackend::Options::cublas_products
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

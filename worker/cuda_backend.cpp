@@ -16,6 +16,7 @@
 #include "cuda/embedding.cuh"
 #include "cuda/gemm.cuh"
 #include "cuda/logits.cuh"
+#include "cuda/matmul.cuh"
 #include "cuda/resources.h"
 #include "cuda/rms_norm.cuh"
 #include "cuda/rope.cuh"
@@ -86,6 +87,7 @@ struct CudaState {
   DeviceMemory results;
   PinnedMemory results_host;
   cuda::HostRegistration outputs;
+  std::unique_ptr<cuda::Matmul> cublas;  // Options::cublas_products
   // Decode steps captured as graphs, by (rows, whether the destinations are 16-byte aligned).
   std::map<std::pair<int, bool>, cuda::GraphExec> graphs;
   // Scrubbing: ranges and their sums, on the scrub stream.
@@ -351,6 +353,11 @@ Status CudaBackend::load(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(const uint64_t weight_bytes, uploadWeights());
   BULKHEAD_RETURN_IF_ERROR(bindRoles());
   BULKHEAD_RETURN_IF_ERROR(computeColumnSums());
+  if (options.cublas_products && options.check_weight_reads)
+    return invalidArgument("cuBLAS products cannot run the in-step checks: turn them off");
+  if (options.cublas_products) {
+    BULKHEAD_ASSIGN_OR_RETURN(d.cublas, cuda::Matmul::create(d.stream.get()));
+  }
   if (options.check_weight_reads) expectFolds();
   BULKHEAD_RETURN_IF_ERROR(allocateStep(options));
   BULKHEAD_ASSIGN_OR_RETURN(const uint32_t blocks, allocateKvCache(options));
@@ -552,14 +559,19 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   };
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
-  if (adjacent) {
+  if (d_->cublas != nullptr) {
+    if (!adjacent || ldy != n)
+      return unimplemented("cuBLAS products need a group's weights adjacent and its output packed");
+    BULKHEAD_RETURN_IF_ERROR(
+        d_->cublas->run(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, false));
+  } else if (adjacent) {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
         input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused));
   }
   int column = 0;
   for (const Weight* w : group) {
     const int wn = int(w->tensor->shape[0]);
-    if (!adjacent)
+    if (!adjacent && d_->cublas == nullptr)
       BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(input, rows,
                                                 static_cast<const __nv_bfloat16*>(w->ptr), wn, k,
                                                 y + column, ldy, stream, alone(*w)));

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "support/test_support.h"
 
@@ -89,6 +90,31 @@ TEST(Cli, MakeModelThenGenerate) {
   EXPECT_EQ(first.out, second.out);  // greedy is deterministic
   EXPECT_GE(std::count(first.out.begin(), first.out.end(), ','), 0);
   EXPECT_FALSE(first.out.empty());
+}
+
+// bench-engine drives the backend in process: a row per batch size, in the table and the JSON,
+// with the decode steps it timed turned into tokens per second.
+TEST(Cli, BenchEngineReportsEveryBatchSize) {
+  test::TempDir dir;
+  auto r = runBulkhead(
+      dir, {"bench-engine", "--model", test::fixtureDir("tiny-qwen2"), "--backend", "cpu",
+            "--batch", "1,3", "--prompt", "8", "--steps", "4", "--json", dir.file("engine.json")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(lineCount(r.out), 4u) << r.out;  // title, header, two batch sizes
+  const auto report = nlohmann::json::parse(test::readFile(dir.file("engine.json")));
+  ASSERT_EQ(report["results"].size(), 2u) << report.dump();
+  EXPECT_EQ(report["results"][1]["batch"], 3);
+  for (const auto& row : report["results"]) {
+    EXPECT_GT(row["tokens_per_s"].get<double>(), 0) << row.dump();
+    EXPECT_GT(row["prefill_tokens_per_s"].get<double>(), 0) << row.dump();
+    EXPECT_NEAR(row["tokens_per_s"].get<double>(),
+                row["batch"].get<double>() / (row["step_p50_ms"].get<double>() * 1e-3),
+                1e-6 * row["tokens_per_s"].get<double>());
+  }
+  auto bad = runBulkhead(dir, {"bench-engine", "--model", test::fixtureDir("tiny-qwen2"),
+                               "--backend", "cpu", "--batch", "1", "--prompt", "100000"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("positions exceed"), std::string::npos) << bad.err;
 }
 
 // The broker and the worker read every option from a TOML file too; flags win over the file, and

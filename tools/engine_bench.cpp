@@ -1,0 +1,242 @@
+// bench-engine: see engine_bench.h.
+#include "tools/engine_bench.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "shared/checkpoint.h"
+#include "tools/percentile.h"
+#include "worker/backend_factory.h"
+#ifdef BULKHEAD_HAVE_CUDA
+#include "cuda/bandwidth.cuh"
+#endif
+
+namespace bulkhead {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint32_t kWarmupSteps = 8;
+
+double usSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+}
+
+// Page-aligned host memory for the logits rows, registered with the backend as the worker's
+// arena is, so rows reach the host the way they do in service.
+class RowMemory {
+ public:
+  static Result<RowMemory> map(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return resourceExhausted("mmap of " + std::to_string(bytes) + " bytes");
+    RowMemory m;
+    m.data_ = static_cast<std::byte*>(p);
+    m.bytes_ = bytes;
+    return m;
+  }
+  RowMemory() = default;
+  RowMemory(RowMemory&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  RowMemory& operator=(RowMemory&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~RowMemory() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  std::span<std::byte> span() const { return {data_, bytes_}; }
+  float* row(size_t i, size_t vocab) const { return reinterpret_cast<float*>(data_) + i * vocab; }
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct Variant {
+  std::string name;
+  bool checks = true;
+  bool cublas = false;
+};
+
+struct Measured {
+  double prefill_tokens_per_s = 0;
+  double step_p50_us = 0;
+  double step_p99_us = 0;
+};
+
+// Weight bytes a decode step of `batch` sequences reads: every used tensor but the embedding
+// table, of which only the batch's rows, unless the lm_head is the same table.
+uint64_t stepWeightBytes(const Checkpoint& ckpt, uint32_t batch) {
+  const ModelTensors& t = ckpt.tensors();
+  uint64_t bytes = ckpt.weightBytes();
+  if (t.embed != nullptr && t.lm_head != t.embed)
+    bytes -= t.embed->data.size() -
+             std::min<uint64_t>(t.embed->data.size(),
+                                uint64_t(batch) * t.embed->data.size() / t.embed->shape[0]);
+  return bytes;
+}
+
+// One backend, every batch size: prefill, warm-up, timed decode steps.
+Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
+                                      std::shared_ptr<const Checkpoint> ckpt, const Variant& v) {
+  BackendOptions options;
+  options.check_weight_reads = v.checks;
+  options.cuda_graphs = o.graphs;
+  options.cuda_cublas_products = v.cublas;
+  BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
+  const BackendLimits& limits = backend->limits();
+  const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  const size_t vocab = limits.vocab_size;
+  BULKHEAD_ASSIGN_OR_RETURN(RowMemory rows, RowMemory::map(size_t(max_batch) * vocab * 4));
+  BULKHEAD_RETURN_IF_ERROR(backend->registerOutputs(rows.span()));
+  const uint32_t positions = o.prompt + kWarmupSteps + o.steps;
+  const uint32_t blocks_each = (positions + limits.kv_block_size - 1) / limits.kv_block_size;
+  if (positions > limits.max_context)
+    return invalidArgument(std::to_string(positions) + " positions exceed the model's context");
+
+  std::vector<Measured> out;
+  for (const uint32_t batch : o.batches) {
+    if (uint64_t(batch) * blocks_each > limits.kv_block_count)
+      return resourceExhausted("batch " + std::to_string(batch) + " needs " +
+                               std::to_string(uint64_t(batch) * blocks_each) +
+                               " KV blocks, the backend has " +
+                               std::to_string(limits.kv_block_count));
+    if (uint64_t(batch) * o.prompt > limits.max_step_tokens)
+      return invalidArgument("batch " + std::to_string(batch) + " x prompt " +
+                             std::to_string(o.prompt) + " exceeds one step's tokens");
+    std::vector<std::vector<uint32_t>> tables(batch), prompts(batch);
+    std::vector<uint32_t> last_row = {o.prompt - 1}, first_row = {0};
+    std::vector<std::array<uint32_t, 1>> next(batch);
+    std::vector<SequenceStep> steps(batch);
+    std::vector<float*> dst(batch);
+    for (uint32_t s = 0; s < batch; ++s) {
+      for (uint32_t b = 0; b < blocks_each; ++b) tables[s].push_back(s * blocks_each + b);
+      for (uint32_t i = 0; i < o.prompt; ++i)
+        prompts[s].push_back(uint32_t((uint64_t(s) * 7919 + i * 104729 + 13) % vocab));
+      steps[s] = {.sequence_id = s,
+                  .start_position = 0,
+                  .tokens = prompts[s],
+                  .kv_blocks = tables[s],
+                  .logits_rows = last_row};
+      dst[s] = rows.row(s, vocab);
+    }
+    Measured m;
+    auto start = Clock::now();
+    BULKHEAD_RETURN_IF_ERROR(runStep(*backend, steps, dst));
+    m.prefill_tokens_per_s = double(batch) * o.prompt / (usSince(start) * 1e-6);
+    std::vector<double> us;
+    for (uint32_t step = 0; step < kWarmupSteps + o.steps; ++step) {
+      for (uint32_t s = 0; s < batch; ++s) {
+        // Greedy: each sequence's next token is its last row's argmax.
+        const float* row = dst[s];
+        next[s][0] = uint32_t(std::max_element(row, row + vocab) - row);
+        steps[s].start_position = o.prompt + step;
+        steps[s].tokens = next[s];
+        steps[s].logits_rows = first_row;
+      }
+      start = Clock::now();
+      BULKHEAD_RETURN_IF_ERROR(runStep(*backend, steps, dst));
+      if (step >= kWarmupSteps) us.push_back(usSince(start));
+    }
+    m.step_p50_us = percentile(us, 50);
+    m.step_p99_us = percentile(us, 99);
+    out.push_back(m);
+  }
+  return out;
+}
+
+}  // namespace
+
+Status runEngineBench(const EngineBenchOptions& o) {
+  if (o.batches.empty() || o.prompt == 0 || o.steps == 0)
+    return invalidArgument("bench-engine needs batch sizes, a prompt and steps");
+  BULKHEAD_ASSIGN_OR_RETURN(Checkpoint opened, Checkpoint::open(o.model_dir));
+  auto ckpt = std::make_shared<const Checkpoint>(std::move(opened));
+
+  double read_bytes_per_s = 0;
+#ifdef BULKHEAD_HAVE_CUDA
+  if (o.backend == "cuda") {
+    BULKHEAD_ASSIGN_OR_RETURN(const cuda::ReadBandwidth bw,
+                              cuda::measureReadBandwidth(size_t(4) << 30, 10));
+    read_bytes_per_s = bw.bytes_per_s;
+  }
+#endif
+  std::vector<Variant> variants = {{"checked", true, false}};
+  if (o.compare && o.backend == "cuda") {
+    variants.push_back({"unchecked", false, false});
+    variants.push_back({"cublas", false, true});
+  }
+  std::vector<std::vector<Measured>> results;
+  for (const Variant& v : variants) {
+    BULKHEAD_ASSIGN_OR_RETURN(auto measured, measure(o, ckpt, v));
+    results.push_back(std::move(measured));
+  }
+
+  std::printf("bench-engine: %s on %s, graphs %s, prompt %u, %u decode steps per batch size\n",
+              o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off", o.prompt, o.steps);
+  if (read_bytes_per_s > 0)
+    std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
+                read_bytes_per_s / 1e9);
+  std::printf("%6s %12s %10s %10s %10s %11s %7s", "batch", "prefill_t/s", "step_ms", "step_p99",
+              "tokens/s", "weight_GB/s", "of_HBM");
+  if (variants.size() > 1)
+    std::printf(" %12s %8s %12s %13s %10s", "unchecked_ms", "checks", "cublas_ms", "cublas_tok/s",
+                "vs_cublas");
+  std::printf("\n");
+  nlohmann::json report = {{"model", o.model_dir},
+                           {"backend", o.backend},
+                           {"graphs", o.graphs},
+                           {"prompt", o.prompt},
+                           {"steps", o.steps},
+                           {"read_bandwidth_gb_s", read_bytes_per_s / 1e9},
+                           {"results", nlohmann::json::array()}};
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    const uint32_t batch = o.batches[i];
+    const Measured& m = results[0][i];
+    const double tokens_per_s = batch / (m.step_p50_us * 1e-6);
+    const double weight_gb_s = double(stepWeightBytes(*ckpt, batch)) / (m.step_p50_us * 1e-6) / 1e9;
+    const double of_hbm = read_bytes_per_s > 0 ? weight_gb_s * 1e9 / read_bytes_per_s : 0;
+    std::printf("%6u %12.0f %10.3f %10.3f %10.1f %11.0f", batch, m.prefill_tokens_per_s,
+                m.step_p50_us / 1e3, m.step_p99_us / 1e3, tokens_per_s, weight_gb_s);
+    if (of_hbm > 0)
+      std::printf(" %6.1f%%", 100 * of_hbm);
+    else
+      std::printf(" %7s", "-");
+    nlohmann::json row = {{"batch", batch},
+                          {"prefill_tokens_per_s", m.prefill_tokens_per_s},
+                          {"step_p50_ms", m.step_p50_us / 1e3},
+                          {"step_p99_ms", m.step_p99_us / 1e3},
+                          {"tokens_per_s", tokens_per_s},
+                          {"weight_gb_per_s", weight_gb_s},
+                          {"fraction_of_read_bandwidth", of_hbm}};
+    if (variants.size() > 1) {
+      const Measured& off = results[1][i];
+      const Measured& cublas = results[2][i];
+      const double checks = m.step_p50_us / off.step_p50_us - 1;
+      const double cublas_tokens = batch / (cublas.step_p50_us * 1e-6);
+      std::printf(" %12.3f %7.1f%% %12.3f %13.1f %9.1f%%", off.step_p50_us / 1e3, 100 * checks,
+                  cublas.step_p50_us / 1e3, cublas_tokens, 100 * tokens_per_s / cublas_tokens);
+      row["unchecked_step_p50_ms"] = off.step_p50_us / 1e3;
+      row["checks_cost"] = checks;
+      row["cublas_step_p50_ms"] = cublas.step_p50_us / 1e3;
+      row["cublas_tokens_per_s"] = cublas_tokens;
+      row["tokens_per_s_vs_cublas"] = tokens_per_s / cublas_tokens;
+    }
+    std::printf("\n");
+    report["results"].push_back(row);
+  }
+  if (!o.json_path.empty()) {
+    std::ofstream out(o.json_path);
+    out << report.dump(2) << "\n";
+    if (!out) return internalError(o.json_path + ": write failed");
+  }
+  return okStatus();
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,29 @@
+// bench-engine: the backend alone, in process (no worker, no gRPC). For each batch size: the
+// prefill of every sequence's prompt in one step, then timed decode steps of one token each, with
+// the weight bandwidth they reach as a share of the device's read bandwidth measured in the same
+// run. On CUDA it runs the same steps again without the in-step checks, and through cuBLAS
+// products, so the price of the checks and of invariance are each one column.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "shared/status.h"
+
+namespace bulkhead {
+
+struct EngineBenchOptions {
+  std::string model_dir;
+  std::string backend = "cuda";
+  std::vector<uint32_t> batches = {1, 8, 32, 64};
+  bool graphs = true;
+  uint32_t prompt = 128;  // tokens prefilled per sequence
+  uint32_t steps = 64;    // timed decode steps per batch size (after 8 untimed)
+  bool compare = true;    // CUDA: also without checks, and through cuBLAS
+  std::string json_path;
+};
+
+// Prints the table to stdout; writes JSON when asked.
+Status runEngineBench(const EngineBenchOptions& options);
+
+}  // namespace bulkhead
