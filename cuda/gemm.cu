@@ -8,7 +8,7 @@
 // order; the cluster adds its blocks' sums in rank order, through distributed shared memory. The
 // splits depend on the weight's shape alone (gemmSplits), so every output element is the same
 // sequence of operations whatever the number of tokens. The blocks of the first token group also
-// fold every weight word they load (the in-step check).
+// fold every weight word they load (the in-step check, gemm.cuh productFold) on the tensor cores.
 #include "cuda/gemm.cuh"
 
 #include <cooperative_groups.h>
@@ -40,10 +40,21 @@ __device__ __forceinline__ uint4 load16(const __nv_bfloat16* p, bool valid) {
   return valid ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
 }
 
-// The fold of the four words of a 16-byte load at word `index` of its weight.
-__device__ __forceinline__ unsigned long long foldPiece(uint4 v, uint32_t salt, uint32_t index) {
-  return foldTerm(v.x, salt, index) + foldTerm(v.y, salt, index + 1) +
-         foldTerm(v.z, salt, index + 2) + foldTerm(v.w, salt, index + 3);
+// The fold's integer mma: d += a (16 x 32 bytes) * b (32 x 8 keys), wrapping.
+__device__ __forceinline__ void foldMma(uint32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Lane (g, c)'s key registers: column g, positions 4c .. 4c + 3 and 16 + 4c .. 16 + 4c + 3.
+__device__ __forceinline__ uint32_t foldKeys(int g, int first) {
+  uint32_t keys = 0;
+  for (int i = 0; i < 4; ++i) keys |= productFoldKey(uint32_t(g), uint32_t(first + i)) << (8 * i);
+  return keys;
 }
 
 // kGroups groups of 8 tokens per block; kUnroll k blocks loaded together.
@@ -76,11 +87,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool folding = fold.weights > 0 && blockIdx.y == 0;
   const int segment_begin = segment == 0 ? 0 : segment == 1 ? fold.row_end[0] : fold.row_end[1];
   const uint32_t salt = segment == 0 ? fold.salt[0] : segment == 1 ? fold.salt[1] : fold.salt[2];
-  // Word indices within a weight fit in 32 bits (foldWordTerm), as the host's do.
-  const uint32_t row_words = uint32_t(k) / 2;
-  const uint32_t lo_word = uint32_t(n0 + g - segment_begin) * row_words + 4 * c;
-  const uint32_t hi_word = lo_word + 8 * row_words;
-  unsigned long long folded = 0;
+  const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
+  uint32_t fold_acc[4] = {};
   float acc[kGroups][4] = {};
   for (int base = rank * kWarps + warp; base < k_blocks; base += lanes * kUnroll) {
     uint4 a_lo[kUnroll], a_hi[kUnroll], b[kUnroll][kGroups];
@@ -105,10 +113,9 @@ __global__ void __launch_bounds__(kThreads)
     if (folding) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int kb = base + u * lanes;
-        if (kb >= k_blocks || 32 * kb + 8 * c >= k) continue;
-        if (row_lo) folded += foldPiece(a_lo[u], salt, lo_word + 16 * uint32_t(kb));
-        if (row_hi) folded += foldPiece(a_hi[u], salt, hi_word + 16 * uint32_t(kb));
+        if (base + u * lanes >= k_blocks) break;  // the same for the whole warp
+        foldMma(fold_acc, a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, key_lo, key_hi);
+        foldMma(fold_acc, a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, key_lo, key_hi);
       }
     }
   }
@@ -120,6 +127,11 @@ __global__ void __launch_bounds__(kThreads)
     partial[warp][g + 8][8 * t + 2 * c + 1] = acc[t][3];
   }
   if (folding) {
+    // Accumulator i is weight row g (+ 8 for i >= 2) and key column 2c + i % 2.
+    const uint32_t row_lo = 2 * uint32_t(n0 + g - segment_begin) + 1, row_hi = row_lo + 16;
+    unsigned long long folded =
+        (2 * salt + 1) * (row_lo * ((4 * c + 1) * fold_acc[0] + (4 * c + 3) * fold_acc[1]) +
+                          row_hi * ((4 * c + 1) * fold_acc[2] + (4 * c + 3) * fold_acc[3]));
     for (int offset = 16; offset > 0; offset /= 2)
       folded += __shfl_xor_sync(0xffffffffu, folded, offset);
     if (lane == 0) fold_scratch[warp] = folded;
@@ -162,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
                            : segment == 1 ? fold.account[1]
                                           : fold.account[2];
     atomicAdd(&account->sum, block_fold);
-    atomicAdd(&account->words, (unsigned long long)min(16, n - n0) * row_words);
+    atomicAdd(&account->words, (unsigned long long)min(16, n - n0) * uint32_t(k / 2));
   }
 }
 
@@ -186,6 +198,27 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
 }
 
 }  // namespace
+
+uint32_t productFold(const std::byte* data, size_t rows, int k, uint32_t first_row, uint32_t salt) {
+  uint32_t q[64];
+  for (uint32_t o = 0; o < 64; ++o) {
+    q[o] = 0;
+    for (uint32_t j = 0; j < 8; ++j)
+      q[o] += (2 * j + 1) * productFoldKey(j, productFoldPosition(o));
+  }
+  const size_t row_bytes = size_t(k) * 2;
+  uint32_t fold = 0;
+  for (size_t r = 0; r < rows; ++r) {
+    const auto* row = reinterpret_cast<const uint8_t*>(data + r * row_bytes);
+    uint32_t sum = 0;
+    size_t o = 0;
+    for (; o + 64 <= row_bytes; o += 64)
+      for (size_t i = 0; i < 64; ++i) sum += uint32_t(row[o + i]) * q[i];
+    for (; o < row_bytes; ++o) sum += uint32_t(row[o]) * q[o % 64];
+    fold += (2 * (first_row + uint32_t(r)) + 1) * sum;
+  }
+  return (2 * salt + 1) * fold;
+}
 
 int gemmSplits(int n, int k) {
   const int tiles = (n + 15) / 16, k_blocks = (k + 31) / 32;

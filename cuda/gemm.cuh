@@ -11,15 +11,42 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #include "cuda/step_checks.cuh"
+#include "shared/mix.h"
 #include "shared/status.h"
 
 namespace bulkhead::cuda {
 
-// The in-step check of the weight words a product loads: every word is folded (step_checks.cuh
-// foldTerm, keyed by the weight's salt and the word's index in its weight) into its weight's
-// account, once per launch. w may hold up to three weights one after another (fused q/k/v,
-// gate/up): weight s has rows [row_end[s - 1], row_end[s]), each boundary a multiple of 16.
+// The in-step fold of a product's weight words runs on the tensor cores, beside the product: the
+// weight fragments the kernel already holds go through an integer mma (u8 x u8 -> s32, wrapping)
+// against a constant key matrix of 32 k positions by 8 columns, so a word costs no integer
+// instruction. Column 0's keys are all 1 (a plain sum of the bytes, which any flipped bit
+// changes); the others are even and keyed by position. At the end each accumulator is weighted
+// by its weight row and column and the weight's salt:
+//   fold = sum over rows R, bytes o of the row: (2R + 1) * (2 salt + 1) * byte * Q(o mod 64)
+// modulo 2^32, with Q(o) = sum_j (2j + 1) * key(j, p(o)) odd, so every single flipped bit, every
+// pair of swapped rows and the right bytes read in another weight's role change it.
+BULKHEAD_HOST_DEVICE constexpr uint32_t productFoldKey(uint32_t column, uint32_t p) {
+  return column == 0 ? 1u : checksumTerm(column * 32 + p, 0x5bd1e995u) & 0xfeu;
+}
+
+// The mma k position (0..31) of byte o (0..63) of a 64-byte k block of a weight row: lane c of a
+// group loads bytes 16c .. 16c + 15, as words x, y, z, w; x and z are fragment registers a0 of
+// two mmas (positions 4c .. 4c + 3), y and w registers a2 (positions 16 + 4c ..).
+BULKHEAD_HOST_DEVICE constexpr uint32_t productFoldPosition(uint32_t o) {
+  return (o % 16 / 4 % 2 == 0 ? 0u : 16u) + 4 * (o / 16) + o % 4;
+}
+
+// What `rows` rows of k bf16 each (the weight's rows first_row onwards) fold to on the host.
+uint32_t productFold(const std::byte* data, size_t rows, int k, uint32_t first_row, uint32_t salt);
+
+// The in-step check of the weight words a product loads: every word is folded (productFold, the
+// low 32 bits of the account's sum) into its weight's account, once per launch. w may hold up to
+// three weights one after another (fused q/k/v, gate/up): weight s has rows [row_end[s - 1],
+// row_end[s]), each boundary a multiple of 16.
 struct GemmFold {
   int weights = 0;  // 0: nothing is folded
   FoldAccount* account[3] = {};

@@ -79,6 +79,9 @@ class CudaBackend final : public Backend {
     // norm), once a gathered row (the embedding), once (a product's weight), once a chunk of
     // logits rows (lm_head).
     enum Uses { kTokenRows, kLogitsRows, kGathered, kProducts, kLogitsChunks } uses = kTokenRows;
+    // Products fold on the tensor cores (cuda/gemm.cuh productFold), modulo 2^32; the other
+    // kernels word by word (foldWeightRow).
+    bool folded32() const { return uses == kProducts || uses == kLogitsChunks; }
     uint64_t expected = 0;  // one full read of the checkpoint's bytes
     uint64_t words = 0;
     std::vector<uint64_t> row_expected;  // read row by row (the embedding)

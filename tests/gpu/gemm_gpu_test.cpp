@@ -86,6 +86,74 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   EXPECT_FALSE(cuda::launchGemm(dx.p, 1, dw.p, n, k + 1, dy.p, n, nullptr).ok());
 }
 
+// The fold of the weight words, on the tensor cores: what the kernel folds is what the host
+// computes from the same bytes (every row count, split and weight boundary of a fused product),
+// every word counted once a launch; one flipped bit in the weight changes it.
+TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  const auto [n, k] = GetParam();
+  if (int64_t(n) * k > int64_t(64) << 20) GTEST_SKIP() << "covered by the smaller shapes";
+  std::mt19937 rng{uint32_t(n * 17 + k)};
+  std::vector<__nv_bfloat16> w(size_t(n) * k), x(size_t(kMaxRows) * k);
+  for (auto& v : w) v = __float2bfloat16(std::normal_distribution<float>(0.0f, 0.05f)(rng));
+  for (auto& v : x) v = __float2bfloat16(std::normal_distribution<float>(0.0f, 1.0f)(rng));
+  test::DeviceBuffer<__nv_bfloat16> dw(w), dx(x);
+  test::DeviceBuffer<float> dy(size_t(kMaxRows) * n);
+  test::DeviceBuffer<cuda::FoldAccount> accounts(3);
+  // Two weights back to back where a tile boundary allows it, as fused q/k/v and gate/up are.
+  const int split = n >= 32 ? n / 32 * 16 : n;
+  cuda::GemmFold fold;
+  fold.weights = split < n ? 2 : 1;
+  fold.row_end[0] = split;
+  fold.row_end[1] = n;
+  fold.salt[0] = 0x1234567u;
+  fold.salt[1] = 0x89abcdeu;
+  for (int s = 0; s < 2; ++s) fold.account[s] = accounts.p + s;
+  const auto* bytes = reinterpret_cast<const std::byte*>(w.data());
+  const uint32_t want[2] = {
+      cuda::productFold(bytes, size_t(split), k, 0, fold.salt[0]),
+      cuda::productFold(bytes + size_t(split) * k * 2, size_t(n - split), k, 0, fold.salt[1])};
+  for (int m : {1, 7, 9, 33, 64, 130}) {
+    ASSERT_EQ(cudaMemset(accounts.p, 0, 3 * sizeof(cuda::FoldAccount)), cudaSuccess);
+    const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, fold);
+    ASSERT_TRUE(s.ok()) << s.toString();
+    const std::vector<cuda::FoldAccount> got = accounts.read();
+    for (int i = 0; i < fold.weights; ++i) {
+      const uint64_t rows = uint64_t(i == 0 ? split : n - split);
+      EXPECT_EQ(uint32_t(got[size_t(i)].sum), want[i]) << "weight " << i << ", " << m << " rows";
+      EXPECT_EQ(got[size_t(i)].words, rows * uint64_t(k / 2)) << "weight " << i << ", " << m;
+    }
+  }
+  // One bit of one word, low in a mantissa, where the arithmetic check cannot see it.
+  std::vector<__nv_bfloat16> flipped = w;
+  reinterpret_cast<uint8_t*>(flipped.data())[size_t(n - 1) * k * 2 + 3] ^= 1;
+  test::DeviceBuffer<__nv_bfloat16> dflipped(flipped);
+  ASSERT_EQ(cudaMemset(accounts.p, 0, 3 * sizeof(cuda::FoldAccount)), cudaSuccess);
+  ASSERT_TRUE(cuda::launchGemm(dx.p, 1, dflipped.p, n, k, dy.p, n, nullptr, fold).ok());
+  EXPECT_NE(uint32_t(accounts.read()[size_t(fold.weights - 1)].sum), want[fold.weights - 1]);
+}
+
+// The host side of the fold (no device needed): every single flipped bit of a weight changes it,
+// and so do two rows swapped and another weight's salt.
+TEST(ProductFold, SeesEveryFlippedBitSwappedRowsAndAnotherSalt) {
+  const int rows = 4, k = 40;  // a partial last k block
+  std::vector<uint8_t> w(size_t(rows) * k * 2);
+  std::mt19937 rng{3};
+  for (auto& b : w) b = uint8_t(rng());
+  auto fold = [&](uint32_t salt) {
+    return cuda::productFold(reinterpret_cast<const std::byte*>(w.data()), rows, k, 5, salt);
+  };
+  const uint32_t clean = fold(77);
+  for (size_t bit = 0; bit < 8 * w.size(); ++bit) {
+    w[bit / 8] ^= uint8_t(1 << (bit % 8));
+    EXPECT_NE(fold(77), clean) << "bit " << bit;
+    w[bit / 8] ^= uint8_t(1 << (bit % 8));
+  }
+  EXPECT_NE(fold(78), clean);
+  std::swap_ranges(w.begin(), w.begin() + k * 2, w.begin() + k * 2);
+  EXPECT_NE(fold(77), clean);
+}
+
 INSTANTIATE_TEST_SUITE_P(ModelShapes, GemmGpuTest, testing::ValuesIn(kShapes),
                          [](const testing::TestParamInfo<Shape>& i) {
                            return std::to_string(i.param.n) + "x" + std::to_string(i.param.k);
