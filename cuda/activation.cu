@@ -9,14 +9,12 @@ namespace bulkhead::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kPerThread = 4;
 constexpr int kPerBlock = kThreads * kPerThread;
 
 // grid: (blocks per row, rows). Each element is computed alone; the checks' sums add up over a
 // row's blocks (in double, so the order they arrive in does not matter to the check).
 __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
-  __shared__ double scratch[4 * kWarps];
   const int r = blockIdx.y, first = blockIdx.x * kPerBlock;
   const float* gate = a.gate_up + size_t(r) * 2 * a.inter;
   const float* up = gate + a.inter;
@@ -46,8 +44,8 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
     sums[3] += double(as[j]) * fabsf(of);
   }
   if (a.gate_role < 0 && a.up_role < 0 && a.down.role < 0) return;
-  blockSums(sums, scratch);
-  if (threadIdx.x != 0) return;
+  warpSums(sums);
+  if (threadIdx.x % 32 != 0) return;
   ProductCheck* row = a.checks.products + size_t(r) * a.checks.roles;
   if (a.gate_role >= 0) atomicAdd(&row[a.gate_role].produced, sums[0]);
   if (a.up_role >= 0) atomicAdd(&row[a.up_role].produced, sums[1]);

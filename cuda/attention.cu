@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   __shared__ float probs[kChunk];
   __shared__ float warp_values[kWarps];
   __shared__ float partial[kThreads];
-  __shared__ double scratch[2 * kWarps];
   const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
   const int part = t / HD, d = t % HD;
   const int kvh = h / (a.heads / a.kv_heads);
@@ -129,8 +128,8 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
     }
   }
   if (a.consumer.role >= 0) {
-    blockSums(sums, scratch);
-    if (t == 0) {
+    warpSums(sums);
+    if (t % 32 == 0) {
       ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.consumer.role];
       atomicAdd(&p.expected, sums[0]);
       atomicAdd(&p.bound, sums[1]);

@@ -14,7 +14,6 @@ __global__ void __launch_bounds__(kThreads)
     embeddingKernel(const __nv_bfloat16* __restrict__ table, int hidden,
                     const uint32_t* __restrict__ tokens, float* __restrict__ out, FoldAccount* fold,
                     uint32_t salt) {
-  __shared__ unsigned long long fold_scratch[kThreads / 32];
   const int pairs = hidden / 2;
   const uint64_t first_word = uint64_t(tokens[blockIdx.x]) * pairs;
   const uint32_t* src = reinterpret_cast<const uint32_t*>(table) + first_word;
@@ -27,7 +26,7 @@ __global__ void __launch_bounds__(kThreads)
     memcpy(&v, &word, 4);
     dst[i] = __bfloat1622float2(v);
   }
-  if (fold != nullptr) addFold(fold, sum, (unsigned long long)pairs, fold_scratch);
+  if (fold != nullptr) addFold(fold, sum, (unsigned long long)pairs);
 }
 
 }  // namespace

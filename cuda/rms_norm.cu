@@ -20,8 +20,6 @@ constexpr int kMaxPairs = 8;  // per thread: rows of up to 8192 values, held in 
 template <int kPairs>
 __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   __shared__ float warp_sums[kWarps];
-  __shared__ double scratch[2 * kMaxNormConsumers * kWarps];
-  __shared__ unsigned long long fold_scratch[kWarps];
   const int r = blockIdx.x, pairs = a.hidden / 2;
   const int out_r = a.out_row != nullptr ? a.out_row[r] : r;
   float2* row = reinterpret_cast<float2*>(a.x + size_t(r) * a.hidden);
@@ -70,8 +68,8 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
   const float inv = 1.0f / sqrtf(total / float(a.hidden) + a.eps);
   if (a.delta_role >= 0) {
-    blockSums(produced, scratch);
-    if (threadIdx.x == 0)
+    warpSums(produced);
+    if (threadIdx.x % 32 == 0)
       atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.delta_role].produced,
                 produced[0]);
   }
@@ -99,11 +97,10 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
           double(as[c][j].x) * fabsf(o0) + double(as[c][j].y) * fabsf(o1);
     }
   }
-  if (a.weight_fold >= 0)
-    addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs, fold_scratch);
+  if (a.weight_fold >= 0) addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs);
   if (a.consumers[0].role < 0) return;  // consumers fill from the first
-  blockSums(sums, scratch);
-  if (threadIdx.x == 0) {
+  warpSums(sums);
+  if (threadIdx.x % 32 == 0) {
 #pragma unroll
     for (int c = 0; c < kMaxNormConsumers; ++c) {
       if (a.consumers[c].role < 0) continue;

@@ -10,13 +10,10 @@ namespace bulkhead::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 
 // grid: (blocks per row, rows); one thread per item of a row: a pair of q, a pair of k, or an
 // element of v, in that order.
 __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
-  __shared__ double scratch[3 * kWarps];
-  __shared__ unsigned long long fold_scratch[kWarps];
   const int r = blockIdx.y, half = a.head_dim / 2;
   const int q_dim = a.heads * a.head_dim, kv_dim = a.kv_heads * a.head_dim;
   const int q_pairs = a.heads * half, k_pairs = a.kv_heads * half;
@@ -74,12 +71,12 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
       if (a.bias[i] == nullptr || a.bias_fold[i] < 0) continue;
       const int words = (i == 0 ? q_dim : kv_dim) / 2;
       foldVector(reinterpret_cast<const uint32_t*>(a.bias[i]), words, a.bias_salt[i],
-                 a.checks.folds + a.bias_fold[i], fold_scratch);
+                 a.checks.folds + a.bias_fold[i]);
     }
   }
   if (a.product_role[0] < 0 && a.product_role[1] < 0 && a.product_role[2] < 0) return;
-  blockSums(produced, scratch);
-  if (threadIdx.x != 0) return;
+  warpSums(produced);
+  if (threadIdx.x % 32 != 0) return;
   for (int i = 0; i < 3; ++i)
     if (a.product_role[i] >= 0)
       atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.product_role[i]].produced,

@@ -16,7 +16,8 @@ namespace bulkhead::cuda {
 // One product's check for one token row: produced = the sum of the outputs; expected = the
 // weight's column sums dotted with the input; bound = how far they may differ by float rounding
 // (the column sums of |w| dotted with |input|, times the accumulation bound per unit). Summed in
-// double, so the check's own rounding is negligible beside the product's.
+// double, by atomic adds in any order, so the check's own rounding is negligible beside the
+// product's.
 struct ProductCheck {
   double produced;
   double expected;
@@ -46,6 +47,17 @@ struct ConsumerSums {
 
 #ifdef __CUDACC__
 
+// Sums N doubles over the warp at once; every lane gets the totals in v. Every lane of the warp
+// must reach it. The checks add each warp's totals to their destinations with atomic adds: no
+// barrier on the kernel's path, and a block's warps finish independently.
+template <int N>
+__device__ inline void warpSums(double (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    for (int offset = 16; offset > 0; offset /= 2)
+      v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+}
+
 // Sums N doubles over the block at once, each by a fixed tree; every thread gets the totals in v.
 // `scratch` holds N * blockDim.x / 32 doubles. Callers must reach it uniformly.
 template <int N>
@@ -73,28 +85,21 @@ __device__ inline unsigned long long foldTerm(uint32_t word, uint32_t salt, uint
   return foldWordTerm(word, salt, index);
 }
 
-// Adds a block's folded words to a weight's account, once per block (thread 0).
+// Adds a block's folded words to a weight's account: each warp its sum, thread 0 the block's
+// word count. Every lane of every warp must reach it; no barrier.
 __device__ inline void addFold(FoldAccount* account, unsigned long long sum,
-                               unsigned long long words, unsigned long long* scratch) {
+                               unsigned long long words) {
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[warp] = sum;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned long long total = 0;
-    for (int w = 0; w < warps; ++w) total += scratch[w];
-    atomicAdd(&account->sum, total);
-    atomicAdd(&account->words, words);
-  }
+  if (threadIdx.x % 32 == 0) atomicAdd(&account->sum, sum);
+  if (threadIdx.x == 0) atomicAdd(&account->words, words);
 }
 
 // Folds `words` 32-bit words of a weight vector read by this block (a norm weight, a bias).
 __device__ inline void foldVector(const uint32_t* data, int words, uint32_t salt,
-                                  FoldAccount* account, unsigned long long* scratch) {
+                                  FoldAccount* account) {
   unsigned long long sum = 0;
   for (int i = threadIdx.x; i < words; i += blockDim.x) sum += foldTerm(data[i], salt, uint32_t(i));
-  addFold(account, sum, (unsigned long long)words, scratch);
+  addFold(account, sum, (unsigned long long)words);
 }
 
 #endif
