@@ -296,18 +296,23 @@ WorkerFailure WorkerClient::connectionLost(const std::string& what, SteadyTime w
   return failure(Kind::kProtocolViolation, what + " while the process is still running");
 }
 
-WorkerFailure WorkerClient::roundTrip(capnp::MessageBuilder& request, SteadyTime deadline) {
-  if (!broken_by_.ok()) {
-    WorkerFailure f = broken_by_;
-    f.message = "connection unusable after an earlier failure: " + f.message;
-    return f;
-  }
+WorkerFailure WorkerClient::unusable() const {
+  WorkerFailure f = broken_by_;
+  f.message = "connection unusable after an earlier failure: " + f.message;
+  return f;
+}
+
+WorkerFailure WorkerClient::send(capnp::MessageBuilder& request, SteadyTime deadline) {
+  if (!broken_by_.ok()) return unusable();
   Status sent = writeMessage(fd_, request, deadline);
-  if (!sent.ok()) {
-    if (sent.code() == Code::kDeadlineExceeded)
-      return fail(failure(Kind::kTimedOut, "request not accepted: " + sent.message()));
-    return fail(connectionLost("connection lost while sending: " + sent.message(), deadline));
-  }
+  if (sent.ok()) return {};
+  if (sent.code() == Code::kDeadlineExceeded)
+    return fail(failure(Kind::kTimedOut, "request not accepted: " + sent.message()));
+  return fail(connectionLost("connection lost while sending: " + sent.message(), deadline));
+}
+
+WorkerFailure WorkerClient::receive(SteadyTime deadline) {
+  if (!broken_by_.ok()) return unusable();
   FrameReadResult frame = readFrame(fd_, reply_words_, deadline, child_.exitFd());
   if (frame.status.ok()) return {};
   switch (frame.status.code()) {
@@ -322,16 +327,31 @@ WorkerFailure WorkerClient::roundTrip(capnp::MessageBuilder& request, SteadyTime
   }
 }
 
-WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const SequenceStep> batch,
-                                           milliseconds timeout) {
+WorkerFailure WorkerClient::roundTrip(capnp::MessageBuilder& request, SteadyTime deadline) {
+  if (!in_flight_.empty())
+    return fail(failure(Kind::kProtocolViolation, "a request sent with " +
+                                                      std::to_string(in_flight_.size()) +
+                                                      " step(s) awaiting their replies"));
+  if (WorkerFailure f = send(request, deadline); !f.ok()) return f;
+  return receive(deadline);
+}
+
+WorkerFailure WorkerClient::sendStep(uint64_t step_id, std::span<const SequenceStep> batch,
+                                     uint32_t first_slot, milliseconds timeout) {
+  if (in_flight_.size() >= kMaxStepsInFlight)
+    return fail(failure(Kind::kProtocolViolation,
+                        "more than " + std::to_string(kMaxStepsInFlight) + " steps in flight"));
   capnp::MallocMessageBuilder message;
   auto request = message.initRoot<wire::ToWorker>();
-  const uint64_t request_id = next_request_id_++;
-  request.setRequestId(request_id);
+  SentStep sent;
+  sent.request_id = next_request_id_++;
+  sent.step_id = step_id;
+  sent.first_slot = first_slot;
+  request.setRequestId(sent.request_id);
   auto step = request.initStep();
   step.setStepId(step_id);
+  step.setFirstSlot(first_slot);
   auto seqs = step.initSequences(unsigned(batch.size()));
-  size_t total_rows = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const SequenceStep& s = batch[i];
     auto out = seqs[unsigned(i)];
@@ -343,23 +363,37 @@ WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const Seq
     put(out.initTokens(unsigned(s.tokens.size())), s.tokens);
     put(out.initKvBlocks(unsigned(s.kv_blocks.size())), s.kv_blocks);
     put(out.initLogitsRows(unsigned(s.logits_rows.size())), s.logits_rows);
-    total_rows += s.logits_rows.size();
+    for (uint32_t token_index : s.logits_rows) sent.rows.emplace_back(s.sequence_id, token_index);
   }
-  const SteadyTime deadline = after(timeout);
-  if (WorkerFailure f = roundTrip(message, deadline); !f.ok()) return f;
+  // The worker computes steps in order: this one's time starts when the one before it ends.
+  const SteadyTime start =
+      in_flight_.empty() ? SteadyTime::clock::now() : in_flight_.back().deadline;
+  sent.deadline = start + timeout;
+  if (WorkerFailure f = send(message, sent.deadline); !f.ok()) return f;
+  in_flight_.push_back(std::move(sent));
+  return {};
+}
+
+WorkerResult<StepReply> WorkerClient::awaitStep() {
+  if (in_flight_.empty())
+    return fail(failure(Kind::kProtocolViolation, "awaiting a step that was not sent"));
+  const SentStep sent = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  if (WorkerFailure f = receive(sent.deadline); !f.ok()) return f;
 
   StepReply result;
-  WorkerFailure f = withReply(reply_words_, request_id, [&](wire::FromWorker::Reader reply) {
+  WorkerFailure f = withReply(reply_words_, sent.request_id, [&](wire::FromWorker::Reader reply) {
     if (!reply.isStepDone()) return failure(Kind::kProtocolViolation, "reply is not StepDone");
     auto done = reply.getStepDone();
-    if (done.getStepId() != step_id)
+    if (done.getStepId() != sent.step_id)
       return failure(Kind::kProtocolViolation, "StepDone for step " +
                                                    std::to_string(done.getStepId()) +
-                                                   ", expected " + std::to_string(step_id));
+                                                   ", expected " + std::to_string(sent.step_id));
     auto refs = done.getRows();
-    if (refs.size() != total_rows)
+    if (refs.size() != sent.rows.size())
       return failure(Kind::kProtocolViolation, "StepDone carries " + std::to_string(refs.size()) +
-                                                   " rows, expected " + std::to_string(total_rows));
+                                                   " rows, expected " +
+                                                   std::to_string(sent.rows.size()));
     result.compute_micros = done.getComputeMicros();
     result.scrub = readScrub(done.getScrub());
     auto reads = done.getWeightReads();
@@ -368,7 +402,7 @@ WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const Seq
     if (reads.getFailedTensor().size() > 0) {
       WorkerFailure bad = failure(
           Kind::kIntegrityFailure,
-          "step " + std::to_string(step_id) + " read " + std::string(reads.getFailedTensor()) +
+          "step " + std::to_string(sent.step_id) + " read " + std::string(reads.getFailedTensor()) +
               " wrongly: " + std::string(reads.getWhy()) + " (in-step check)");
       switch (reads.getFailedCheck()) {
         case wire::WeightCheck::SLOT_TAG:
@@ -383,28 +417,34 @@ WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const Seq
       }
       return bad;
     }
-    result.rows.reserve(total_rows);
-    size_t r = 0;
-    for (const SequenceStep& s : batch) {
-      for (uint32_t token_index : s.logits_rows) {
-        auto ref = refs[unsigned(r++)];
-        RowExpectation expect{.incarnation = hello_.incarnation,
-                              .step_id = step_id,
-                              .sequence_id = s.sequence_id,
-                              .token_index = token_index,
-                              .slot = ref.getSlot(),
-                              .reported_checksum = ref.getChecksum()};
-        if (ref.getSequenceId() != s.sequence_id || ref.getTokenIndex() != token_index)
-          return failure(Kind::kProtocolViolation, "StepDone rows out of order");
-        IntegrityCheck check = IntegrityCheck::kNone;
-        auto row = arena_->checkHeader(expect, &check);
-        if (!row.ok()) {
-          WorkerFailure bad = failure(Kind::kIntegrityFailure, row.status().message());
-          bad.check = check;
-          return bad;
-        }
-        result.rows.push_back({*row, expect.reported_checksum});
+    result.rows.reserve(sent.rows.size());
+    for (size_t r = 0; r < sent.rows.size(); ++r) {
+      const auto [sequence_id, token_index] = sent.rows[r];
+      auto ref = refs[unsigned(r)];
+      RowExpectation expect{.incarnation = hello_.incarnation,
+                            .step_id = sent.step_id,
+                            .sequence_id = sequence_id,
+                            .token_index = token_index,
+                            .slot = ref.getSlot(),
+                            .reported_checksum = ref.getChecksum()};
+      if (ref.getSequenceId() != sequence_id || ref.getTokenIndex() != token_index)
+        return failure(Kind::kProtocolViolation, "StepDone rows out of order");
+      if (ref.getSlot() != sent.first_slot + r) {
+        WorkerFailure bad =
+            failure(Kind::kIntegrityFailure,
+                    "row " + std::to_string(r) + " in slot " + std::to_string(ref.getSlot()) +
+                        ", asked for slot " + std::to_string(sent.first_slot + r));
+        bad.check = IntegrityCheck::kSlotRange;
+        return bad;
       }
+      IntegrityCheck check = IntegrityCheck::kNone;
+      auto row = arena_->checkHeader(expect, &check);
+      if (!row.ok()) {
+        WorkerFailure bad = failure(Kind::kIntegrityFailure, row.status().message());
+        bad.check = check;
+        return bad;
+      }
+      result.rows.push_back({*row, expect.reported_checksum});
     }
     return WorkerFailure{};
   });
@@ -420,7 +460,6 @@ WorkerResult<StepReply> WorkerClient::step(uint64_t step_id, std::span<const Seq
   takeCarried(result.scrub);
   return result;
 }
-
 WorkerFailure WorkerClient::simpleCall(capnp::MessageBuilder& message, int expected_which,
                                        milliseconds timeout) {
   const uint64_t request_id = message.getRoot<wire::ToWorker>().getRequestId();

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <span>
 #include <string>
@@ -66,8 +67,9 @@ class WorkerClient final : public WorkerConnection {
   // further calls fail fast.
   bool broken() const { return !broken_by_.ok(); }
 
-  WorkerResult<StepReply> step(uint64_t step_id, std::span<const SequenceStep> batch,
-                               std::chrono::milliseconds timeout) override;
+  WorkerFailure sendStep(uint64_t step_id, std::span<const SequenceStep> batch, uint32_t first_slot,
+                         std::chrono::milliseconds timeout) override;
+  WorkerResult<StepReply> awaitStep() override;
   WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout) override;
   WorkerFailure release(std::span<const uint64_t> sequence_ids, std::chrono::milliseconds timeout);
   WorkerFailure heartbeat(std::chrono::milliseconds timeout) override;
@@ -80,8 +82,12 @@ class WorkerClient final : public WorkerConnection {
 
  private:
   WorkerClient() = default;
-  // Sends `request` and reads one reply frame into reply_words_; the caller parses it.
+  // Sends `request` and reads one reply frame into reply_words_; the caller parses it. Only with
+  // no step awaiting its reply.
   WorkerFailure roundTrip(capnp::MessageBuilder& request, SteadyTime deadline);
+  WorkerFailure send(capnp::MessageBuilder& request, SteadyTime deadline);
+  WorkerFailure receive(SteadyTime deadline);
+  WorkerFailure unusable() const;
   // Marks the connection broken by `failure` and returns it.
   WorkerFailure fail(WorkerFailure failure);
   // Why the connection ended: the exit status if the process is gone by `wait_until`.
@@ -102,6 +108,14 @@ class WorkerClient final : public WorkerConnection {
   uint64_t next_request_id_ = 1;
   WorkerFailure broken_by_;
   std::vector<capnp::word> reply_words_;
+  // Steps sent whose replies have not been read, oldest first: what each reply must match.
+  struct SentStep {
+    uint64_t request_id = 0, step_id = 0;
+    uint32_t first_slot = 0;
+    std::vector<std::pair<uint64_t, uint32_t>> rows;  // (sequence, token index) per row
+    SteadyTime deadline;
+  };
+  std::deque<SentStep> in_flight_;
   // Corruption reports that arrived with a reply whose rows failed verification.
   std::vector<WeightCorruptionReport> carried_corruptions_;
 };

@@ -45,6 +45,9 @@ WorkerFailure workerFailure(WorkerFailure::Kind kind, std::string message);
 template <typename T>
 using WorkerResult = Result<T, WorkerFailure>;
 
+// Steps a broker may have sent whose replies it has not read.
+constexpr size_t kMaxStepsInFlight = 2;
+
 struct WorkerHello {
   int pid = 0;
   uint64_t incarnation = 0;
@@ -80,7 +83,8 @@ struct PendingRow {
 };
 
 struct StepReply {
-  // One per requested logits row, in request order. Valid until the next call.
+  // One per requested logits row, in request order (see WorkerConnection::awaitStep for how long
+  // they stay valid).
   std::vector<PendingRow> rows;
   uint64_t compute_micros = 0;  // as reported by the worker
   ScrubStatus scrub;
@@ -94,10 +98,24 @@ class WorkerConnection {
   // Readable once the worker process has exited; -1 when that cannot be observed.
   virtual int exitFd() const = 0;
 
-  // One step. Rows failing a header check come back as kIntegrityFailure; the connection stays
-  // usable after kRejected and kIntegrityFailure, and is broken after anything else.
-  virtual WorkerResult<StepReply> step(uint64_t step_id, std::span<const SequenceStep> batch,
-                                       std::chrono::milliseconds timeout) = 0;
+  // Sends a step without waiting for its reply; awaitStep() takes the replies in the order the
+  // steps were sent. At most kMaxStepsInFlight steps await their replies at once, each with its
+  // own arena slots (its rows go to slots first_slot onwards), so one step's rows stay intact while
+  // the broker reads them and the next step computes. The worker computes steps one after
+  // another, so a step's `timeout` runs from the end of the one before it. Nothing but steps may
+  // be sent while a step awaits its reply.
+  virtual WorkerFailure sendStep(uint64_t step_id, std::span<const SequenceStep> batch,
+                                 uint32_t first_slot, std::chrono::milliseconds timeout) = 0;
+  // The reply to the oldest step sent. Its rows stay valid until the step after the next is sent.
+  // Rows failing a header check come back as kIntegrityFailure; the connection stays usable after
+  // kRejected and kIntegrityFailure, and is broken after anything else.
+  virtual WorkerResult<StepReply> awaitStep() = 0;
+  // One step alone, its rows from slot 0.
+  WorkerResult<StepReply> step(uint64_t step_id, std::span<const SequenceStep> batch,
+                               std::chrono::milliseconds timeout) {
+    if (WorkerFailure f = sendStep(step_id, batch, 0, timeout); !f.ok()) return f;
+    return awaitStep();
+  }
   // A round trip that also completes a full scrub pass on the worker.
   virtual WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout) = 0;
   // A cheap liveness check for an idle worker.

@@ -65,6 +65,9 @@ struct SequenceStep {
 struct Step {
   stepId @0 :UInt64;
   sequences @1 :List(SequenceStep);
+  # The step's logits rows go to arena slots firstSlot onwards: a broker with two steps in flight
+  # gives them disjoint slots, so one step's rows are not overwritten while it reads them.
+  firstSlot @2 :UInt32;
 }
 
 struct RowRef {

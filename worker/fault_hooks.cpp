@@ -123,7 +123,7 @@ class InjectedFaults final : public StepFaults {
     }
   }
 
-  void afterPublish(uint32_t row, const RowHeaderFields& header) override {
+  void afterPublish(uint32_t row, uint32_t slot, const RowHeaderFields& header) override {
     RowHeaderFields stale = header;
     if (hits(row, Fault::kStaleIncarnation)) {
       stale.incarnation -= 1;
@@ -132,7 +132,7 @@ class InjectedFaults final : public StepFaults {
     } else {
       return;
     }
-    arena_.publishHeader(row, stale);
+    arena_.publishHeader(slot, stale);
   }
 
   ReplyForm replyForm() override {

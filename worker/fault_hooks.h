@@ -34,8 +34,8 @@ class StepFaults {
   virtual void afterCompute() {}
   // Row `row` is in `slot` with its producer's check, about to be published under check.checksum.
   virtual void beforePublish(uint32_t row, float* slot, RowCheck& check) {}
-  // Row `row` was published with `header`.
-  virtual void afterPublish(uint32_t row, const RowHeaderFields& header) {}
+  // Row `row` was published in arena slot `slot` with `header`.
+  virtual void afterPublish(uint32_t row, uint32_t slot, const RowHeaderFields& header) {}
   // How this step's reply is sent.
   virtual ReplyForm replyForm() { return ReplyForm::kMessage; }
   // A reply (to a step or anything else) went out; the next request has not been read.

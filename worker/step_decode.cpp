@@ -24,9 +24,10 @@ Status decodeStep(wire::Step::Reader step, const BackendLimits& limits, uint32_t
     words += tokens + blocks + logits_rows;
     rows += logits_rows;
   }
-  if (rows > arena_slots)
+  if (rows + step.getFirstSlot() > arena_slots)
     return resourceExhausted("step asks for " + std::to_string(rows) +
-                             " logits rows, the arena holds " + std::to_string(arena_slots));
+                             " logits rows from slot " + std::to_string(step.getFirstSlot()) +
+                             ", the arena holds " + std::to_string(arena_slots));
   lists.resize(words);
   batch.clear();
   size_t at = 0;

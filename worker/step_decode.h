@@ -17,7 +17,8 @@ namespace bulkhead {
 constexpr uint32_t kMaxSequencesPerStep = 4096;
 
 // `batch` gets one SequenceStep per sequence, its spans into `lists`; `rows` the logits rows
-// asked for. INVALID_ARGUMENT or RESOURCE_EXHAUSTED (more rows than `arena_slots`) otherwise.
+// asked for. INVALID_ARGUMENT or RESOURCE_EXHAUSTED (rows past the last of `arena_slots` from the
+// step's first slot) otherwise.
 Status decodeStep(wire::Step::Reader step, const BackendLimits& limits, uint32_t arena_slots,
                   std::vector<uint32_t>& lists, std::vector<SequenceStep>& batch, uint32_t& rows);
 

@@ -63,6 +63,7 @@ StepOutcome StepRunner::run(wire::Step::Reader step, wire::FromWorker::Builder r
 }
 
 Status StepRunner::decode(wire::Step::Reader step, uint32_t& total_rows) {
+  first_slot_ = step.getFirstSlot();
   return decodeStep(step, backend_.limits(), arena_.slots(), lists_, batch_, total_rows);
 }
 
@@ -73,7 +74,7 @@ StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
   rows_.resize(total_rows);
   checks_.assign(total_rows, RowCheck{});
   for (uint32_t r = 0; r < total_rows; ++r) {
-    slots_[r] = arena_.beginRow(r);
+    slots_[r] = arena_.beginRow(first_slot_ + r);
     rows_[r] = {faults_.rowDestination(r, slots_[r]), &checks_[r]};
   }
 
@@ -103,15 +104,16 @@ void StepRunner::publish(uint64_t step_id, wire::StepDone::Builder done) {
     for (uint32_t token_index : seq.logits_rows) {
       RowCheck& check = checks_[r];
       faults_.beforePublish(r, slots_[r], check);
-      arena_.publishRow(r, step_id, seq.sequence_id, token_index, check.checksum);
-      faults_.afterPublish(r, {arena_.incarnation(), step_id, seq.sequence_id, token_index,
-                               arena_.rowFloats(), check.checksum});
+      arena_.publishRow(first_slot_ + r, step_id, seq.sequence_id, token_index, check.checksum);
+      faults_.afterPublish(r, first_slot_ + r,
+                           {arena_.incarnation(), step_id, seq.sequence_id, token_index,
+                            arena_.rowFloats(), check.checksum});
       // The broker refuses such a row by itself; the worker's log says where it came from.
       if (!check.finite)
         spdlog::warn("step {} sequence {} row {}: logits not finite", step_id, seq.sequence_id,
                      token_index);
       auto ref = refs[r];
-      ref.setSlot(r);
+      ref.setSlot(first_slot_ + r);
       ref.setSequenceId(seq.sequence_id);
       ref.setTokenIndex(token_index);
       ref.setChecksum(check.checksum);

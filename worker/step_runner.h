@@ -57,6 +57,7 @@ class StepRunner {
   std::vector<uint32_t> lists_;
   std::vector<SequenceStep> batch_;
   std::vector<float*> slots_;  // the arena slot of each requested row
+  uint32_t first_slot_ = 0;    // the step's rows go to slots first_slot_ onwards
   std::vector<RowOutput> rows_;
   std::vector<RowCheck> checks_;
   WeightReadVerdict verdict_;  // the last step's in-step weight check

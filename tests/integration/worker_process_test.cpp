@@ -173,6 +173,58 @@ TEST_F(WorkerProcessTest, LogitsBitIdenticalToInProcessEngineAcrossBatchedSteps)
   EXPECT_GT(steps, 5u);
 }
 
+// Two steps in flight: the worker computes them in order, each into its own arena slots, so the
+// first step's rows are intact after the second was computed, and equal to the same sequences
+// computed one step at a time. A step whose rows would pass the arena's end is refused, and the
+// connection stays usable.
+TEST_F(WorkerProcessTest, TwoStepsInFlightKeepTheirRowsApart) {
+  auto client = spawn(/*fault_injection=*/false, /*arena_slots=*/8);
+  ASSERT_TRUE(client);
+  const std::vector<uint32_t> a_tokens = {1, 2, 3, 4}, b_tokens = {9, 8, 7, 6}, rows = {0, 1, 2, 3};
+  const std::vector<uint32_t> blocks[4] = {{0}, {1}, {2}, {3}};
+  auto seq = [&](uint64_t id, const std::vector<uint32_t>& tokens, int block) {
+    return SequenceStep{.sequence_id = id,
+                        .start_position = 0,
+                        .tokens = tokens,
+                        .kv_blocks = blocks[block],
+                        .logits_rows = rows};
+  };
+  auto copyRows = [](const StepReply& reply) {
+    std::vector<std::vector<float>> out;
+    for (const PendingRow& r : reply.rows) out.emplace_back(r.payload.begin(), r.payload.end());
+    return out;
+  };
+  // One at a time, for reference.
+  const SequenceStep a_alone = seq(11, a_tokens, 2), b_alone = seq(12, b_tokens, 3);
+  auto a_ref = verifiedStep(*client, {&a_alone, 1});
+  ASSERT_TRUE(a_ref.ok()) << a_ref.error().toString();
+  const auto want_a = copyRows(*a_ref);
+  auto b_ref = verifiedStep(*client, {&b_alone, 1});
+  ASSERT_TRUE(b_ref.ok()) << b_ref.error().toString();
+  const auto want_b = copyRows(*b_ref);
+
+  const SequenceStep a = seq(1, a_tokens, 0), b = seq(2, b_tokens, 1);
+  ASSERT_TRUE(client->sendStep(next_step_++, {&a, 1}, 0, kStepTimeout).ok());
+  ASSERT_TRUE(client->sendStep(next_step_++, {&b, 1}, 4, kStepTimeout).ok());
+  auto got_a = client->awaitStep();
+  ASSERT_TRUE(got_a.ok()) << got_a.error().toString();
+  auto got_b = client->awaitStep();
+  ASSERT_TRUE(got_b.ok()) << got_b.error().toString();
+  // Read the first step's rows only now, after the second step wrote its own.
+  ASSERT_TRUE(verifyRows(sampler_, got_a->rows).ok());
+  ASSERT_TRUE(verifyRows(sampler_, got_b->rows).ok());
+  EXPECT_EQ(copyRows(*got_a), want_a);
+  EXPECT_EQ(copyRows(*got_b), want_b);
+
+  ASSERT_TRUE(client->sendStep(next_step_++, {&a, 1}, 6, kStepTimeout).ok());
+  auto past_end = client->awaitStep();
+  ASSERT_FALSE(past_end.ok());
+  EXPECT_EQ(past_end.error().kind, Kind::kRejected) << past_end.error().toString();
+  EXPECT_NE(past_end.error().message.find("from slot 6"), std::string::npos)
+      << past_end.error().message;
+  EXPECT_TRUE(verifiedStep(*client, {&a_alone, 1}).ok());
+}
+
 TEST_F(WorkerProcessTest, GoldenFixtureThroughTheWorker) {
   auto client = spawn();
   ASSERT_TRUE(client);

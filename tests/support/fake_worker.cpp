@@ -101,12 +101,36 @@ std::optional<FakeFault> FakeWorker::takeFault() {
   return f;
 }
 
-WorkerResult<StepReply> FakeWorker::step(uint64_t step_id, std::span<const SequenceStep> batch,
-                                         std::chrono::milliseconds) {
+WorkerFailure FakeWorker::sendStep(uint64_t step_id, std::span<const SequenceStep> batch,
+                                   uint32_t first_slot, std::chrono::milliseconds) {
+  if (!broken_.ok()) return broken_;
+  if (replies_.size() >= kMaxStepsInFlight)
+    return workerFailure(WorkerFailure::Kind::kProtocolViolation, "too many steps in flight");
+  size_t rows = 0;
+  for (const SequenceStep& s : batch) rows += s.logits_rows.size();
+  if (first_slot + rows > hello_.arena_slots) {
+    replies_.push_back(workerFailure(WorkerFailure::Kind::kRejected, "rows past the arena"));
+    return {};
+  }
+  rows_.emplace_back();
+  if (rows_.size() > kMaxStepsInFlight + 1) rows_.pop_front();
+  replies_.push_back(compute(step_id, batch, rows_.back()));
+  return {};
+}
+
+WorkerResult<StepReply> FakeWorker::awaitStep() {
+  if (replies_.empty())
+    return workerFailure(WorkerFailure::Kind::kProtocolViolation, "no step in flight");
+  WorkerResult<StepReply> reply = std::move(replies_.front());
+  replies_.pop_front();
+  return reply;
+}
+
+WorkerResult<StepReply> FakeWorker::compute(uint64_t step_id, std::span<const SequenceStep> batch,
+                                            std::vector<std::vector<float>>& rows) {
   if (!broken_.ok()) return broken_;
   const uint32_t bs = hello_.kv_block_size;
   StepReply reply;
-  rows_.clear();
   for (const SequenceStep& s : batch) {
     if (s.kv_blocks.size() * bs < s.start_position + s.tokens.size())
       return workerFailure(WorkerFailure::Kind::kRejected, "block table too short");
@@ -123,13 +147,13 @@ WorkerResult<StepReply> FakeWorker::step(uint64_t step_id, std::span<const Seque
       std::vector<uint32_t> history;
       for (uint32_t p = 0; p <= s.start_position + r; ++p)
         history.push_back(kv_[size_t(s.kv_blocks[p / bs]) * bs + p % bs]);
-      rows_.push_back(fakeLogits(history, hello_.vocab_size));
+      rows.push_back(fakeLogits(history, hello_.vocab_size));
     }
   }
-  std::optional<FakeFault> fault = rows_.empty() ? std::nullopt : takeFault();
+  std::optional<FakeFault> fault = rows.empty() ? std::nullopt : takeFault();
   if (fault && fault->kind == FakeFault::Kind::kMiscompute) miscompute_ = true;
   if (miscompute_) {
-    for (auto& row : rows_) std::rotate(row.begin(), row.begin() + 1, row.end());
+    for (auto& row : rows) std::rotate(row.begin(), row.begin() + 1, row.end());
   }
   if (fault && fault->kind == FakeFault::Kind::kFailStep) {
     WorkerFailure f = workerFailure(fault->failure, "scripted failure");
@@ -138,9 +162,9 @@ WorkerResult<StepReply> FakeWorker::step(uint64_t step_id, std::span<const Seque
       broken_ = f;
     return f;
   }
-  for (const auto& row : rows_)
+  for (const auto& row : rows)
     reply.rows.push_back({row, checksumBytes(std::as_bytes(std::span(row)))});
-  if (fault && fault->kind == FakeFault::Kind::kCorruptRow) rows_[0][1] += 1.0f;
+  if (fault && fault->kind == FakeFault::Kind::kCorruptRow) rows[0][1] += 1.0f;
   last_step_ = step_id;
   const uint64_t lag = control_->scrub_lag;
   reply.scrub.clean_through = step_id > lag ? step_id - lag : 0;

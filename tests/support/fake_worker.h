@@ -79,8 +79,11 @@ class FakeWorker final : public WorkerConnection {
 
   const WorkerHello& hello() const override { return hello_; }
   int exitFd() const override { return -1; }
-  WorkerResult<StepReply> step(uint64_t step_id, std::span<const SequenceStep> batch,
-                               std::chrono::milliseconds timeout) override;
+  // The fake computes a step when it is sent (in order, as the worker does) and hands its reply
+  // over when it is awaited; the rows of the last few steps stay alive meanwhile.
+  WorkerFailure sendStep(uint64_t step_id, std::span<const SequenceStep> batch, uint32_t first_slot,
+                         std::chrono::milliseconds timeout) override;
+  WorkerResult<StepReply> awaitStep() override;
   WorkerResult<ScrubStatus> ping(std::chrono::milliseconds timeout) override;
   WorkerFailure heartbeat(std::chrono::milliseconds timeout) override;
   WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout) override;
@@ -88,10 +91,14 @@ class FakeWorker final : public WorkerConnection {
 
  private:
   std::optional<FakeFault> takeFault();
+  WorkerResult<StepReply> compute(uint64_t step_id, std::span<const SequenceStep> batch,
+                                  std::vector<std::vector<float>>& rows);
   std::shared_ptr<FakeWorkerControl> control_;
   WorkerHello hello_;
   std::vector<uint32_t> kv_;  // [block][slot] token ids
-  std::vector<std::vector<float>> rows_;
+  // Replies sent but not awaited, and each step's rows (the newest kMaxStepsInFlight + 1 kept).
+  std::deque<WorkerResult<StepReply>> replies_;
+  std::deque<std::vector<std::vector<float>>> rows_;
   uint64_t last_step_ = 0;
   WorkerFailure broken_;
   bool miscompute_ = false;
