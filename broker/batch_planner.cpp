@@ -28,12 +28,16 @@ StepPlan planStep(std::span<const RunningSequence> running, const StepLimits& li
   StepPlan plan;
   uint32_t budget = limits.token_budget, rows = 0, free = limits.free_blocks;
   size_t end = running.size();  // sequences at [end, size) are preempted
+  const bool may_preempt = std::none_of(running.begin(), running.end(),
+                                        [](const RunningSequence& s) { return s.in_flight; });
   for (size_t i = 0; i < end && budget > 0 && rows < limits.max_rows; ++i) {
     const RunningSequence& s = running[i];
+    if (s.in_flight) continue;
     const uint32_t chunk = std::min(s.history - s.computed, budget);
     if (chunk == 0) continue;
     const uint32_t needed = blocksFor(uint64_t(s.computed) + chunk, limits.block_size);
     const uint32_t extra = needed > s.blocks_held ? needed - s.blocks_held : 0;
+    if (!may_preempt && free < extra) break;
     while (free < extra && end - 1 > i) {
       --end;
       free += running[end].blocks_held;

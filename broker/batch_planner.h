@@ -28,6 +28,7 @@ struct RunningSequence {
   uint32_t history = 0;      // tokens in its history
   uint32_t computed = 0;     // of which the worker's KV cache holds this many
   uint32_t blocks_held = 0;  // KV blocks it holds now
+  bool in_flight = false;    // in a step whose reply has not come back: not planned again yet
 };
 
 struct StepLimits {
@@ -53,7 +54,9 @@ struct StepPlan {
 
 // Running sequences are visited oldest first; each gets as many of its missing tokens as the
 // budget allows. When blocks run out, the newest running sequences are preempted until the current
-// one fits; if it is itself the newest, it is preempted and planning stops.
+// one fits; if it is itself the newest, it is preempted and planning stops. Sequences in flight
+// are skipped, and while any is in flight nothing is preempted: planning stops at the first
+// sequence that does not fit (the step in flight gives blocks back or can be waited for).
 StepPlan planStep(std::span<const RunningSequence> running, const StepLimits& limits);
 
 }  // namespace bulkhead

@@ -21,6 +21,8 @@ struct SchedulerStats {
   uint64_t prompt_tokens = 0, tokens_generated = 0, steps = 0, preemptions = 0, worker_restarts = 0,
            replayed_sequences = 0, integrity_failures = 0, weight_corruptions = 0, canary_runs = 0,
            canary_failures = 0, rolled_back_tokens = 0;
+  // Steps sent while another awaited its reply (two in flight: sampling hidden behind compute).
+  uint64_t steps_overlapped = 0;
   // From the end of a token's step to its release; and the steps themselves (last 4096 each).
   double release_latency_ms_p50 = 0, release_latency_ms_p99 = 0, step_ms_p50 = 0;
   // Where a step's time goes: the worker's own compute (as it reports it), the broker's

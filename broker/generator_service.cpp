@@ -393,6 +393,7 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
   out->set_compute_ms_p50(s.compute_ms_p50);
   out->set_sample_ms_p50(s.sample_ms_p50);
   out->set_between_steps_ms_p50(s.between_steps_ms_p50);
+  out->set_steps_overlapped(s.steps_overlapped);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

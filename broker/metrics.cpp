@@ -94,6 +94,9 @@ std::string renderMetrics(const SchedulerStats& s, const WorkerStatus& w,
   m.gauge("bulkhead_requests_waiting", "Requests queued for admission.",
           double(s.requests_waiting));
   m.counter("bulkhead_steps_total", "Worker steps run.", double(s.steps));
+  m.counter("bulkhead_steps_overlapped_total",
+            "Steps sent while another awaited its reply (sampling hidden behind compute).",
+            double(s.steps_overlapped));
   m.counter("bulkhead_preemptions_total", "Sequences preempted to free KV blocks.",
             double(s.preemptions));
   m.counter("bulkhead_replayed_sequences_total",

@@ -4,10 +4,10 @@
 #include <cmath>
 #include <limits>
 
-#include "shared/work_pool.h"
 #include "broker/row_sampling.h"
 #include "shared/checksum.h"
 #include "shared/mix.h"
+#include "shared/work_pool.h"
 
 namespace bulkhead {
 

@@ -1,5 +1,6 @@
-// Scheduler: the request queue and the scheduling loop — admission, step packing, sampling,
-// token release, stop conditions, rollback and replay. Worker life lives in broker/worker_slot.
+// Scheduler: the request queue and the scheduling loop — admission, stop conditions, rollback
+// and replay. Steps (packing, sending, sampling, release) live in broker/scheduler_steps.cpp,
+// worker life in broker/worker_slot.
 #include "broker/scheduler.h"
 
 #include <poll.h>
@@ -34,10 +35,15 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
               [this](const Status& status) { onFinished(status); }),
       slot_(
           std::move(factory), slotOptions(options_, model_), canaries_, sampler_, injector_, board_,
-          WorkerSlot::Callbacks{.lost = [this](const std::string&) { queues_.workerLost(); },
+          WorkerSlot::Callbacks{.lost =
+                                    [this](const std::string&) {
+                                      forgetInFlight();
+                                      queues_.workerLost();
+                                    },
                                 .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
                                 .fail_waiting =
                                     [this](const std::string& why) {
+                                      forgetInFlight();
                                       queues_.failAll(unavailable("no healthy worker: " + why));
                                     },
                                 .serving = [this](bool serving) { setServing(serving); },
@@ -169,6 +175,7 @@ void Scheduler::run() {
     sleepUntilWork();
   }
   // Shutting down: every open request ends.
+  drainSteps();
   queues_.failAll(unavailable("the broker is shutting down"));
   std::deque<SequencePtr> incoming;
   {
@@ -190,7 +197,10 @@ bool Scheduler::serveOnce() {
     std::lock_guard lock(mu_);
     restart = restart_requested_;
   }
-  if (restart) handleRestart();
+  if (restart) {
+    drainSteps();
+    handleRestart();
+  }
   queues_.dropCancelled(Clock::now());
   slot_.checkExited();
   WorkerConnection* worker = slot_.ensure();
@@ -201,7 +211,10 @@ bool Scheduler::serveOnce() {
                         slot_.reservedBlocks());
     blocks_incarnation_ = worker->hello().incarnation;
   }
-  slot_.armPendingFault(options_.step_timeout_base);
+  if (slot_.faultPending()) {
+    drainSteps();
+    slot_.armPendingFault(options_.step_timeout_base);
+  }
   if (slot_.worker() == nullptr) return true;  // arming found the worker gone
   queues_.admit(options_.max_running);
   // A stopped sequence waits only for its last tokens to be vouched for; rather than wait for the
@@ -211,9 +224,10 @@ bool Scheduler::serveOnce() {
   if (computing
           ? queues_.hasFinishing() && Clock::now() - last_vouch_ >= options_.finish_vouch_interval
           : queues_.hasUnreleased()) {
-    const bool gated = worker->hello().scrubbing && !worker->hello().in_step_checks;
+    drainSteps();
     last_vouch_ = Clock::now();
-    if (auto scrub = slot_.vouch()) applyScrub(*scrub, gated);
+    if (slot_.worker() == nullptr) return true;
+    if (auto scrub = slot_.vouch()) applyScrub(*scrub, gated(*slot_.worker()));
     if (!computing || slot_.worker() == nullptr) return true;
   }
   if (!queues_.running().empty()) return stepOnce(*slot_.worker());
@@ -245,155 +259,6 @@ void Scheduler::sleepUntilWork() {
     uint64_t value;
     [[maybe_unused]] ssize_t n = ::read(wake_fd_, &value, sizeof(value));
   }
-}
-
-bool Scheduler::stepOnce(WorkerConnection& worker) {
-  const WorkerHello& hello = worker.hello();
-  const std::vector<RunningSequence> view = queues_.runningView();
-  uint32_t token_budget = std::min(options_.max_batch_tokens, hello.max_step_tokens);
-  uint32_t max_rows = hello.arena_slots;
-  // The canary rides along when due and the step has room for it beside one client token.
-  const SequenceStep* ride = slot_.canaryRide();
-  if (ride != nullptr && (token_budget < 2 || max_rows < 2)) ride = nullptr;
-  if (ride != nullptr) {
-    --token_budget;
-    --max_rows;
-  }
-  const StepPlan plan = planStep(view, {.token_budget = token_budget,
-                                        .max_rows = max_rows,
-                                        .block_size = hello.kv_block_size,
-                                        .free_blocks = queues_.blocks().freeCount()});
-  for (size_t i = 0; i < plan.preempt; ++i) queues_.preemptLast();
-  if (plan.chunks.empty()) return false;
-
-  StepRequest request = queues_.assemble(plan);
-  if (ride != nullptr) {
-    request.steps.push_back(*ride);
-    request.tokens += 1;
-  }
-  const std::vector<Sequence*>& batch = request.batch;
-  const auto timeout =
-      options_.step_timeout_base +
-      std::chrono::duration_cast<milliseconds>(options_.step_timeout_per_token * request.tokens);
-  const uint64_t step_id = slot_.nextStepId();
-  const auto sent = Clock::now();
-  if (last_reply_) board_.addBetweenSteps(msBetween(*last_reply_, sent));
-  last_reply_.reset();
-  auto reply = worker.step(step_id, request.steps, timeout);
-  const auto step_done = Clock::now();
-  board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.steps; });
-  if (!reply.ok()) return handleStepFailure(reply.error(), batch);
-
-  std::vector<SampledRow> sampled;
-  WorkerFailure bad = sampleRows(batch, plan.chunks, *reply, ride, step_id, sampled);
-  board_.addStepTimes(msBetween(sent, step_done), double(reply->compute_micros) / 1000.0,
-                      msBetween(step_done, Clock::now()), batch.size());
-  last_reply_ = step_done;
-  if (!bad.ok()) return handleStepFailure(bad, batch);
-  step_failures_in_a_row_ = 0;
-  slot_.stepCompleted();
-  // A worker that checks every step's weight reads vouches for the step by itself; otherwise
-  // tokens wait for the scrubber, and a corruption it reports rolls them back, this step's too.
-  const bool gated = hello.scrubbing && !hello.in_step_checks;
-  if (gated && !reply->scrub.corruptions.empty()) {
-    applyScrub(reply->scrub, gated);
-    return true;
-  }
-  std::vector<const TokenChoice*> chosen;
-  for (const SampledRow& row : sampled) chosen.push_back(&row.choice);
-  const size_t generated = queues_.accept(batch, plan.chunks, step_id, chosen, step_done);
-  board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += generated; });
-  applyScrub(reply->scrub, gated);
-  return true;
-}
-
-// Verification and sampling in one pass over each row, spread over the pool; the canary's row,
-// when it rode along, is verified in the same pass and then checked against its qualified digest.
-// A row that fails fails the step: none of its rows is used.
-WorkerFailure Scheduler::sampleRows(const std::vector<Sequence*>& batch,
-                                    std::span<const PlannedChunk> chunks, const StepReply& reply,
-                                    const SequenceStep* ride, uint64_t step_id,
-                                    std::vector<SampledRow>& sampled) {
-  std::vector<RowToSample> jobs;
-  size_t r = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    if (!chunks[i].wants_row) continue;
-    const Sequence& s = *batch[i];
-    jobs.push_back({.logits = reply.rows[r].payload,
-                    .expected_checksum = reply.rows[r].checksum,
-                    .config = &s.request.sampling,
-                    .prompt = s.ledger.prompt(),
-                    .generated = s.ledger.generated(),
-                    .position = s.ledger.tokens().size()});
-    ++r;
-  }
-  if (ride != nullptr) {
-    RowToSample canary;  // verified only: nothing is chosen from it
-    canary.logits = reply.rows[r].payload;
-    canary.expected_checksum = reply.rows[r].checksum;
-    jobs.push_back(canary);
-  }
-  sampled.resize(jobs.size());
-  sampler_.verifyAndSample(jobs, sampled);
-  WorkerFailure bad = firstFailedRow(sampled, " of step " + std::to_string(step_id));
-  if (ride != nullptr) {
-    if (bad.ok()) bad = slot_.checkRide(reply.rows[r].checksum, step_id);
-    sampled.pop_back();
-  }
-  return bad;
-}
-
-bool Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch) {
-  const std::string detected = std::string(workerFailureKindName(f.kind)) +
-                               (f.kind == WorkerFailure::Kind::kIntegrityFailure
-                                    ? " (" + std::string(integrityCheckName(f.check)) + ")"
-                                    : "");
-  slot_.failed(detected);
-  if (f.kind == WorkerFailure::Kind::kRejected) {
-    // The worker refused input the broker validated: a broker bug, not the client's.
-    spdlog::error("worker rejected a step: {}", f.toString());
-    queues_.failRunning(batch, internalError("worker rejected the step: " + f.message));
-    return true;
-  }
-  if (f.kind == WorkerFailure::Kind::kIntegrityFailure) {
-    board_.update([&f](SchedulerStats& s, WorkerStatus&) {
-      ++s.integrity_failures;
-      ++s.integrity_failures_by_check[std::string(integrityCheckName(f.check))];
-    });
-    if (++step_failures_in_a_row_ <= options_.integrity_retries) {
-      // Rows are never sampled from; the same step runs again (KV writes are idempotent).
-      spdlog::warn("step rows failed verification, retrying: {}", f.toString());
-      return true;
-    }
-  }
-  step_failures_in_a_row_ = 0;
-  slot_.replace(detected, f.toString());
-  return true;
-}
-
-// `gated`: tokens wait for the scrubber's clean-through (a worker without in-step checks), and a
-// corruption it reports rolls back every unsent token from the first suspect step on. A worker
-// with in-step checks has already failed any step that read a corrupted weight.
-void Scheduler::applyScrub(const ScrubStatus& scrub, bool gated) {
-  uint64_t from = UINT64_MAX;
-  for (const auto& c : scrub.corruptions) {
-    spdlog::error("worker repaired corrupted weights in {} (bytes {}..{}), suspect from step {}",
-                  c.tensor, c.offset, c.offset + c.bytes, c.suspect_from_step);
-    from = std::min(from, c.suspect_from_step);
-  }
-  if (!scrub.corruptions.empty()) {
-    board_.update([&](SchedulerStats& s, WorkerStatus&) {
-      s.weight_corruptions += scrub.corruptions.size();
-    });
-    slot_.failed("weight corruption in " + scrub.corruptions[0].tensor);
-  }
-  if (gated && from != UINT64_MAX) {
-    queues_.rollBack(from);
-    return;
-  }
-  ReleaseTimes times;
-  queues_.release(gated ? scrub.clean_through : UINT64_MAX, &times);
-  board_.addReleaseTimes(times);
 }
 
 }  // namespace bulkhead

@@ -53,6 +53,10 @@ struct SchedulerOptions {
   // A sequence that stopped waits at most about this long before the broker asks the worker for a
   // full scrub pass to vouch for its last tokens (instead of waiting for the background pass).
   std::chrono::milliseconds finish_vouch_interval{10};
+  // Two steps go to the worker at once, each for about half the running sequences, once verifying
+  // and sampling a step's rows takes at least this share of the worker's compute time (and again
+  // one at a time below half of it). Negative: always one at a time.
+  double pipeline_sample_share = 0.25;
   // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
   std::chrono::milliseconds heartbeat_interval{2'000};
   std::filesystem::path state_dir;  // canary records; empty: kept in memory only
@@ -102,12 +106,30 @@ class Scheduler {
   void sleepUntilWork();
   void handleRestart();
   void publishCounts();
+  // A step sent to the worker whose reply has not been taken.
+  struct InFlightStep {
+    uint64_t step_id = 0;
+    std::vector<Sequence*> batch;
+    std::vector<PlannedChunk> chunks;
+    bool ride = false;  // the canary's row follows the batch's rows
+    uint32_t first_slot = 0;
+    std::chrono::steady_clock::time_point sent;
+  };
+  static bool gated(const WorkerConnection& worker);
+  size_t stepDepth(const WorkerConnection& worker) const;
+  // Sends steps while fewer than the depth are in flight, then takes the oldest reply; false
+  // when there was nothing to compute.
   bool stepOnce(WorkerConnection& worker);
-  bool handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch);
+  bool sendStep(WorkerConnection& worker, size_t depth);
+  void completeStep(WorkerConnection& worker);
+  // Takes every step in flight (before anything but a step is sent to the worker).
+  void drainSteps();
+  // The worker is gone (or every sequence requeued): its steps in flight never come back.
+  void forgetInFlight();
+  void handleStepFailure(const WorkerFailure& f, const std::vector<Sequence*>& batch);
   WorkerFailure sampleRows(const std::vector<Sequence*>& batch,
-                           std::span<const PlannedChunk> chunks, const StepReply& reply,
-                           const SequenceStep* ride, uint64_t step_id,
-                           std::vector<SampledRow>& sampled);
+                           std::span<const PlannedChunk> chunks, const StepReply& reply, bool ride,
+                           uint64_t step_id, std::vector<SampledRow>& sampled);
   void applyScrub(const ScrubStatus& scrub, bool gated);
   void setServing(bool serving);
   void onFinished(const Status& status);
@@ -146,6 +168,8 @@ class Scheduler {
   std::chrono::steady_clock::time_point last_vouch_{};
   // The last step's reply when the loop went straight on from it (for between_steps_ms).
   std::optional<std::chrono::steady_clock::time_point> last_reply_;
+  std::deque<InFlightStep> in_flight_;  // oldest first
+  bool pipelining_ = false;             // see SchedulerOptions::pipeline_sample_share
 };
 
 }  // namespace bulkhead

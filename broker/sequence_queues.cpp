@@ -47,6 +47,7 @@ void SequenceQueues::admit(size_t max_running) {
 
 void SequenceQueues::dropCancelled(std::chrono::steady_clock::time_point now) {
   auto drop = [&](const SequencePtr& s) -> bool {
+    if (s->in_flight) return false;  // once its step is back
     if (s->sink->cancelled()) {
       finish(*s, FinishReason::kNone, Status(Code::kCancelled, "cancelled by the client"));
       return true;
@@ -86,7 +87,8 @@ bool SequenceQueues::growBlocks(Sequence& seq, uint32_t blocks) {
 std::vector<RunningSequence> SequenceQueues::runningView() const {
   std::vector<RunningSequence> view;
   for (const auto& s : running_)
-    view.push_back({uint32_t(s->ledger.tokens().size()), s->computed, uint32_t(s->blocks.size())});
+    view.push_back({uint32_t(s->ledger.tokens().size()), s->computed, uint32_t(s->blocks.size()),
+                    s->in_flight});
   return view;
 }
 
@@ -111,6 +113,7 @@ StepRequest SequenceQueues::assemble(const StepPlan& plan) {
 }
 
 void SequenceQueues::freeBlocks(Sequence& seq) {
+  seq.in_flight = false;  // whatever was in flight for it is forgotten with its cache
   for (uint32_t b : seq.blocks) blocks_.release(b);
   seq.blocks.clear();
   seq.computed = 0;

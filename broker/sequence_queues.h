@@ -27,6 +27,9 @@ struct Sequence {
   uint32_t computed = 0;  // tokens whose KV the current worker holds
   std::vector<uint32_t> blocks;
   FinishReason finish_reason = FinishReason::kNone;
+  // In a step sent to the worker whose reply has not been taken: neither planned, preempted nor
+  // dropped until it has.
+  bool in_flight = false;
   // When the broker took the request, and when it last handed tokens to the client.
   std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
   std::optional<std::chrono::steady_clock::time_point> last_release;

@@ -365,11 +365,10 @@ WorkerFailure WorkerClient::sendStep(uint64_t step_id, std::span<const SequenceS
     put(out.initLogitsRows(unsigned(s.logits_rows.size())), s.logits_rows);
     for (uint32_t token_index : s.logits_rows) sent.rows.emplace_back(s.sequence_id, token_index);
   }
-  // The worker computes steps in order: this one's time starts when the one before it ends.
-  const SteadyTime start =
-      in_flight_.empty() ? SteadyTime::clock::now() : in_flight_.back().deadline;
-  sent.deadline = start + timeout;
-  if (WorkerFailure f = send(message, sent.deadline); !f.ok()) return f;
+  sent.sent_at = SteadyTime::clock::now();
+  sent.timeout = timeout;
+  sent.behind_another = !in_flight_.empty();
+  if (WorkerFailure f = send(message, sent.sent_at + timeout); !f.ok()) return f;
   in_flight_.push_back(std::move(sent));
   return {};
 }
@@ -379,7 +378,13 @@ WorkerResult<StepReply> WorkerClient::awaitStep() {
     return fail(failure(Kind::kProtocolViolation, "awaiting a step that was not sent"));
   const SentStep sent = std::move(in_flight_.front());
   in_flight_.pop_front();
-  if (WorkerFailure f = receive(sent.deadline); !f.ok()) return f;
+  // The worker computes steps in order: one sent behind another starts when that one's reply
+  // came (or later), and its time runs from there.
+  const SteadyTime start =
+      sent.behind_another ? std::max(sent.sent_at, last_step_reply_) : sent.sent_at;
+  WorkerFailure received = receive(start + sent.timeout);
+  last_step_reply_ = SteadyTime::clock::now();
+  if (!received.ok()) return received;
 
   StepReply result;
   WorkerFailure f = withReply(reply_words_, sent.request_id, [&](wire::FromWorker::Reader reply) {

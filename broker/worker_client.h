@@ -113,9 +113,12 @@ class WorkerClient final : public WorkerConnection {
     uint64_t request_id = 0, step_id = 0;
     uint32_t first_slot = 0;
     std::vector<std::pair<uint64_t, uint32_t>> rows;  // (sequence, token index) per row
-    SteadyTime deadline;
+    SteadyTime sent_at;
+    std::chrono::milliseconds timeout{0};
+    bool behind_another = false;  // sent while another step awaited its reply
   };
   std::deque<SentStep> in_flight_;
+  SteadyTime last_step_reply_;  // when the last step's reply was read
   // Corruption reports that arrived with a reply whose rows failed verification.
   std::vector<WeightCorruptionReport> carried_corruptions_;
 };

@@ -234,7 +234,11 @@ void WorkerSlot::replace(std::string_view cause, const std::string& why, bool op
 }
 
 void WorkerSlot::armPendingFault(std::chrono::milliseconds step_timeout) {
-  if (ready_ && injector_.pending()) injector_.arm(*worker_, step_timeout);
+  if (faultPending()) injector_.arm(*worker_, step_timeout);
+}
+
+bool WorkerSlot::faultPending() const {
+  return ready_ && injector_.pending();
 }
 
 std::optional<ScrubStatus> WorkerSlot::vouch() {

@@ -84,6 +84,8 @@ class WorkerSlot {
   void replace(std::string_view cause, const std::string& why, bool operator_request = false);
   // Arms a fault an operator asked for on the current worker.
   void armPendingFault(std::chrono::milliseconds step_timeout);
+  // A fault waits to be armed on the ready worker.
+  bool faultPending() const;
   // Asks the worker for a full scrub pass; replaces it when that fails.
   std::optional<ScrubStatus> vouch();
   void shutdown();

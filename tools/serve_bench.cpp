@@ -47,14 +47,14 @@ Status runServeBench(const ServeBenchOptions& o) {
   const Mode modes[] = {{"greedy", 0, 1}, {"t0.8-p0.9", 0.8f, 0.9f}};
   std::printf(
       "\n== end to end through a fresh broker per row (prompt %u, gen %u); release_p99, "
-      "step_p50 (round trip), compute_p50 (the worker's), sample_p50 and between_p50 (reply to "
-      "next request) are the broker's own; decode_step the in-run step-bench round trip at that "
-      "batch ==\n",
+      "step_p50 (round trip), compute_p50 (the worker's), sample_p50, between_p50 (reply to "
+      "next request) and overlap (steps sent while another was in flight) are the broker's own; "
+      "decode_step the in-run step-bench round trip at that batch ==\n",
       o.prompt_len, o.gen_len);
-  std::printf("%11s %10s %12s %12s %8s %10s %10s %10s %12s %10s %12s %12s %12s %12s\n",
+  std::printf("%11s %10s %12s %12s %8s %10s %10s %10s %12s %10s %12s %12s %12s %8s %12s\n",
               "concurrency", "sampling", "tokens/s", "ceiling", "ratio", "ttft_p50", "itl_p50",
-              "itl_p99", "release_p99",
-              "step_p50", "compute_p50", "sample_p50", "between_p50", "decode_step");
+              "itl_p99", "release_p99", "step_p50", "compute_p50", "sample_p50", "between_p50",
+              "overlap", "decode_step");
   nlohmann::json report = {{"model", o.model_dir},
                            {"backend", o.backend},
                            {"prompt_len", o.prompt_len},
@@ -91,12 +91,16 @@ Status runServeBench(const ServeBenchOptions& o) {
       ExitInfo exit_info;
       broker.waitExit(std::chrono::steady_clock::now() + std::chrono::seconds(30), &exit_info);
       const double decode_step_ms = ceiling[i].rtt_p50_us / 1000.0;
+      const double overlap =
+          stats.steps() > 0 ? double(stats.steps_overlapped()) / double(stats.steps()) : 0.0;
       std::printf(
-          "%11u %10s %12.1f %12.1f %7.1f%% %7.2f ms %7.3f ms %7.3f ms %9.3f ms %7.3f ms %9.3f ms %9.3f ms "
-          "%9.3f ms %9.3f ms\n",
+          "%11u %10s %12.1f %12.1f %7.1f%% %7.2f ms %7.3f ms %7.3f ms %9.3f ms %7.3f ms %9.3f ms "
+          "%9.3f ms "
+          "%9.3f ms %7.1f%% %9.3f ms\n",
           o.concurrency[i], m.name, r.tokens_per_s, ceiling_tok_s, 100 * ratio, r.ttft_ms_p50,
-          r.itl_ms_p50, r.itl_ms_p99, stats.release_latency_ms_p99(), stats.step_ms_p50(), stats.compute_ms_p50(),
-          stats.sample_ms_p50(), stats.between_steps_ms_p50(), decode_step_ms);
+          r.itl_ms_p50, r.itl_ms_p99, stats.release_latency_ms_p99(), stats.step_ms_p50(),
+          stats.compute_ms_p50(), stats.sample_ms_p50(), stats.between_steps_ms_p50(),
+          100 * overlap, decode_step_ms);
       report["results"].push_back({{"concurrency", o.concurrency[i]},
                                    {"sampling", m.name},
                                    {"tokens_per_s", r.tokens_per_s},
@@ -111,6 +115,7 @@ Status runServeBench(const ServeBenchOptions& o) {
                                    {"compute_ms_p50", stats.compute_ms_p50()},
                                    {"sample_ms_p50", stats.sample_ms_p50()},
                                    {"between_steps_ms_p50", stats.between_steps_ms_p50()},
+                                   {"steps_overlapped_share", overlap},
                                    {"decode_step_rtt_ms_p50", decode_step_ms},
                                    {"failed", r.failed}});
       if (r.failed > 0 && status.ok())

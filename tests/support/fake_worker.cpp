@@ -46,6 +46,11 @@ std::vector<FakeStepRecord> FakeWorkerControl::steps() const {
   return steps_;
 }
 
+size_t FakeWorkerControl::maxInFlight() const {
+  std::lock_guard lock(mu_);
+  return max_in_flight_;
+}
+
 uint32_t FakeWorkerControl::starts() const {
   std::lock_guard lock(mu_);
   return starts_;
@@ -79,6 +84,7 @@ FakeWorker::FakeWorker(std::shared_ptr<FakeWorkerControl> control, uint64_t inca
   hello_.arena_slots = c.arena_slots;
   hello_.weight_bytes = 1 << 20;
   hello_.scrubbing = true;
+  hello_.in_step_checks = c.in_step_checks;
   hello_.model_identity = 42;
   kv_.assign(size_t(c.blocks) * c.block_size, UINT32_MAX);
   std::lock_guard lock(control_->mu_);
@@ -115,6 +121,8 @@ WorkerFailure FakeWorker::sendStep(uint64_t step_id, std::span<const SequenceSte
   rows_.emplace_back();
   if (rows_.size() > kMaxStepsInFlight + 1) rows_.pop_front();
   replies_.push_back(compute(step_id, batch, rows_.back()));
+  std::lock_guard lock(control_->mu_);
+  control_->max_in_flight_ = std::max(control_->max_in_flight_, replies_.size());
   return {};
 }
 

@@ -50,6 +50,9 @@ class FakeWorkerControl {
   uint32_t vocab = 64, block_size = 4, blocks = 256, max_step_tokens = 64, arena_slots = 64;
   // StepDone vouches for steps up to (this step - lag); 0: every step at once.
   uint64_t scrub_lag = 0;
+  // The worker says it checks every step's weight reads: its tokens need no scrubber's word, and
+  // the broker may send it two steps at once.
+  bool in_step_checks = false;
 
   // The fault fires on the `after_steps`-th step from now that carries logits rows.
   void scheduleFault(uint32_t after_steps, FakeFault fault);
@@ -59,6 +62,8 @@ class FakeWorkerControl {
   void miscomputeFromBirth(uint32_t count);
 
   std::vector<FakeStepRecord> steps() const;
+  // The most steps that were ever sent and not yet awaited at once.
+  size_t maxInFlight() const;
   uint32_t starts() const;
   // A factory for Scheduler / WorkerSlot.
   WorkerFactory factory(std::shared_ptr<FakeWorkerControl> self);
@@ -71,6 +76,7 @@ class FakeWorkerControl {
   uint32_t failing_starts_ = 0;
   uint32_t miscomputing_starts_ = 0;
   uint32_t starts_ = 0;
+  size_t max_in_flight_ = 0;
 };
 
 class FakeWorker final : public WorkerConnection {

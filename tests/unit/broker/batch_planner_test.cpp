@@ -68,6 +68,23 @@ TEST(PlanStep, TheNewestThatCannotFitWaitsItself) {
   EXPECT_EQ(p.chunks[0].index, 0u);
 }
 
+// A sequence in a step in flight is not planned again, and while one is in flight nothing is
+// preempted: the first sequence that does not fit ends the plan.
+TEST(PlanStep, LeavesSequencesInFlightAloneAndPreemptsNothingMeanwhile) {
+  const std::vector<RunningSequence> running = {
+      {5, 4, 2, /*in_flight=*/true}, {5, 4, 2}, {9, 8, 2}, {5, 4, 2}};
+  const StepPlan p =
+      planStep(running, {.token_budget = 64, .max_rows = 64, .block_size = 4, .free_blocks = 0});
+  EXPECT_EQ(p.preempt, 0u);
+  ASSERT_EQ(p.chunks.size(), 1u);
+  EXPECT_EQ(p.chunks[0].index, 1u);  // the third needs a block none can give: planning stops
+  const std::vector<RunningSequence> none_in_flight = {{5, 4, 2}, {5, 4, 2}, {9, 8, 2}, {5, 4, 2}};
+  EXPECT_EQ(planStep(none_in_flight,
+                     {.token_budget = 64, .max_rows = 64, .block_size = 4, .free_blocks = 0})
+                .preempt,
+            1u);
+}
+
 TEST(PlanStep, NothingToComputeGivesAnEmptyPlan) {
   const std::vector<RunningSequence> running = {{5, 5, 2}};
   const StepPlan p =

@@ -158,6 +158,64 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
   EXPECT_EQ(scheduler_->stats().worker_restarts, 1u);
 }
 
+// Two steps in flight (a worker with in-step checks, pipelining forced on): each half of the
+// sequences is computed while the other's rows are sampled, with the same tokens as one step at a
+// time.
+TEST_F(SchedulerTest, TwoStepsInFlightGiveTheSameTokens) {
+  control_->in_step_checks = true;
+  SchedulerOptions o;
+  o.pipeline_sample_share = 0;  // from the first step on
+  start(o, /*run=*/false);
+  auto runs = submit(8, 16);
+  scheduler_->start();
+  expectAllExact(runs, 16);
+  EXPECT_EQ(control_->maxInFlight(), kMaxStepsInFlight);
+  EXPECT_EQ(replayedOnNewIncarnation(), 0u);
+  // After the first step (all eight prefilled at once, before sampling was ever measured) the
+  // halves advanced in alternation: no later step carried more than four sequences.
+  std::map<uint64_t, std::set<uint64_t>> per_step;
+  for (const auto& st : control_->steps())
+    if (st.sequence_id != 0) per_step[st.step_id].insert(st.sequence_id);
+  ASSERT_GT(per_step.size(), 2u);
+  EXPECT_EQ(per_step.begin()->second.size(), 8u);
+  for (auto it = std::next(per_step.begin()); it != per_step.end(); ++it)
+    EXPECT_LE(it->second.size(), 4u) << "step " << it->first;
+}
+
+// A worker that dies with two steps in flight: both steps' sequences are replayed on the next
+// incarnation and every request still gets exactly its tokens.
+TEST_F(SchedulerTest, AWorkerLostWithTwoStepsInFlightIsReplayedWithIdenticalTokens) {
+  control_->in_step_checks = true;
+  control_->scheduleFault(
+      9, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  SchedulerOptions o;
+  o.pipeline_sample_share = 0;
+  start(o, /*run=*/false);
+  auto runs = submit(6, 16);
+  scheduler_->start();
+  expectAllExact(runs, 16);
+  EXPECT_EQ(control_->starts(), 2u);
+  EXPECT_EQ(control_->maxInFlight(), kMaxStepsInFlight);
+  EXPECT_EQ(replayedOnNewIncarnation(), 6u) << "both halves are re-prefilled";
+  EXPECT_EQ(scheduler_->stats().worker_restarts, 1u);
+}
+
+// Rows of one of two steps in flight fail verification: that step is retried while the other
+// half goes on, and nothing is lost or repeated.
+TEST_F(SchedulerTest, AFailedStepAmongTwoInFlightIsRetried) {
+  control_->in_step_checks = true;
+  control_->scheduleFault(5, {.kind = test::FakeFault::Kind::kCorruptRow});
+  SchedulerOptions o;
+  o.pipeline_sample_share = 0;
+  start(o, /*run=*/false);
+  auto runs = submit(6, 12);
+  scheduler_->start();
+  expectAllExact(runs, 12);
+  EXPECT_EQ(scheduler_->stats().integrity_failures, 1u);
+  EXPECT_EQ(control_->starts(), 1u);
+  EXPECT_EQ(control_->maxInFlight(), kMaxStepsInFlight);
+}
+
 TEST_F(SchedulerTest, CorruptedWeightsRollBackUnsentTokensAndReplay) {
   control_->scrub_lag = 3;
   control_->scheduleFault(
