@@ -52,23 +52,20 @@ bool Scheduler::sendStep(WorkerConnection& worker, size_t depth) {
   const uint32_t slots = depth > 1 ? hello.arena_slots / 2 : hello.arena_slots;
   const uint32_t first_slot =
       depth > 1 && !in_flight_.empty() && in_flight_.front().first_slot == 0 ? slots : 0;
-  uint32_t max_rows = slots;
+  // The canary rides along when due, one ride in flight at a time, and when the step has room for
+  // it beside one client token.
+  const bool riding = std::any_of(in_flight_.begin(), in_flight_.end(),
+                                  [](const InFlightStep& s) { return s.ride; });
+  const SequenceStep* ride = riding ? nullptr : slot_.canaryRide();
+  if (ride != nullptr && (token_budget < 2 || slots < 2)) ride = nullptr;
+  uint32_t max_rows = ride != nullptr ? slots - 1 : slots;
+  if (ride != nullptr) --token_budget;
   if (depth > 1 && in_flight_.empty()) {
     // The first of two takes about half the sequences that are due, so the halves balance.
     const auto due = std::count_if(view.begin(), view.end(), [](const RunningSequence& s) {
       return !s.in_flight && s.history > s.computed;
     });
     max_rows = std::min(max_rows, std::max<uint32_t>(1, uint32_t(due + 1) / 2));
-  }
-  // The canary rides along when due, one ride in flight at a time, and when the step has room for
-  // it beside one client token.
-  const bool riding = std::any_of(in_flight_.begin(), in_flight_.end(),
-                                  [](const InFlightStep& s) { return s.ride; });
-  const SequenceStep* ride = riding ? nullptr : slot_.canaryRide();
-  if (ride != nullptr && (token_budget < 2 || max_rows < 2)) ride = nullptr;
-  if (ride != nullptr) {
-    --token_budget;
-    --max_rows;
   }
   const StepPlan plan = planStep(view, {.token_budget = token_budget,
                                         .max_rows = max_rows,

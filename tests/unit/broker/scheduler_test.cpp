@@ -123,6 +123,9 @@ class SchedulerTest : public ::testing::Test {
     return replayed.size();
   }
 
+  // Two requests of 40 tokens with canary_every_steps = 4: a ride every 4th client step.
+  void expectCanaryRidesEvery4Steps(bool pipelined);
+
   // Waits (bounded) until the worker slot reports `state`.
   bool waitForState(const std::string& state) const {
     const auto deadline = std::chrono::steady_clock::now() + 20s;
@@ -299,8 +302,23 @@ TEST_F(SchedulerTest, ACrashLoopFailsRequestsUntilAStartSucceeds) {
 }
 
 TEST_F(SchedulerTest, TheCanaryRidesAlongWithClientStepsEveryNSteps) {
+  expectCanaryRidesEvery4Steps(/*pipelined=*/false);
+}
+
+// With two steps in flight, each half a step of its own: the canary still rides every 4 steps
+// (one ride in flight at a time), beside even a single client row.
+TEST_F(SchedulerTest, TheCanaryRidesAlongWithTwoStepsInFlight) {
+  expectCanaryRidesEvery4Steps(/*pipelined=*/true);
+  EXPECT_EQ(control_->maxInFlight(), kMaxStepsInFlight);
+}
+
+void SchedulerTest::expectCanaryRidesEvery4Steps(bool pipelined) {
   SchedulerOptions o;
   o.canary_every_steps = 4;
+  if (pipelined) {
+    control_->in_step_checks = true;
+    o.pipeline_sample_share = 0;
+  }
   start(o);
   auto runs = submit(2, 40);
   expectAllExact(runs, 40);
@@ -319,7 +337,10 @@ TEST_F(SchedulerTest, TheCanaryRidesAlongWithClientStepsEveryNSteps) {
     rides += seen.client && seen.canary;
   }
   ASSERT_GE(client_steps, 40u);
-  EXPECT_GE(rides, client_steps / 4 - 1) << "of " << client_steps << " client steps";
+  // Two in flight: a ride waits while the previous one is in flight, and the step sent beside it
+  // counts toward the next, so rides come every 4 to 6 steps.
+  EXPECT_GE(rides, client_steps / (pipelined ? 6 : 4) - 1)
+      << "of " << client_steps << " client steps";
   EXPECT_LE(rides, client_steps / 4 + 1) << "of " << client_steps << " client steps";
   const SchedulerStats s = scheduler_->stats();
   EXPECT_EQ(s.canary_runs, 1 + rides);  // the start's full canary, then each ride
