@@ -72,6 +72,16 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch-tokens", options.max_batch_tokens, "Tokens per step");
   app.add_option("--max-running", options.max_running, "Sequences decoding at once");
   app.add_option("--max-waiting", options.max_waiting, "Queued requests before RESOURCE_EXHAUSTED");
+  app.add_option("--pipeline-sample-share", options.pipeline_sample_share,
+                 "Two steps in flight once sampling takes this share of compute (negative: never)");
+  uint32_t max_message_bytes = 16 << 20;
+  app.add_option("--max-message-bytes", max_message_bytes,
+                 "Largest gRPC message received or sent (larger: RESOURCE_EXHAUSTED)")
+      ->check(CLI::Range(1024u, 1u << 30));
+  uint32_t max_streams = 256;
+  app.add_option("--max-streams-per-connection", max_streams,
+                 "Streams one client connection may have open at once (more wait their turn)")
+      ->check(CLI::Range(1u, 1u << 20));
   app.add_option("--step-timeout-ms", step_timeout_ms, "Base deadline of a worker step");
   app.add_option("--arena-slots", arena_slots, "Logits rows per step (default: --max-running)");
   uint32_t step_timeout_per_token_us = 10'000;
@@ -235,8 +245,9 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&generator);
   builder.RegisterService(&admin);
-  builder.SetMaxReceiveMessageSize(16 << 20);
-  builder.SetMaxSendMessageSize(16 << 20);
+  builder.SetMaxReceiveMessageSize(int(max_message_bytes));
+  builder.SetMaxSendMessageSize(int(max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, int(max_streams));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     spdlog::critical("cannot listen on {}", listen);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "support/broker_process.h"
@@ -160,6 +161,61 @@ TEST(BrokerSecurityTest, MutualTlsRequiresAClientCertificateFromTheCa) {
   EXPECT_TRUE(generateWith(tlsChannel(broker.address(), dir.path(), true)).ok());
   const grpc::Status without = generateWith(tlsChannel(broker.address(), dir.path(), false));
   EXPECT_EQ(without.error_code(), grpc::StatusCode::UNAVAILABLE) << without.error_message();
+}
+
+// A request larger than --max-message-bytes is refused by gRPC with RESOURCE_EXHAUSTED; one
+// within it is served.
+TEST(BrokerLimitsTest, AMessageOverTheLimitIsRefused) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--max-message-bytes", "2048"});
+  ASSERT_TRUE(broker.ok());
+  v1::GenerateRequest big;
+  for (int i = 0; i < 1500; ++i) big.add_prompt_token_ids(300 + uint32_t(i % 200));
+  big.set_max_tokens(1);
+  ASSERT_GT(big.ByteSizeLong(), 2048u);
+  const test::Generation refused = test::generate(*broker.channel(), big);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.status.error_message();
+  EXPECT_TRUE(generateWith(broker.channel()).ok());
+}
+
+// With --max-streams-per-connection 1, two generations started together on one connection do not
+// overlap: the second stream waits until the first has finished.
+TEST(BrokerLimitsTest, StreamsBeyondTheLimitOfAConnectionWaitTheirTurn) {
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--max-streams-per-connection", "1"});
+  ASSERT_TRUE(broker.ok());
+  using Clock = std::chrono::steady_clock;
+  struct Timed {
+    Clock::time_point first, finished;
+    grpc::Status status;
+    uint32_t tokens = 0;
+  };
+  auto stream = [&](Timed& t, uint32_t seed_token) {
+    auto stub = v1::Generator::NewStub(broker.channel());
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateRequest request;
+    for (uint32_t v : {seed_token, 6u, 7u}) request.add_prompt_token_ids(v);
+    request.set_max_tokens(200);
+    request.set_ignore_eos(true);
+    auto reader = stub->Generate(&context, request);
+    v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+      if (t.tokens == 0) t.first = Clock::now();
+      t.tokens += uint32_t(response.token_ids_size());
+    }
+    t.status = reader->Finish();
+    t.finished = Clock::now();
+  };
+  Timed a, b;
+  std::thread ta([&] { stream(a, 5); }), tb([&] { stream(b, 9); });
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(a.tokens, 200u);
+  EXPECT_EQ(b.tokens, 200u);
+  const bool a_then_b = a.finished <= b.first, b_then_a = b.finished <= a.first;
+  EXPECT_TRUE(a_then_b || b_then_a) << "two streams of one connection were open at once";
 }
 
 }  // namespace
