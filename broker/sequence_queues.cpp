@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "broker/batch_planner.h"
+#include "shared/logging.h"
 
 namespace bulkhead {
 
@@ -246,6 +247,19 @@ void SequenceQueues::failAll(const Status& status) {
 
 void SequenceQueues::finish(Sequence& seq, FinishReason reason, const Status& status) {
   freeBlocks(seq);
+  {
+    // The request's id (its own, or the broker's sequence id) on the line and as a journal field.
+    const std::string id =
+        seq.request.request_id.empty() ? "#" + std::to_string(seq.id) : seq.request.request_id;
+    ScopedLogFields fields({.request_id = id});
+    if (status.ok()) {
+      spdlog::debug("request {} finished after {} tokens", id, seq.ledger.released());
+    } else {
+      const auto level =
+          status.code() == Code::kCancelled ? spdlog::level::info : spdlog::level::warn;
+      spdlog::log(level, "request {} ended: {}", id, status.toString());
+    }
+  }
   const Usage usage{seq.ledger.promptLength(), seq.ledger.released(), seq.request.sampling.seed};
   if (finished_) finished_(status);  // counted before the client can see the end
   seq.sink->onFinish(reason, usage, status);

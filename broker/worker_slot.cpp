@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "broker/sampler.h"
+#include "shared/logging.h"
 
 namespace bulkhead {
 
@@ -47,6 +48,8 @@ bool WorkerSlot::start() {
   }
   worker_ = std::move(*started);
   const WorkerHello& h = worker_->hello();
+  // The scheduler thread's lines are about this worker from here on (its canary's first).
+  setThreadLogFields({.worker = std::to_string(h.pid), .incarnation = h.incarnation});
   if (h.vocab_size != options_.vocab_size) {
     replace("vocabulary mismatch", "worker reports vocabulary " + std::to_string(h.vocab_size) +
                                        ", the model has " + std::to_string(options_.vocab_size));

@@ -94,6 +94,8 @@ int main(int argc, char** argv) {
   generate->add_flag("--ignore-eos", remote.ignore_eos, "Do not stop at the model's EOS");
   generate->add_option("--top-logprobs", remote.top_logprobs, "Alternatives per token");
   generate->add_option("--timeout", remote.timeout_s, "Deadline in seconds");
+  generate->add_option("--request-id", remote.request_id,
+                       "Names the request in the broker's logs and its last message");
 
   BenchCommand bench_cmd;
   auto* bench = app.add_subcommand("bench", "Load generator against a broker");

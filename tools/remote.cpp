@@ -95,6 +95,7 @@ Status runRemoteGenerate(const RemoteGenerateCommand& c) {
   for (uint32_t t : c.stop_token_ids) request.add_stop_token_ids(t);
   request.set_ignore_eos(c.ignore_eos);
   request.set_top_logprobs(c.top_logprobs);
+  request.set_request_id(c.request_id);
 
   grpc::ClientContext context;
   connection.prepare(context);

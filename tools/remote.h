@@ -29,6 +29,7 @@ struct RemoteGenerateCommand {
   std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = false;
   double timeout_s = 0;  // 0: none
+  std::string request_id;  // echoed in the broker's logs and the last message
 };
 
 // Prints tokens to stdout as they arrive (comma-separated) and a summary line to stderr.

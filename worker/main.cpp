@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  setProcessLogFields({.worker = std::to_string(::getpid()), .incarnation = options.incarnation});
 
   backend_options.check_weight_reads = !no_in_step_checks;
   backend_options.cuda_graphs = !no_cuda_graphs;

@@ -190,6 +190,29 @@ ctl journalctl --no-pager -u bulkhead-worker@0 | grep -q "Watchdog timeout" ||
   fail "the worker's watchdog did not fire"
 log "SIGSTOP mid-generation: watchdog fired, restarted, identical tokens"
 
+# Structured journal fields: the worker's entries and the broker's name the same incarnations,
+# one per worker the broker served with; a request that ends badly is found by its id.
+fieldValues() {  # unit field: the distinct values of a field in a unit's entries
+  ctl journalctl --no-pager -o verbose -u "$1" | sed -n "s/^ *$2=//p" | sort -u
+}
+worker_incarnations=$(fieldValues bulkhead-worker@0 BULKHEAD_INCARNATION)
+broker_incarnations=$(fieldValues bulkhead-broker BULKHEAD_INCARNATION)
+shared=$(comm -12 <(echo "$worker_incarnations") <(echo "$broker_incarnations") | grep -c . || true)
+[ "$shared" -ge 3 ] ||
+  fail "worker and broker entries share $shared incarnations (worker: $worker_incarnations; broker: $broker_incarnations)"
+[ -n "$(fieldValues bulkhead-worker@0 BULKHEAD_WORKER)" ] || fail "worker entries lack BULKHEAD_WORKER"
+"$bin/bulkhead" generate --server "127.0.0.1:$port" --tokens 1,2,3 --max-tokens 900 --ignore-eos \
+  --timeout 0.05 --request-id nspawn-deadline > /dev/null 2>&1 && fail "a 50 ms deadline was met"
+requestLogged() {
+  ctl journalctl --no-pager -o cat -u bulkhead-broker BULKHEAD_REQUEST_ID=nspawn-deadline |
+    grep -q "request nspawn-deadline ended: "
+}
+waitFor 10 requestLogged || {
+  ctl journalctl --no-pager -o cat -u bulkhead-broker | tail -5
+  fail "no broker entry with BULKHEAD_REQUEST_ID=nspawn-deadline"
+}
+log "journal fields: $shared incarnations in both processes' entries, a request found by its id"
+
 # 4. A worker that cannot start: StartLimit, then the broker stops serving.
 mkdir -p "$root/etc/systemd/system/bulkhead-worker@.service.d"
 cat > "$root/etc/systemd/system/bulkhead-worker@.service.d/broken.conf" << EOF
