@@ -201,6 +201,17 @@ int main(int argc, char** argv) {
   spawn.extra_args.push_back("--scrub-share");
   spawn.extra_args.push_back(std::to_string(scrub_share));
   spawn.extra_args.insert(spawn.extra_args.end(), worker_args.begin(), worker_args.end());
+  // WATCHDOG=1 from the scheduling thread: on every pass of its loop, and while it waits for a
+  // worker to load or to listen (at most every half watchdog interval).
+  auto last_ping = std::chrono::steady_clock::now();
+  auto alive = [&notifier, &last_ping] {
+    const auto period = notifier.watchdogPeriod();
+    if (period.count() == 0 || std::chrono::steady_clock::now() - last_ping < period) return;
+    notifier.notify("WATCHDOG=1");
+    last_ping = std::chrono::steady_clock::now();
+  };
+  options.alive = alive;
+  spawn.waiting = alive;
   // Verification and sampling of logits rows, spread over the host's cores.
   WorkPool pool(sampling_threads);
   // Set on SIGTERM before the scheduler stops: an attach still waiting for a worker gives up.
@@ -218,9 +229,9 @@ int main(int argc, char** argv) {
     // kills it) waits for systemd's next one. Never the incarnation just replaced.
     auto replaced = std::make_shared<uint64_t>(0);
     factory = [path = workers_from, replaced, timeout = std::chrono::seconds(attach_timeout_s),
-               stopping =
-                   stopping.get()](uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
-      auto client = WorkerClient::attach(path, *replaced, timeout, stopping);
+               stopping = stopping.get(),
+               alive](uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+      auto client = WorkerClient::attach(path, *replaced, timeout, stopping, alive);
       if (!client.ok()) return client.error();
       *replaced = (*client)->hello().incarnation;
       return std::unique_ptr<WorkerConnection>(std::move(*client));

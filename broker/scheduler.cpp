@@ -156,6 +156,7 @@ Status Scheduler::submit(GenerationRequest request, std::shared_ptr<TokenSink> s
 
 void Scheduler::run() {
   while (true) {
+    if (options_.alive) options_.alive();
     {
       std::lock_guard lock(mu_);
       if (stopping_) break;

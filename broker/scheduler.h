@@ -62,6 +62,10 @@ struct SchedulerOptions {
   // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
   std::chrono::milliseconds heartbeat_interval{2'000};
   std::filesystem::path state_dir;  // canary records; empty: kept in memory only
+  // Called by the scheduling thread on every pass of its loop (at least once a second; the worker
+  // factory calls it too while it waits): the broker's watchdog ping, from the loop that must be
+  // alive, not a side thread.
+  std::function<void()> alive;
 };
 
 struct ModelLimits {

@@ -138,12 +138,17 @@ WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::spawn(const SpawnOptio
   client->child_ = std::move(*child);
 
   const SteadyTime deadline = after(o.start_timeout);
-  if (auto ready = client->child_.waitReady(deadline); !ready.ok()) {
-    if (ready.status().code() == Code::kDeadlineExceeded) {
+  while (true) {
+    // In slices of 100 ms, so the caller hears from us while a large model loads.
+    const SteadyTime slice = std::min(deadline, after(milliseconds(100)));
+    auto ready = client->child_.waitReady(slice);
+    if (ready.ok()) break;
+    if (ready.status().code() != Code::kDeadlineExceeded)
+      return client->connectionLost("worker exited during start", deadline);
+    if (slice >= deadline)
       return failure(Kind::kTimedOut,
                      "worker not ready within " + std::to_string(o.start_timeout.count()) + " ms");
-    }
-    return client->connectionLost("worker exited during start", deadline);
+    if (o.waiting) o.waiting();
   }
   client->fd_ = connectUnix(socket_path);
   if (client->fd_ < 0)
@@ -172,7 +177,7 @@ WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::connect(const std::str
 
 WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::attach(
     const std::string& socket_path, uint64_t replaced, milliseconds timeout,
-    const std::atomic<bool>* stopping) {
+    const std::atomic<bool>* stopping, const std::function<void()>& waiting) {
   const SteadyTime deadline = after(timeout);
   // Systemd gives no event for "the restarted worker listens": ask again, backing off to 200 ms.
   milliseconds wait{5};
@@ -194,6 +199,7 @@ WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::attach(
     if (!client.ok()) last = client.error();
     if (stopping != nullptr && stopping->load()) return last;
     if (std::chrono::steady_clock::now() + wait >= deadline) return last;
+    if (waiting) waiting();
     std::this_thread::sleep_for(wait);
     wait = std::min(wait * 2, milliseconds(200));
   }

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -38,6 +39,8 @@ class WorkerClient final : public WorkerConnection {
     bool enable_fault_injection = false;
     std::vector<std::string> extra_args;
     std::chrono::milliseconds start_timeout{120'000};
+    // Called every 100 ms while the worker loads (the broker's watchdog ping).
+    std::function<void()> waiting;
   };
 
   static WorkerResult<std::unique_ptr<WorkerClient>> spawn(const SpawnOptions& options);
@@ -50,10 +53,10 @@ class WorkerClient final : public WorkerConnection {
   // process: its exit is noticed as a spawned worker's is, and destroying the client (the broker
   // replacing the worker) kills it, so systemd starts a fresh one. shutdown() only disconnects.
   // Gives up early once `*stopping` is set (the broker shutting down).
-  static WorkerResult<std::unique_ptr<WorkerClient>> attach(const std::string& socket_path,
-                                                            uint64_t replaced,
-                                                            std::chrono::milliseconds timeout,
-                                                            const std::atomic<bool>* stopping);
+  // `waiting` is called about every 200 ms while no worker listens.
+  static WorkerResult<std::unique_ptr<WorkerClient>> attach(
+      const std::string& socket_path, uint64_t replaced, std::chrono::milliseconds timeout,
+      const std::atomic<bool>* stopping, const std::function<void()>& waiting = {});
   ~WorkerClient();
   WorkerClient(const WorkerClient&) = delete;
   WorkerClient& operator=(const WorkerClient&) = delete;

@@ -128,7 +128,10 @@ Result<std::string> ChildProcess::waitReady(SteadyTime deadline) {
   if (ready_fd_ < 0) return failedPrecondition("readiness already consumed");
   std::string message = std::move(ready_buffer_);
   while (true) {
-    if (!waitReadable(ready_fd_, deadline)) return Status(Code::kDeadlineExceeded, "not ready");
+    if (!waitReadable(ready_fd_, deadline)) {
+      ready_buffer_ = std::move(message);  // kept for the next wait
+      return Status(Code::kDeadlineExceeded, "not ready");
+    }
     char buf[256];
     const ssize_t n = ::read(ready_fd_, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;

@@ -1,5 +1,6 @@
 // bulkhead-worker: loads a model onto a backend and serves steps to the broker over a Unix socket.
 // Crash-only: a broken invariant ends the process; the broker replaces it.
+#include <signal.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -75,6 +76,14 @@ int main(int argc, char** argv) {
     }
   }
   setProcessLogFields({.worker = std::to_string(::getpid()), .incarnation = options.incarnation});
+  // The serving loop reads SIGTERM and SIGINT from a signalfd. Block them before any thread starts
+  // (the backend's pools): a thread that left them unblocked would take the default action, and
+  // the worker would die instead of shutting down cleanly. During a load they wait for the loop.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  ::pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   backend_options.check_weight_reads = !no_in_step_checks;
   backend_options.cuda_graphs = !no_cuda_graphs;
