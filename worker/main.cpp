@@ -18,6 +18,7 @@
 #include "shared/logging.h"
 #include "shared/service_notify.h"
 #include "worker/backend_factory.h"
+#include "worker/canary_check.h"
 #include "worker/worker_server.h"
 
 int main(int argc, char** argv) {
@@ -54,6 +55,10 @@ int main(int argc, char** argv) {
   bool no_cuda_graphs = false;
   app.add_flag("--no-cuda-graphs", no_cuda_graphs,
                "CUDA backend: launch every step's kernels one by one (the logits are the same)");
+  std::string canary_record;
+  app.add_option("--canary-record", canary_record,
+                 "A canary record `bulkhead qualify` made for this model and backend: the worker "
+                 "runs the canary after loading and is ready only if its digest matches");
   std::string perturb;
   app.add_option("--perturb-weight", perturb,
                  "BYTE:BIT to flip in the resident weights at start (needs "
@@ -119,6 +124,19 @@ int main(int argc, char** argv) {
       return 2;
     }
     spdlog::warn("fault injection: resident weight byte {} bit {} flipped at start", byte, bit);
+  }
+  if (!canary_record.empty()) {
+    auto record = readCanaryRecord(canary_record);
+    if (!record.ok()) {
+      spdlog::critical("{}", record.status().toString());
+      return 2;
+    }
+    if (Status passed = checkCanaryRecord(**backend, *shared, *record); !passed.ok()) {
+      spdlog::critical("canary failed at start: {}", passed.toString());
+      return 1;
+    }
+    spdlog::info("canary passed: digest {:016x} as {} records", record->logits_digest,
+                 canary_record);
   }
   options.notifier = notifier;
   auto server = WorkerServer::create(std::move(*backend), shared, options);

@@ -122,6 +122,45 @@ TEST(ServiceNotify, WorkerIsReadyWhenItListensPingsItsWatchdogAndSaysStopping) {
   EXPECT_EQ(exit.exit_code, 0) << exit.describe();
 }
 
+// With a canary record (from `bulkhead qualify`), a worker runs the canary after loading: READY=1
+// when its digest matches; an exit with no READY=1 at all when it does not.
+TEST(ServiceNotify, WorkerWithACanaryRecordIsReadyOnlyWhenItsCanaryPasses) {
+  test::TempDir dir;
+  const std::string record = dir.file("canary.json");
+  auto qualified = test::runBinary(
+      dir, "bulkhead",
+      {"qualify", "--model", test::fixtureDir("tiny-qwen2"), "--backend", "cpu", "--out", record});
+  ASSERT_EQ(qualified.exit_code, 0) << qualified.err;
+  std::string text = test::readFile(record);
+  const size_t at = text.find("\"logits_digest\": \"") + 18;
+  ASSERT_GT(at, 18u) << text;
+  std::string wrong = text;
+  wrong[at] = wrong[at] == '0' ? '1' : '0';
+  test::writeFile(dir.file("wrong.json"), wrong);
+  for (const bool matches : {true, false}) {
+    SCOPED_TRACE(matches ? "the record's digest" : "another digest");
+    NotifySocket notify(dir.file(matches ? "notify-good" : "notify-bad"));
+    const std::string socket = dir.file(matches ? "good.sock" : "bad.sock");
+    auto worker = spawnNotifying(
+        {test::binDir() + "/bulkhead-worker", "--model", test::fixtureDir("tiny-qwen2"), "--socket",
+         socket, "--backend", "cpu", "--log-level", "warn", "--canary-record",
+         matches ? record : dir.file("wrong.json")},
+        notify.path(), "0");
+    ASSERT_TRUE(worker.ok()) << worker.status().toString();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    if (matches) {
+      ASSERT_TRUE(contains(notify.until("READY=1", deadline), "READY=1"));
+      worker->signal(SIGTERM);
+    }
+    ExitInfo exit;
+    ASSERT_TRUE(worker->waitExit(deadline, &exit));
+    EXPECT_EQ(exit.exit_code, matches ? 0 : 1) << exit.describe();
+    if (!matches)
+      EXPECT_FALSE(contains(notify.until("READY=1", std::chrono::steady_clock::now()), "READY=1"))
+          << "READY=1 from a worker whose canary failed";
+  }
+}
+
 // The broker pings its watchdog from its scheduling loop, also while a slow worker loads (here a
 // script that waits 2 s before it runs the worker), and only the broker does: every WATCHDOG=1
 // comes from the broker's own process.

@@ -2,8 +2,8 @@
 # The units under a real systemd (Debian 12's 252), booted in a container: debootstrap makes a
 # minimal tree once (cached), systemd-nspawn boots a copy with the built binaries, our units and a
 # small random-weight model installed, and nsenter drives systemctl inside. Then, for real:
-#   - the worker's READY=1 comes only after its model is loaded and it listens, the broker's only
-#     after its canary was qualified;
+#   - the worker's READY=1 comes only after its model is loaded, its canary matched a record and
+#     it listens; the broker's only after its own canary check;
 #   - SIGKILL of the worker mid-generation: systemd restarts it, the broker re-attaches, and the
 #     generation completes identical to a fault-free run;
 #   - SIGSTOP of the worker mid-generation: its watchdog fires, systemd restarts it, same outcome;
@@ -90,6 +90,10 @@ install -D -m 644 "$src/systemd/bulkhead.sysusers" "$root/usr/lib/sysusers.d/bul
 install -D -m 644 "$src/systemd/bulkhead.tmpfiles" "$root/usr/lib/tmpfiles.d/bulkhead.conf"
 "$bin/bulkhead" make-model --shape tiny-v152k --out "$root/var/lib/bulkhead/model" --seed 3 > /dev/null
 chmod -R a+rX "$root/var/lib/bulkhead/model"
+# The worker's canary record, qualified here (the model is the same bytes in the container).
+"$bin/bulkhead" qualify --model "$root/var/lib/bulkhead/model" --backend cpu \
+  --out "$root/etc/bulkhead-canary.json" > /dev/null 2>&1 || fail "bulkhead qualify"
+chmod a+r "$root/etc/bulkhead-canary.json"
 
 # Port 0 for gRPC and metrics (the container shares this host's network): the broker's status
 # line and log say which ports it bound.
@@ -115,6 +119,9 @@ EOF
 cat > "$root/etc/systemd/system/bulkhead-worker@.service.d/test.conf" << EOF
 [Service]
 WatchdogSec=3
+ExecStart=
+ExecStart=/usr/local/bin/bulkhead-worker --model \${BULKHEAD_MODEL} --backend \${BULKHEAD_BACKEND} \
+  --socket /run/bulkhead/worker-%i.sock --canary-record /etc/bulkhead-canary.json
 EOF
 
 log "booting systemd in $root"
@@ -140,6 +147,8 @@ order() {  # the first line matching $1 comes before the first matching $2
   b=$(grep -n -m1 -- "$2" <<< "$journal" | cut -d: -f1)
   [ -n "$a" ] && [ -n "$b" ] && [ "$a" -lt "$b" ]
 }
+order "canary passed" "Started bulkhead-worker@0.service" ||
+  fail "the worker was reported started before its canary passed"
 order "serving on /run/bulkhead/worker-0.sock" "Started bulkhead-worker@0.service" ||
   fail "the worker was reported started before it loaded and listened"
 order "canary qualified" "Started bulkhead-broker.service" ||
@@ -215,7 +224,7 @@ log "journal fields: $shared incarnations in both processes' entries, a request 
 
 # 4. A worker that cannot start: StartLimit, then the broker stops serving.
 mkdir -p "$root/etc/systemd/system/bulkhead-worker@.service.d"
-cat > "$root/etc/systemd/system/bulkhead-worker@.service.d/broken.conf" << EOF
+cat > "$root/etc/systemd/system/bulkhead-worker@.service.d/zz-broken.conf" << EOF
 [Unit]
 StartLimitIntervalSec=60
 StartLimitBurst=3
