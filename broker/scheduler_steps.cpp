@@ -121,8 +121,9 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   const double compute_ms = double(reply->compute_micros) / 1000.0;
   board_.addStepTimes(msBetween(step.sent, step_done), compute_ms, sample_ms, step.batch.size());
   if (in_flight_.empty()) last_reply_ = step_done;
-  // Two steps in flight pay when sampling takes a fair share of compute: the halves' compute is
-  // then hidden behind nothing, their sampling behind each other's compute.
+  // Two steps in flight pay when sampling takes a fair share of compute: each half's rows are
+  // then sampled while the worker computes the other half
+  // (SchedulerOptions::pipeline_sample_share).
   if (const double share = options_.pipeline_sample_share; share >= 0) {
     if (sample_ms >= share * compute_ms) pipelining_ = true;
     if (sample_ms < 0.5 * share * compute_ms) pipelining_ = false;
