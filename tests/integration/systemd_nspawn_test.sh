@@ -70,17 +70,19 @@ cp -a "$cache" "$root"
 install -m 755 "$bin/bulkhead-broker" "$bin/bulkhead-worker" "$root/usr/local/bin/"
 mkdir -p "$root/usr/local/lib/bulkhead"
 binds=()
-for lib in $(ldd "$bin/bulkhead-broker" "$bin/bulkhead-worker" | awk '/=> \// { print $3 }' | sort -u); do
+# ldd's output held first: `ldd | grep -q` under pipefail fails whenever grep stops reading early.
+libs=$(ldd "$bin/bulkhead-broker" "$bin/bulkhead-worker" | awk '/=> \// { print $3 }' | sort -u)
+for lib in $libs; do
   case $lib in
     /usr/local/cuda*) ;;  # bound read-only below, not copied
     *) [ -e "$root$lib" ] || cp -L "$lib" "$root/usr/local/lib/bulkhead/" ;;
   esac
 done
 echo /usr/local/lib/bulkhead > "$root/etc/ld.so.conf.d/bulkhead.conf"
-if ldd "$bin/bulkhead-worker" | grep -q '/usr/local/cuda'; then
+cuda_libs=$(grep '^/usr/local/cuda' <<< "$libs" || true)
+if [ -n "$cuda_libs" ]; then
   binds+=(--bind-ro=/usr/local/cuda)
-  ldd "$bin/bulkhead-worker" | awk '/=> \/usr\/local\/cuda/ { print $3 }' | xargs -n1 dirname |
-    sort -u >> "$root/etc/ld.so.conf.d/bulkhead.conf"
+  xargs -n1 dirname <<< "$cuda_libs" | sort -u >> "$root/etc/ld.so.conf.d/bulkhead.conf"
 fi
 chroot "$root" ldconfig 2> /dev/null || true
 for unit in "$src"/systemd/*.service "$src"/systemd/*.target; do
@@ -195,7 +197,7 @@ log "SIGKILL mid-generation: restarted, re-attached, identical tokens"
 r0=$(restarts)
 midGeneration SIGSTOP
 [ "$(restarts)" -gt "$r0" ] || fail "systemd did not restart the stopped worker"
-ctl journalctl --no-pager -u bulkhead-worker@0 | grep -q "Watchdog timeout" ||
+grep -q "Watchdog timeout" <<< "$(ctl journalctl --no-pager -u bulkhead-worker@0)" ||
   fail "the worker's watchdog did not fire"
 log "SIGSTOP mid-generation: watchdog fired, restarted, identical tokens"
 
@@ -213,8 +215,8 @@ shared=$(comm -12 <(echo "$worker_incarnations") <(echo "$broker_incarnations") 
 "$bin/bulkhead" generate --server "127.0.0.1:$port" --tokens 1,2,3 --max-tokens 900 --ignore-eos \
   --timeout 0.05 --request-id nspawn-deadline > /dev/null 2>&1 && fail "a 50 ms deadline was met"
 requestLogged() {
-  ctl journalctl --no-pager -o cat -u bulkhead-broker BULKHEAD_REQUEST_ID=nspawn-deadline |
-    grep -q "request nspawn-deadline ended: "
+  grep -q "request nspawn-deadline ended: " \
+    <<< "$(ctl journalctl --no-pager -o cat -u bulkhead-broker BULKHEAD_REQUEST_ID=nspawn-deadline)"
 }
 waitFor 10 requestLogged || {
   ctl journalctl --no-pager -o cat -u bulkhead-broker | tail -5
@@ -239,7 +241,8 @@ ctl systemctl kill -s SIGKILL bulkhead-worker@0
 # systemd no longer restarts, and its journal line.
 limitHit() {
   [ "$(ctl systemctl show -p ActiveState --value bulkhead-worker@0)" = failed ] &&
-    ctl journalctl --no-pager -u bulkhead-worker@0 | grep -q "Start request repeated too quickly"
+    grep -q "Start request repeated too quickly" \
+      <<< "$(ctl journalctl --no-pager -u bulkhead-worker@0)"
 }
 waitFor 60 limitHit || {
   ctl systemctl show -p Result -p NRestarts -p StartLimitBurst -p StartLimitIntervalUSec \
