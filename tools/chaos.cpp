@@ -81,11 +81,29 @@ int runChaos(const ChaosOptions& o) {
     return 2;
   }
   const std::string state_dir = state_template;
-  auto broker = ChildProcess::spawn({o.broker_path, "--model", o.model_dir, "--listen",
-                                     "127.0.0.1:0", "--backend", o.backend, "--ready-fd", "3",
-                                     "--enable-fault-injection", "--state-dir", state_dir,
-                                     "--step-timeout-ms", std::to_string(o.step_timeout_ms),
-                                     "--step-timeout-per-token-us", "500", "--log-level", "error"});
+  std::vector<std::string> broker_args = {o.broker_path,
+                                          "--model",
+                                          o.model_dir,
+                                          "--listen",
+                                          "127.0.0.1:0",
+                                          "--backend",
+                                          o.backend,
+                                          "--ready-fd",
+                                          "3",
+                                          "--enable-fault-injection",
+                                          "--state-dir",
+                                          state_dir,
+                                          "--step-timeout-ms",
+                                          std::to_string(o.step_timeout_ms),
+                                          "--step-timeout-per-token-us",
+                                          "500",
+                                          "--log-level",
+                                          "error"};
+  if (o.pipeline_sample_share) {
+    broker_args.push_back("--pipeline-sample-share");
+    broker_args.push_back(std::to_string(*o.pipeline_sample_share));
+  }
+  auto broker = ChildProcess::spawn(broker_args);
   if (!broker.ok()) {
     std::fprintf(stderr, "chaos: %s\n", broker.status().toString().c_str());
     return 2;
@@ -250,14 +268,20 @@ int runChaos(const ChaosOptions& o) {
                         {"rolled_back_tokens", stats.rolled_back_tokens()},
                         {"integrity_failures", stats.integrity_failures()},
                         {"canary_runs", stats.canary_runs()},
-                        {"canary_failures", stats.canary_failures()}};
+                        {"canary_failures", stats.canary_failures()},
+                        {"steps", stats.steps()},
+                        {"steps_overlapped", stats.steps_overlapped()}};
   std::printf(
       "\nrecovery: %llu worker restarts, %llu sequences replayed, %llu tokens rolled back, "
-      "%llu canary runs\n",
+      "%llu canary runs; %llu of %llu steps sent while another was in flight\n",
       static_cast<unsigned long long>(stats.worker_restarts()),
       static_cast<unsigned long long>(stats.replayed_sequences()),
       static_cast<unsigned long long>(stats.rolled_back_tokens()),
-      static_cast<unsigned long long>(stats.canary_runs()));
+      static_cast<unsigned long long>(stats.canary_runs()),
+      static_cast<unsigned long long>(stats.steps_overlapped()),
+      static_cast<unsigned long long>(stats.steps()));
+  if (o.pipeline_sample_share == 0.0 && stats.steps_overlapped() == 0)
+    problems.push_back("two steps in flight were asked for, and no step was sent beside another");
   // With this many faults some must land in the middle of generations; if none did, the run
   // proved nothing about replay.
   if (o.faults >= 50 && (stats.replayed_sequences() == 0 || stats.rolled_back_tokens() == 0))

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "shared/status.h"
@@ -20,6 +21,9 @@ struct ChaosOptions {
   uint32_t concurrency = 8;
   uint32_t requests = 24;          // distinct requests in the reference set
   uint32_t step_timeout_ms = 300;  // the broker's base step deadline (hang detection)
+  // The broker's --pipeline-sample-share; 0 sends two steps at once from the first (and the run
+  // then fails if none was); unset: the broker's default.
+  std::optional<double> pipeline_sample_share;
   std::string report_path;
 };
 
