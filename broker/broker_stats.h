@@ -48,6 +48,10 @@ struct WorkerStatus {
   int pid = 0;
   std::string backend;
   uint32_t kv_blocks_total = 0, kv_blocks_free = 0;
+  uint64_t weight_bytes = 0;  // resident in the worker's memory
+  // Scrub progress: the newest step the worker computed, and the newest its scrubber has
+  // verified every resident weight after.
+  uint64_t last_step = 0, scrub_clean_through = 0;
   uint32_t restarts = 0;
   std::string last_failure;
 };

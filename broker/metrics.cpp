@@ -119,6 +119,12 @@ std::string renderMetrics(const SchedulerStats& s, const WorkerStatus& w,
           double(w.incarnation & ((uint64_t(1) << 52) - 1)));
   m.gauge("bulkhead_kv_blocks", "KV cache blocks sequences can use.", double(w.kv_blocks_total));
   m.gauge("bulkhead_kv_blocks_free", "KV cache blocks free.", double(w.kv_blocks_free));
+  m.gauge("bulkhead_weight_resident_bytes", "Weight bytes resident in the worker's memory.",
+          double(w.weight_bytes));
+  m.gauge("bulkhead_last_step_id", "The newest step the worker completed.", double(w.last_step));
+  m.gauge("bulkhead_scrub_clean_through_step_id",
+          "The newest step after which the worker's scrubber verified every resident weight.",
+          double(w.scrub_clean_through));
   m.histogram("bulkhead_step_duration_seconds", "A worker step's round trip.", h.step_ms, 1e-3);
   m.histogram("bulkhead_time_to_first_token_seconds",
               "From a request's arrival to the release of its first token.", h.first_token_ms,

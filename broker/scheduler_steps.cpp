@@ -134,6 +134,10 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   }
   step_failures_in_a_row_ = 0;
   slot_.stepCompleted();
+  board_.update([&](SchedulerStats&, WorkerStatus& w) {
+    w.last_step = step.step_id;
+    w.scrub_clean_through = std::min(reply->scrub.clean_through, step.step_id);
+  });
   // A worker that checks every step's weight reads vouches for the step by itself; otherwise
   // tokens wait for the scrubber, and a corruption it reports rolls them back, this step's too.
   const bool wait_for_scrub = gated(worker);

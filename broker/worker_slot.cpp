@@ -68,6 +68,8 @@ bool WorkerSlot::start() {
     w.pid = h.pid;
     w.backend = h.backend;
     w.kv_blocks_total = h.kv_block_count - reservedBlocks();  // the canary holds the rest
+    w.weight_bytes = h.weight_bytes;
+    w.last_step = w.scrub_clean_through = 0;
   });
   callbacks_.serving(true);
   spdlog::info("worker incarnation {} ready (pid {}, {} backend, {} KV blocks)", h.incarnation,

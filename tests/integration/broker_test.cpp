@@ -583,6 +583,9 @@ TEST(BrokerMetricsTest, ScrapedAfterTrafficAndAWorkerKill) {
   EXPECT_EQ(m.at("bulkhead_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), requests);
   EXPECT_GT(m.at("bulkhead_step_duration_seconds_count"), 0);
   EXPECT_EQ(m.at("bulkhead_step_batch_size_count"), m.at("bulkhead_step_duration_seconds_count"));
+  EXPECT_GT(m.at("bulkhead_weight_resident_bytes"), 0);
+  EXPECT_GT(m.at("bulkhead_last_step_id"), 0);
+  EXPECT_LE(m.at("bulkhead_scrub_clean_through_step_id"), m.at("bulkhead_last_step_id"));
 }
 
 }  // namespace
