@@ -103,6 +103,7 @@ cat > "$root/etc/default/bulkhead" << EOF
 BULKHEAD_MODEL=/var/lib/bulkhead/model
 BULKHEAD_BACKEND=cpu
 BULKHEAD_LISTEN=127.0.0.1:0
+BULKHEAD_WORKER_ARGS=--canary-record /etc/bulkhead-canary.json
 EOF
 # The broker attaches to worker 0. Its step deadline is longer than the worker's watchdog, so a
 # stopped worker is caught by the watchdog, not by the broker.
@@ -121,9 +122,6 @@ EOF
 cat > "$root/etc/systemd/system/bulkhead-worker@.service.d/test.conf" << EOF
 [Service]
 WatchdogSec=3
-ExecStart=
-ExecStart=/usr/local/bin/bulkhead-worker --model \${BULKHEAD_MODEL} --backend \${BULKHEAD_BACKEND} \
-  --socket /run/bulkhead/worker-%i.sock --canary-record /etc/bulkhead-canary.json
 EOF
 
 log "booting systemd in $root"
