@@ -2,6 +2,7 @@
 // and supervises its worker, and writes the bound address to --ready-file once it serves.
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,6 +29,7 @@
 #include "shared/logging.h"
 #include "shared/model_config.h"
 #include "shared/service_notify.h"
+#include "shared/socket_path.h"
 #include "worker/reference_engine.h"
 #include "worker/weight_scrubber.h"
 
@@ -78,6 +80,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-bytes", max_message_bytes,
                  "Largest gRPC message received or sent (larger: RESOURCE_EXHAUSTED)")
       ->check(CLI::Range(1024u, 1u << 30));
+  std::string admin_socket;
+  app.add_option("--admin-socket", admin_socket,
+                 "Serve Admin only on this Unix socket (owner-only), not on the gRPC port");
   uint32_t max_streams = 256;
   app.add_option("--max-streams-per-connection", max_streams,
                  "Streams one client connection may have open at once (more wait their turn)")
@@ -255,7 +260,7 @@ int main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&generator);
-  builder.RegisterService(&admin);
+  if (admin_socket.empty()) builder.RegisterService(&admin);
   builder.SetMaxReceiveMessageSize(int(max_message_bytes));
   builder.SetMaxSendMessageSize(int(max_message_bytes));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, int(max_streams));
@@ -263,6 +268,23 @@ int main(int argc, char** argv) {
   if (!server || port == 0) {
     spdlog::critical("cannot listen on {}", listen);
     return 1;
+  }
+  // Admin on its own Unix socket: only whoever may open the path (its owner) reaches it.
+  std::unique_ptr<grpc::Server> admin_server;
+  if (!admin_socket.empty()) {
+    if (Status claimed = claimSocketPath(admin_socket); !claimed.ok()) {
+      spdlog::critical("--admin-socket: {}", claimed.message());
+      return 1;
+    }
+    grpc::ServerBuilder admin_builder;
+    admin_builder.AddListeningPort("unix:" + admin_socket, *credentials);
+    admin_builder.RegisterService(&admin);
+    admin_server = admin_builder.BuildAndStart();
+    if (!admin_server || ::chmod(admin_socket.c_str(), 0600) != 0) {
+      spdlog::critical("cannot serve Admin on {}", admin_socket);
+      return 1;
+    }
+    spdlog::info("Admin on unix:{}", admin_socket);
   }
   auto* health = server->GetHealthCheckService();
   health->SetServingStatus(false);
@@ -326,6 +348,10 @@ int main(int argc, char** argv) {
   admin.stop();
   generator.stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (admin_server) {
+    admin_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ::unlink(admin_socket.c_str());
+  }
   if (!ready_file.empty()) std::remove(ready_file.c_str());
   return 0;
 }

@@ -22,6 +22,7 @@
 #include "proto/fault_wire.h"
 #include "proto/worker.capnp.h"
 #include "shared/ipc_frame.h"
+#include "shared/socket_path.h"
 
 namespace bulkhead {
 namespace {
@@ -41,19 +42,10 @@ Status bindListener(const std::string& path, int& out_fd) {
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
 
   // A socket file left by a dead worker is collected; a live one is never taken over.
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) return failedPrecondition(path + " exists and is not a socket");
-    // Another user's socket is never probed, removed or taken over.
-    if (st.st_uid != ::geteuid())
-      return failedPrecondition(path + " exists and belongs to user " + std::to_string(st.st_uid));
-    int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    const bool alive =
-        probe >= 0 && ::connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    if (probe >= 0) ::close(probe);
-    if (alive) return Status(Code::kAlreadyExists, path + " is served by a running worker");
-    ::unlink(path.c_str());
-    spdlog::info("removed stale socket {}", path);
+  if (Status claimed = claimSocketPath(path); !claimed.ok()) {
+    if (claimed.code() == Code::kAlreadyExists)
+      return Status(Code::kAlreadyExists, path + " is served by a running worker");
+    return claimed;
   }
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return internalError(std::string("socket: ") + std::strerror(errno));

@@ -163,6 +163,33 @@ TEST(BrokerSecurityTest, MutualTlsRequiresAClientCertificateFromTheCa) {
   EXPECT_EQ(without.error_code(), grpc::StatusCode::UNAVAILABLE) << without.error_message();
 }
 
+// With --admin-socket, Admin answers only on that Unix socket (owner-only): on the gRPC port it
+// does not exist. A symlink at the path is refused, not followed.
+TEST(BrokerSecurityTest, AdminOnAUnixSocketOnly) {
+  test::TempDir dir;
+  const std::string path = dir.file("admin.sock");
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--admin-socket", path});
+  ASSERT_TRUE(broker.ok());
+  const grpc::Status on_port = statsWith(broker.channel());
+  EXPECT_EQ(on_port.error_code(), grpc::StatusCode::UNIMPLEMENTED) << on_port.error_message();
+  auto local = grpc::CreateChannel("unix:" + path, grpc::InsecureChannelCredentials());
+  EXPECT_TRUE(statsWith(local).ok());
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_TRUE(generateWith(broker.channel()).ok());
+
+  ASSERT_EQ(::symlink(dir.file("elsewhere").c_str(), dir.file("link.sock").c_str()), 0);
+  auto child = ChildProcess::spawn(
+      {test::binDir() + "/bulkhead-broker", "--model", test::fixtureDir("tiny-qwen2"), "--listen",
+       "127.0.0.1:0", "--admin-socket", dir.file("link.sock"), "--state-dir", dir.path()});
+  ASSERT_TRUE(child.ok()) << child.status().toString();
+  ExitInfo exit;
+  ASSERT_TRUE(child->waitExit(std::chrono::steady_clock::now() + std::chrono::seconds(60), &exit))
+      << "the broker started with a symlink for its Admin socket";
+  EXPECT_EQ(exit.exit_code, 1) << exit.describe();
+}
+
 // A request larger than --max-message-bytes is refused by gRPC with RESOURCE_EXHAUSTED; one
 // within it is served.
 TEST(BrokerLimitsTest, AMessageOverTheLimitIsRefused) {
