@@ -12,7 +12,9 @@
 # them). Usage: systemd_nspawn_test.sh BIN_DIR SOURCE_DIR
 set -euo pipefail
 bin=$(cd "$1" && pwd) src=$(cd "$2" && pwd)
-[ "$(id -u)" = 0 ] || { echo "FAIL: needs root (systemd-nspawn)"; exit 1; }
+if [ "$(id -u)" != 0 ]; then  # systemd-nspawn needs root: as setup.sh, through sudo
+  exec sudo -n "$0" "$bin" "$src" || { echo "FAIL: needs root or sudo (systemd-nspawn)"; exit 1; }
+fi
 for tool in debootstrap systemd-nspawn nsenter curl; do
   command -v "$tool" > /dev/null || { echo "FAIL: $tool not found (run tools/setup.sh)"; exit 1; }
 done
