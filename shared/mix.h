@@ -27,8 +27,8 @@ BULKHEAD_HOST_DEVICE constexpr uint32_t checksumTerm(uint32_t word, uint32_t ind
 // (shared/checksum.h foldWeightRow): the salted word times an odd multiplier that depends on its
 // index, as a 64-bit product. A flipped bit b changes the term by 2^b times an odd number below
 // 2^32, never 0 mod 2^64, so one flip always changes the sum; two flips cancel only if they hit
-// the same bit of the same word. On the device it is one wide multiply-add per word, where a
-// mixed term costs a dozen instructions on the product kernel's critical path.
+// the same bit of the same word. On the device it is one wide multiply-add per word (the CUDA
+// product kernel folds on the tensor cores instead: cuda/gemm.cuh productFold).
 BULKHEAD_HOST_DEVICE constexpr uint64_t foldWordTerm(uint32_t word, uint32_t salt, uint32_t index) {
   return uint64_t(word ^ salt) * uint64_t(2u * index + 1u);
 }
