@@ -28,7 +28,7 @@ struct RemoteGenerateCommand {
   std::optional<uint64_t> seed;
   std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = false;
-  double timeout_s = 0;  // 0: none
+  double timeout_s = 0;    // 0: none
   std::string request_id;  // echoed in the broker's logs and the last message
 };
 

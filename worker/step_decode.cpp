@@ -25,9 +25,9 @@ Status decodeStep(wire::Step::Reader step, const BackendLimits& limits, uint32_t
     rows += logits_rows;
   }
   if (rows + step.getFirstSlot() > arena_slots)
-    return resourceExhausted("step asks for " + std::to_string(rows) +
-                             " logits rows from slot " + std::to_string(step.getFirstSlot()) +
-                             ", the arena holds " + std::to_string(arena_slots));
+    return resourceExhausted("step asks for " + std::to_string(rows) + " logits rows from slot " +
+                             std::to_string(step.getFirstSlot()) + ", the arena holds " +
+                             std::to_string(arena_slots));
   lists.resize(words);
   batch.clear();
   size_t at = 0;
