@@ -19,12 +19,6 @@ namespace bulkhead {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-namespace {
-double msBetween(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double, std::milli>(to - from).count();
-}
-}  // namespace
-
 Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options,
                      WorkPool& pool)
     : model_(std::move(model)),

@@ -10,13 +10,18 @@
 
 namespace bulkhead {
 
-Status claimSocketPath(const std::string& path) {
+Result<sockaddr_un> unixSocketAddress(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path))
     return invalidArgument("socket path " + path + " is longer than " +
                            std::to_string(sizeof(addr.sun_path) - 1) + " bytes");
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  return addr;
+}
+
+Status claimSocketPath(const std::string& path) {
+  BULKHEAD_ASSIGN_OR_RETURN(sockaddr_un addr, unixSocketAddress(path));
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return okStatus();
   if (!S_ISSOCK(st.st_mode)) return failedPrecondition(path + " exists and is not a socket");

@@ -3,11 +3,16 @@
 // user's socket, a live socket, a file that is no socket).
 #pragma once
 
+#include <sys/un.h>
+
 #include <string>
 
 #include "shared/status.h"
 
 namespace bulkhead {
+
+// The address of a Unix socket at `path`; INVALID_ARGUMENT when the path does not fit.
+Result<sockaddr_un> unixSocketAddress(const std::string& path);
 
 // OK when nothing is at `path` (any stale socket of ours removed). FAILED_PRECONDITION for a
 // symlink, a non-socket or another user's socket; ALREADY_EXISTS for a socket someone serves.

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shared/checkpoint.h"
+#include "tools/json_report.h"
 #include "tools/percentile.h"
 #include "worker/backend_factory.h"
 #ifdef BULKHEAD_HAVE_CUDA
@@ -231,11 +232,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
     std::printf("\n");
     report["results"].push_back(row);
   }
-  if (!o.json_path.empty()) {
-    std::ofstream out(o.json_path);
-    out << report.dump(2) << "\n";
-    if (!out) return internalError(o.json_path + ": write failed");
-  }
+  BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));
   return okStatus();
 }
 

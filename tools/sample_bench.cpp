@@ -12,6 +12,7 @@
 #include "shared/checksum.h"
 #include "shared/mix.h"
 #include "shared/work_pool.h"
+#include "tools/json_report.h"
 #include "tools/percentile.h"
 
 namespace bulkhead {
@@ -97,11 +98,7 @@ Status runSampleBench(const SampleBenchOptions& o) {
     }
     std::printf("\n");
   }
-  if (!o.json_path.empty()) {
-    std::ofstream out(o.json_path);
-    out << report.dump(2) << "\n";
-    if (!out) return internalError(o.json_path + ": write failed");
-  }
+  BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));
   return okStatus();
 }
 

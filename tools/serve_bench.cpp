@@ -15,6 +15,7 @@
 
 #include "bulkhead/v1/generator.grpc.pb.h"
 #include "shared/child_process.h"
+#include "tools/json_report.h"
 #include "tools/remote.h"
 #include "tools/step_bench.h"
 
@@ -124,11 +125,7 @@ Status runServeBench(const ServeBenchOptions& o) {
   }
   std::error_code ec;
   std::filesystem::remove_all(state_dir, ec);
-  if (!o.json_path.empty()) {
-    std::ofstream out(o.json_path);
-    out << report.dump(2) << "\n";
-    if (!out) return internalError(o.json_path + ": write failed");
-  }
+  BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));
   return status;
 }
 

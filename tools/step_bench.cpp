@@ -11,6 +11,7 @@
 #include "broker/row_sampling.h"
 #include "broker/worker_client.h"
 #include "shared/work_pool.h"
+#include "tools/json_report.h"
 #include "tools/percentile.h"
 
 namespace bulkhead {
@@ -142,11 +143,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
                                  {"logits_mb_per_step", mb}});
   }
   (void)(*client)->shutdown(std::chrono::seconds(10));
-  if (!o.json_path.empty()) {
-    std::ofstream out(o.json_path);
-    out << report.dump(2) << "\n";
-    if (!out) return internalError(o.json_path + ": write failed");
-  }
+  BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));
   return rows_out;
 }
 
@@ -198,11 +195,7 @@ Status runCheckCostBench(const StepBenchOptions& o) {
   }
   (void)with->shutdown(std::chrono::seconds(10));
   (void)without->shutdown(std::chrono::seconds(10));
-  if (!o.json_path.empty()) {
-    std::ofstream out(o.json_path);
-    out << report.dump(2) << "\n";
-    if (!out) return internalError(o.json_path + ": write failed");
-  }
+  BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));
   return okStatus();
 }
 

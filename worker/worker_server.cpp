@@ -34,12 +34,7 @@ SteadyTime replyDeadline() {
 }
 
 Status bindListener(const std::string& path, int& out_fd) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(addr.sun_path))
-    return invalidArgument("socket path " + path + " is longer than " +
-                           std::to_string(sizeof(addr.sun_path) - 1) + " bytes");
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  BULKHEAD_ASSIGN_OR_RETURN(sockaddr_un addr, unixSocketAddress(path));
 
   // A socket file left by a dead worker is collected; a live one is never taken over.
   if (Status claimed = claimSocketPath(path); !claimed.ok()) {
