@@ -46,6 +46,11 @@ std::vector<FakeStepRecord> FakeWorkerControl::steps() const {
   return steps_;
 }
 
+size_t FakeWorkerControl::faultsBesideAStepInFlight() const {
+  std::lock_guard lock(mu_);
+  return faults_beside_a_step_in_flight_;
+}
+
 size_t FakeWorkerControl::maxInFlight() const {
   std::lock_guard lock(mu_);
   return max_in_flight_;
@@ -104,6 +109,8 @@ std::optional<FakeFault> FakeWorker::takeFault() {
   }
   FakeFault f = faults.front().second;
   faults.pop_front();
+  // Computed at send: a step whose reply is still to be taken is in flight beside this one.
+  if (!replies_.empty()) ++control_->faults_beside_a_step_in_flight_;
   return f;
 }
 

@@ -64,6 +64,8 @@ class FakeWorkerControl {
   std::vector<FakeStepRecord> steps() const;
   // The most steps that were ever sent and not yet awaited at once.
   size_t maxInFlight() const;
+  // Scripted faults that fired in a step sent while another step awaited its reply.
+  size_t faultsBesideAStepInFlight() const;
   uint32_t starts() const;
   // A factory for Scheduler / WorkerSlot.
   WorkerFactory factory(std::shared_ptr<FakeWorkerControl> self);
@@ -77,6 +79,7 @@ class FakeWorkerControl {
   uint32_t miscomputing_starts_ = 0;
   uint32_t starts_ = 0;
   size_t max_in_flight_ = 0;
+  size_t faults_beside_a_step_in_flight_ = 0;
 };
 
 class FakeWorker final : public WorkerConnection {

@@ -199,6 +199,7 @@ TEST_F(SchedulerTest, AWorkerLostWithTwoStepsInFlightIsReplayedWithIdenticalToke
   expectAllExact(runs, 16);
   EXPECT_EQ(control_->starts(), 2u);
   EXPECT_EQ(control_->maxInFlight(), kMaxStepsInFlight);
+  EXPECT_EQ(control_->faultsBesideAStepInFlight(), 1u) << "the worker died with one step in flight";
   EXPECT_EQ(replayedOnNewIncarnation(), 6u) << "both halves are re-prefilled";
   EXPECT_EQ(scheduler_->stats().worker_restarts, 1u);
 }
@@ -215,6 +216,7 @@ TEST_F(SchedulerTest, AFailedStepAmongTwoInFlightIsRetried) {
   scheduler_->start();
   expectAllExact(runs, 12);
   EXPECT_EQ(scheduler_->stats().integrity_failures, 1u);
+  EXPECT_EQ(control_->faultsBesideAStepInFlight(), 1u) << "the failed step had another beside it";
   EXPECT_EQ(control_->starts(), 1u);
   EXPECT_EQ(control_->maxInFlight(), kMaxStepsInFlight);
 }
