@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,10 @@ struct SchedulerStats {
            canary_failures = 0, rolled_back_tokens = 0;
   // Steps sent while another awaited its reply (two in flight: sampling hidden behind compute).
   uint64_t steps_overlapped = 0;
+  // Sequences this worker handed to the others when it was lost or drained, and, over the last
+  // 4096 that moved here, the time from the loss to their first token on this worker.
+  uint64_t migrated_sequences = 0;
+  double migration_ms_p50 = 0, migration_ms_p99 = 0;
   // From the end of a token's step to its release; and the steps themselves (last 4096 each).
   double release_latency_ms_p50 = 0, release_latency_ms_p99 = 0, step_ms_p50 = 0;
   // Where a step's time goes: the worker's own compute (as it reports it), the broker's
@@ -40,6 +45,16 @@ struct StatsHistograms {
   Histogram first_token_ms = Histogram::latencyMs();  // request arrival to its first token
   Histogram inter_token_ms = Histogram::latencyMs();  // between a sequence's token releases
   Histogram batch_size = Histogram::batchSize();      // sequences in a step
+  Histogram migration_ms = Histogram::latencyMs();    // worker lost to first token elsewhere
+
+  void merge(const StatsHistograms& o) {
+    step_ms.merge(o.step_ms);
+    release_ms.merge(o.release_ms);
+    first_token_ms.merge(o.first_token_ms);
+    inter_token_ms.merge(o.inter_token_ms);
+    batch_size.merge(o.batch_size);
+    migration_ms.merge(o.migration_ms);
+  }
 };
 
 struct WorkerStatus {
@@ -71,32 +86,32 @@ class StatsBoard {
   }
   // The counters and the latency percentiles, for Admin.
   SchedulerStats withLatencies() const {
-    std::lock_guard lock(mu_);
-    SchedulerStats out = stats_;
-    out.release_latency_ms_p50 = release_ms_.percentile(50);
-    out.release_latency_ms_p99 = release_ms_.percentile(99);
-    out.step_ms_p50 = step_ms_.percentile(50);
-    out.compute_ms_p50 = compute_ms_.percentile(50);
-    out.sample_ms_p50 = sample_ms_.percentile(50);
-    out.between_steps_ms_p50 = between_ms_.percentile(50);
-    return out;
+    const StatsBoard* self = this;
+    return combined(std::span(&self, 1));
   }
+  // Several workers' boards as one: counters added, percentiles over their windows together.
+  static SchedulerStats combined(std::span<const StatsBoard* const> boards);
+  static StatsHistograms combinedHistograms(std::span<const StatsBoard* const> boards);
   void addReleaseTimes(const ReleaseTimes& times) {
     std::lock_guard lock(mu_);
     for (double v : times.after_step) {
-      release_ms_.add(v);
+      windows_.release_ms.add(v);
       histograms_.release_ms.add(v);
     }
     for (double v : times.first_token) histograms_.first_token_ms.add(v);
     for (double v : times.inter_token) histograms_.inter_token_ms.add(v);
+    for (double v : times.migration) {
+      windows_.migration_ms.add(v);
+      histograms_.migration_ms.add(v);
+    }
   }
   // A completed step: its round trip, the worker's compute, the broker's sampling, and how many
   // sequences it carried.
   void addStepTimes(double step_ms, double compute_ms, double sample_ms, size_t batch) {
     std::lock_guard lock(mu_);
-    step_ms_.add(step_ms);
-    compute_ms_.add(compute_ms);
-    sample_ms_.add(sample_ms);
+    windows_.step_ms.add(step_ms);
+    windows_.compute_ms.add(compute_ms);
+    windows_.sample_ms.add(sample_ms);
     histograms_.step_ms.add(step_ms);
     histograms_.batch_size.add(double(batch));
   }
@@ -106,7 +121,7 @@ class StatsBoard {
   }
   void addBetweenSteps(double ms) {
     std::lock_guard lock(mu_);
-    between_ms_.add(ms);
+    windows_.between_ms.add(ms);
   }
   WorkerStatus worker() const {
     std::lock_guard lock(mu_);
@@ -117,7 +132,10 @@ class StatsBoard {
   mutable std::mutex mu_;
   SchedulerStats stats_;
   WorkerStatus worker_;
-  LatencyWindow release_ms_, step_ms_, compute_ms_, sample_ms_, between_ms_;
+  struct Windows {
+    LatencyWindow release_ms, step_ms, compute_ms, sample_ms, between_ms, migration_ms;
+  };
+  Windows windows_;
   StatsHistograms histograms_;
 };
 

@@ -297,6 +297,7 @@ std::optional<CanaryStore::Record> CanaryStore::load(const std::filesystem::path
 void CanaryStore::record(uint64_t identity, const std::string& backend, uint64_t weight_digest,
                          uint64_t logits_digest) noexcept {
   if (pinned_) return;
+  std::lock_guard lock(mu_);
   const auto key = std::make_pair(identity, backend);
   memory_[key] = Record{weight_digest, logits_digest};
   spdlog::info("canary qualified and recorded for model {} on {}: {}", hex(identity), backend,
@@ -313,6 +314,7 @@ void CanaryStore::record(uint64_t identity, const std::string& backend, uint64_t
 
 Status CanaryStore::check(uint64_t identity, const std::string& backend, uint64_t weight_digest,
                           uint64_t logits_digest) noexcept {
+  std::lock_guard lock(mu_);
   const auto key = std::make_pair(identity, backend);
   std::optional<Record> record;
   if (pinned_) {

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -60,6 +61,7 @@ Result<CanaryRecord> readCanaryRecord(const std::filesystem::path& path);
 // Writes a record atomically (a temporary file renamed over the target).
 Status writeCanaryRecord(const std::filesystem::path& path, const CanaryRecord& record);
 
+// Thread-safe: the schedulers of a broker with several workers share one store.
 class CanaryStore {
  public:
   // `pinned`: a record an operator pinned; it is the only reference, and nothing is recorded.
@@ -88,6 +90,7 @@ class CanaryStore {
   // overwritten.
   std::optional<Record> load(const std::filesystem::path& path, uint64_t identity,
                              const std::string& backend, bool& keep_out) noexcept;
+  std::mutex mu_;  // check and record, whole
   std::filesystem::path dir_;
   std::optional<CanaryRecord> pinned_;
   std::map<std::pair<uint64_t, std::string>, Record> memory_;

@@ -99,6 +99,7 @@ Result<InjectionOutcome> FaultInjector::inject(Fault fault, uint64_t random,
   InjectionOutcome out;
   out.detected = injection->detected_at != Clock::time_point{};
   out.recovered = injection->recovered_at != Clock::time_point{};
+  out.migrated = injection->migrated;
   out.detected_as = injection->detected_as;
   if (out.detected) out.detection_ms = msBetween(injection->at, injection->detected_at);
   if (out.recovered) out.recovery_ms = msBetween(injection->detected_at, injection->recovered_at);
@@ -153,6 +154,21 @@ void FaultInjector::stepCompleted() {
     current_->recovered_at = Clock::now();
     changed_.notify_all();
   }
+}
+
+std::function<void()> FaultInjector::migrationCallback() {
+  std::lock_guard lock(mu_);
+  if (!current_ || current_->detected_at == Clock::time_point{} ||
+      current_->recovered_at != Clock::time_point{})
+    return {};
+  return [this, injection = std::weak_ptr<Injection>(current_)] {
+    std::lock_guard lock(mu_);
+    auto live = injection.lock();
+    if (!live || live != current_ || live->recovered_at != Clock::time_point{}) return;
+    live->recovered_at = Clock::now();
+    live->migrated = true;
+    changed_.notify_all();
+  };
 }
 
 }  // namespace bulkhead

@@ -26,6 +26,10 @@ struct InjectionOutcome {
   double detection_ms = 0, recovery_ms = 0;
   std::string detected_as;
   bool disarmed = false;  // not detected in time, so the worker was replaced to disarm it
+  // Service recovered by moving the failed worker's sequences to the others (recovery_ms then
+  // runs to their first token there), not by the worker's replacement.
+  bool migrated = false;
+  std::string worker;  // the worker it was injected into
 };
 
 // The concrete fault for a class: `random` picks the row, the weight byte and bit. A slow step is
@@ -55,6 +59,10 @@ class FaultInjector {
   void arm(WorkerConnection& worker, std::chrono::milliseconds step_timeout);
   void failureSeen(const std::string& what);
   void stepCompleted();
+  // For the sequences of a worker the detected fault lost, as they move to other workers: called
+  // when the first of them has its first token released there, it marks the injection recovered
+  // (the injection's, not a later one's). Null when no detected injection awaits recovery.
+  std::function<void()> migrationCallback();
 
  private:
   struct Injection {
@@ -63,6 +71,7 @@ class FaultInjector {
     bool applied = false;
     std::string refused;  // why the worker refused it
     Clock::time_point at, detected_at, recovered_at;
+    bool migrated = false;  // recovered_at is a moved sequence's first token
     std::string detected_as;
   };
   std::mutex mu_;

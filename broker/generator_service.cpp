@@ -292,9 +292,9 @@ grpc::Status toGrpcStatus(const Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
 }
 
-GeneratorService::GeneratorService(Scheduler& scheduler, ModelLimits model, const Authorizer& auth,
+GeneratorService::GeneratorService(Router& router, ModelLimits model, const Authorizer& auth,
                                    size_t writer_threads)
-    : scheduler_(scheduler),
+    : router_(router),
       model_(std::move(model)),
       auth_(auth),
       writers_(std::make_unique<StreamWriters>(writer_threads)) {}
@@ -334,7 +334,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GeneratorService::Generate(
                           deadline - std::chrono::system_clock::now());
   }
   Status submitted =
-      scheduler_.submit(std::move(*valid), std::make_shared<GrpcSink>(channel, *writers_));
+      router_.submit(std::move(*valid), std::make_shared<GrpcSink>(channel, *writers_));
   if (!submitted.ok()) reject(submitted);
   return reactor;
 }
@@ -351,17 +351,24 @@ grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext*
                                                     const v1::ListWorkersRequest*,
                                                     v1::ListWorkersResponse* response) {
   if (auto* refusal = refused(context)) return refusal;
-  const WorkerStatus w = scheduler_.workerStatus();
-  v1::WorkerInfo* info = response->add_workers();
-  info->set_name("worker-0");
-  info->set_state(w.state);
-  info->set_incarnation(w.incarnation);
-  info->set_pid(w.pid);
-  info->set_backend(w.backend);
-  info->set_kv_blocks_total(w.kv_blocks_total);
-  info->set_kv_blocks_free(w.kv_blocks_free);
-  info->set_restarts(w.restarts);
-  info->set_last_failure(w.last_failure);
+  for (const WorkerView& view : router_.workers()) {
+    const WorkerStatus& w = view.status;
+    v1::WorkerInfo* info = response->add_workers();
+    info->set_name(view.name);
+    info->set_state(w.state);
+    info->set_incarnation(w.incarnation);
+    info->set_pid(w.pid);
+    info->set_backend(w.backend);
+    info->set_kv_blocks_total(w.kv_blocks_total);
+    info->set_kv_blocks_free(w.kv_blocks_free);
+    info->set_restarts(w.restarts);
+    info->set_last_failure(w.last_failure);
+    info->set_requests_running(view.stats.requests_running);
+    info->set_requests_waiting(view.stats.requests_waiting);
+    info->set_tokens_generated(view.stats.tokens_generated);
+    info->set_steps(view.stats.steps);
+    info->set_migrated_sequences(view.stats.migrated_sequences);
+  }
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -370,7 +377,7 @@ grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* context,
                                                  const v1::GetStatsRequest*, v1::Stats* out) {
   if (auto* refusal = refused(context)) return refusal;
-  const SchedulerStats s = scheduler_.stats();
+  const SchedulerStats s = router_.stats();
   out->set_requests_received(s.requests_received);
   out->set_requests_completed(s.requests_completed);
   out->set_requests_failed(s.requests_failed);
@@ -394,6 +401,9 @@ grpc::ServerUnaryReactor* AdminService::GetStats(grpc::CallbackServerContext* co
   out->set_sample_ms_p50(s.sample_ms_p50);
   out->set_between_steps_ms_p50(s.between_steps_ms_p50);
   out->set_steps_overlapped(s.steps_overlapped);
+  out->set_migrated_sequences(s.migrated_sequences);
+  out->set_migration_ms_p50(s.migration_ms_p50);
+  out->set_migration_ms_p99(s.migration_ms_p99);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -404,14 +414,9 @@ grpc::ServerUnaryReactor* AdminService::RestartWorker(grpc::CallbackServerContex
                                                       v1::RestartWorkerResponse* response) {
   if (auto* refusal = refused(context)) return refusal;
   auto* reactor = context->DefaultReactor();
-  if (!request->name().empty() && request->name() != "worker-0") {
-    reactor->Finish(
-        grpc::Status(grpc::StatusCode::NOT_FOUND, "no worker named " + request->name()));
-    return reactor;
-  }
   // Restarting waits for a new worker: off the callback thread.
-  Status started = executor_.submit([this, reactor, response] {
-    auto r = scheduler_.restartWorker(std::chrono::minutes(2));
+  Status started = executor_.submit([this, reactor, response, name = request->name()] {
+    auto r = router_.restartWorker(name, std::chrono::minutes(2));
     if (r.ok()) {
       response->set_old_incarnation(r->first);
       response->set_new_incarnation(r->second);
@@ -423,13 +428,19 @@ grpc::ServerUnaryReactor* AdminService::RestartWorker(grpc::CallbackServerContex
 }
 
 grpc::ServerUnaryReactor* AdminService::Drain(grpc::CallbackServerContext* context,
-                                              const v1::DrainRequest*,
+                                              const v1::DrainRequest* request,
                                               v1::DrainResponse* response) {
   if (auto* refusal = refused(context)) return refusal;
   auto* reactor = context->DefaultReactor();
-  // Draining waits for running requests to end: off the callback thread.
-  Status started = executor_.submit([this, reactor, response] {
-    auto r = scheduler_.drain(std::chrono::minutes(10));
+  // Draining waits for running requests to end (or to move): off the callback thread.
+  Status started = executor_.submit([this, reactor, response, worker = request->worker()] {
+    if (!worker.empty()) {
+      auto moved = router_.drainWorker(worker, std::chrono::minutes(2));
+      if (moved.ok()) response->set_moved(*moved);
+      reactor->Finish(moved.ok() ? grpc::Status::OK : toGrpcStatus(moved.status()));
+      return;
+    }
+    auto r = router_.drain(std::chrono::minutes(10));
     if (r.ok()) response->set_drained(*r);
     reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
   });
@@ -460,10 +471,12 @@ grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext*
   const uint64_t random = request->random();
   // The injection waits for detection and recovery: off the callback thread.
   const bool keep_armed = request->keep_armed();
-  Status started =
-      executor_.submit([this, reactor, response, f = *fault, random, timeout, keep_armed] {
-        auto r = scheduler_.injectFault(f, random, timeout, keep_armed);
+  Status started = executor_.submit(
+      [this, reactor, response, f = *fault, random, timeout, keep_armed, worker = request->worker()] {
+        auto r = router_.injectFault(worker, f, random, timeout, keep_armed);
         if (r.ok()) {
+          response->set_migrated(r->migrated);
+          response->set_worker(r->worker);
           response->set_detected(r->detected);
           response->set_recovered(r->recovered);
           response->set_detection_ms(r->detection_ms);

@@ -9,7 +9,7 @@
 
 #include "broker/admin_executor.h"
 #include "broker/auth.h"
-#include "broker/scheduler.h"
+#include "broker/router.h"
 #include "bulkhead/v1/generator.grpc.pb.h"
 
 namespace bulkhead {
@@ -23,7 +23,7 @@ class GeneratorService final : public v1::Generator::CallbackService {
  public:
   static constexpr size_t kDefaultWriterThreads = 2;
 
-  GeneratorService(Scheduler& scheduler, ModelLimits model, const Authorizer& auth,
+  GeneratorService(Router& router, ModelLimits model, const Authorizer& auth,
                    size_t writer_threads = kDefaultWriterThreads);
   ~GeneratorService() override;
 
@@ -36,7 +36,7 @@ class GeneratorService final : public v1::Generator::CallbackService {
   void stop();
 
  private:
-  Scheduler& scheduler_;
+  Router& router_;
   const ModelLimits model_;
   const Authorizer& auth_;
   std::unique_ptr<StreamWriters> writers_;
@@ -44,8 +44,8 @@ class GeneratorService final : public v1::Generator::CallbackService {
 
 class AdminService final : public v1::Admin::CallbackService {
  public:
-  AdminService(Scheduler& scheduler, bool fault_injection, const Authorizer& auth)
-      : scheduler_(scheduler), fault_injection_(fault_injection), auth_(auth) {}
+  AdminService(Router& router, bool fault_injection, const Authorizer& auth)
+      : router_(router), fault_injection_(fault_injection), auth_(auth) {}
   ~AdminService() override { stop(); }
 
   // Refuses new Drain, RestartWorker and InjectFault calls (UNAVAILABLE) and joins those in
@@ -72,7 +72,7 @@ class AdminService final : public v1::Admin::CallbackService {
   // A reactor finished with the caller's refusal, or null when the caller may go on.
   grpc::ServerUnaryReactor* refused(grpc::CallbackServerContext* context) const;
 
-  Scheduler& scheduler_;
+  Router& router_;
   const bool fault_injection_;
   const Authorizer& auth_;
   // The RPCs that wait on the scheduler run here, off gRPC's callback threads.

@@ -23,6 +23,13 @@ class Histogram {
   const std::vector<uint64_t>& counts() const { return counts_; }
   uint64_t count() const { return count_; }
   double sum() const { return sum_; }
+  // Adds another histogram with the same bounds (the workers' histograms, for the broker's).
+  void merge(const Histogram& other) {
+    if (other.bounds_ != bounds_) return;
+    for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += other.counts_[i];
+    count_ += other.count_;
+    sum_ += other.sum_;
+  }
 
   // Milliseconds, from a quarter of one to ten seconds.
   static Histogram latencyMs() {

@@ -21,12 +21,14 @@ class LatencyWindow {
     next_ = (next_ + 1) % capacity_;
   }
   // The p-th percentile (nearest rank) of the samples held; 0 when there are none.
-  double percentile(double p) const {
-    if (samples_.empty()) return 0;
-    std::vector<double> sorted = samples_;
-    const size_t rank = std::min(sorted.size() - 1, size_t(p / 100.0 * double(sorted.size())));
-    std::nth_element(sorted.begin(), sorted.begin() + long(rank), sorted.end());
-    return sorted[rank];
+  double percentile(double p) const { return percentileOf(samples_, p); }
+  // The samples held, in no particular order.
+  const std::vector<double>& samples() const { return samples_; }
+  static double percentileOf(std::vector<double> values, double p) {
+    if (values.empty()) return 0;
+    const size_t rank = std::min(values.size() - 1, size_t(p / 100.0 * double(values.size())));
+    std::nth_element(values.begin(), values.begin() + long(rank), values.end());
+    return values[rank];
   }
 
  private:

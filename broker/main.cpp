@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -23,7 +24,7 @@
 
 #include "broker/generator_service.h"
 #include "broker/metrics.h"
-#include "broker/scheduler.h"
+#include "broker/router.h"
 #include "broker/worker_client.h"
 #include "shared/config_file.h"
 #include "shared/logging.h"
@@ -132,9 +133,15 @@ int main(int argc, char** argv) {
   app.add_option("--admin-token-file", admin_token_file,
                  "File holding the bearer token Admin requires (mode 600; with --token-file and "
                  "without this, Admin is closed)");
-  std::string workers_from;
+  uint32_t workers = 1;
+  app.add_option("--workers", workers,
+                 "Workers to spawn, one per GPU (worker i gets CUDA device i); a failed worker's "
+                 "sequences move to the others at once")
+      ->check(CLI::Range(1u, 64u));
+  std::vector<std::string> workers_from;
   app.add_option("--workers-from", workers_from,
-                 "Attach to the worker systemd runs on this socket instead of spawning one");
+                 "Attach to the worker systemd runs on this socket instead of spawning one "
+                 "(repeatable: one worker per socket)");
   uint32_t attach_timeout_s = 600;
   app.add_option("--attach-timeout-s", attach_timeout_s,
                  "How long to wait for an attached worker to listen (it loads its model first)");
@@ -208,9 +215,12 @@ int main(int argc, char** argv) {
   spawn.extra_args.insert(spawn.extra_args.end(), worker_args.begin(), worker_args.end());
   // WATCHDOG=1 from the scheduling thread: on every pass of its loop, and while it waits for a
   // worker to load or to listen (at most every half watchdog interval).
+  // (The router calls it once every worker's scheduling loop has gone round.)
   auto last_ping = std::chrono::steady_clock::now();
-  auto alive = [&notifier, &last_ping] {
+  std::mutex ping_mu;
+  auto alive = [&notifier, &last_ping, &ping_mu] {
     const auto period = notifier.watchdogPeriod();
+    std::lock_guard lock(ping_mu);
     if (period.count() == 0 || std::chrono::steady_clock::now() - last_ping < period) return;
     notifier.notify("WATCHDOG=1");
     last_ping = std::chrono::steady_clock::now();
@@ -221,28 +231,46 @@ int main(int argc, char** argv) {
   WorkPool pool(sampling_threads);
   // Set on SIGTERM before the scheduler stops: an attach still waiting for a worker gives up.
   auto stopping = std::make_unique<std::atomic<bool>>(false);
-  WorkerFactory factory =
-      [spawn](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
-    WorkerClient::SpawnOptions o = spawn;
-    o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32);
-    auto client = WorkerClient::spawn(o);
-    if (!client.ok()) return client.error();
-    return std::unique_ptr<WorkerConnection>(std::move(*client));
-  };
-  if (!workers_from.empty()) {
+  // Several CPU workers on one host share its cores.
+  const bool has_cpu_threads =
+      std::any_of(worker_args.begin(), worker_args.end(),
+                  [](const std::string& a) { return a.rfind("--cpu-threads", 0) == 0; });
+  if (workers > 1 && backend == "cpu" && !has_cpu_threads) {
+    spawn.extra_args.push_back("--cpu-threads");
+    spawn.extra_args.push_back(
+        std::to_string(std::max(1u, std::thread::hardware_concurrency() / workers)));
+  }
+  std::vector<WorkerFactory> factories;
+  for (uint32_t i = 0; i < workers && workers_from.empty(); ++i) {
+    WorkerClient::SpawnOptions mine = spawn;
+    if (workers > 1) {
+      mine.extra_args.push_back("--device");
+      mine.extra_args.push_back(std::to_string(i));
+    }
+    factories.push_back([mine, i](uint64_t incarnation)
+                            -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+      WorkerClient::SpawnOptions o = mine;
+      // Unique across this broker's workers and across brokers on the host.
+      o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32) ^ (uint64_t(i) << 24);
+      auto client = WorkerClient::spawn(o);
+      if (!client.ok()) return client.error();
+      return std::unique_ptr<WorkerConnection>(std::move(*client));
+    });
+  }
+  for (const std::string& path : workers_from) {
     // Attach mode: systemd runs the worker; the broker connects, and after replacing it (which
     // kills it) waits for systemd's next one. Never the incarnation just replaced.
     auto replaced = std::make_shared<uint64_t>(0);
-    factory = [path = workers_from, replaced, timeout = std::chrono::seconds(attach_timeout_s),
-               stopping = stopping.get(),
-               alive](uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+    factories.push_back([path, replaced, timeout = std::chrono::seconds(attach_timeout_s),
+                         stopping = stopping.get(),
+                         alive](uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
       auto client = WorkerClient::attach(path, *replaced, timeout, stopping, alive);
       if (!client.ok()) return client.error();
       *replaced = (*client)->hello().incarnation;
       return std::unique_ptr<WorkerConnection>(std::move(*client));
-    };
+    });
   }
-  Scheduler scheduler(std::move(factory), model, options, pool);
+  Router router(std::move(factories), model, options, pool);
 
   auto auth = Authorizer::load(token_file, admin_token_file);
   auto credentials = serverCredentials(tls_cert, tls_key, tls_client_ca);
@@ -252,8 +280,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  GeneratorService generator(scheduler, model, *auth);
-  AdminService admin(scheduler, fault_injection, *auth);
+  GeneratorService generator(router, model, *auth);
+  AdminService admin(router, fault_injection, *auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -297,7 +325,7 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<MetricsServer> metrics;
   if (!metrics_listen.empty()) {
-    auto started = MetricsServer::start(metrics_listen, scheduler.board());
+    auto started = MetricsServer::start(metrics_listen, router);
     if (!started.ok()) {
       spdlog::critical("{}", started.status().message());
       return 1;
@@ -311,7 +339,7 @@ int main(int argc, char** argv) {
   }
 
   std::once_flag ready_once;
-  scheduler.setServingCallback([&](bool serving) {
+  router.setServingCallback([&](bool serving) {
     health->SetServingStatus(serving);
     health->SetServingStatus("bulkhead.v1.Generator", serving);
     notifier.notify(serving ? "STATUS=serving on " + bound
@@ -330,7 +358,7 @@ int main(int argc, char** argv) {
       });
     }
   });
-  scheduler.start();
+  router.start();
 
   int sfd = signalfd(-1, &mask, SFD_CLOEXEC);
   signalfd_siginfo info{};
@@ -344,7 +372,7 @@ int main(int argc, char** argv) {
   // calls; their threads are then joined while the scheduler they call still exists; the stream
   // writers then deliver every Finish, which the server's shutdown waits for. Destruction (in
   // reverse order of declaration) finds all of them stopped.
-  scheduler.stop();
+  router.stop();
   admin.stop();
   generator.stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -77,7 +77,7 @@ class Writer {
 
 }  // namespace
 
-std::string renderMetrics(const SchedulerStats& s, const WorkerStatus& w,
+std::string renderMetrics(const SchedulerStats& s, const std::vector<WorkerView>& workers,
                           const StatsHistograms& h) {
   Writer m;
   m.family("bulkhead_requests_total", "counter", "Generate requests by outcome.");
@@ -114,17 +114,32 @@ std::string renderMetrics(const SchedulerStats& s, const WorkerStatus& w,
   m.counter("bulkhead_canary_runs_total", "Canary runs.", double(s.canary_runs));
   m.counter("bulkhead_canary_failures_total", "Canary runs that failed.",
             double(s.canary_failures));
-  m.gauge("bulkhead_worker_ready", "1 while a worker serves.", w.state == "ready" ? 1 : 0);
-  m.gauge("bulkhead_worker_incarnation", "The serving worker's incarnation id (low 52 bits).",
-          double(w.incarnation & ((uint64_t(1) << 52) - 1)));
-  m.gauge("bulkhead_kv_blocks", "KV cache blocks sequences can use.", double(w.kv_blocks_total));
-  m.gauge("bulkhead_kv_blocks_free", "KV cache blocks free.", double(w.kv_blocks_free));
-  m.gauge("bulkhead_weight_resident_bytes", "Weight bytes resident in the worker's memory.",
-          double(w.weight_bytes));
-  m.gauge("bulkhead_last_step_id", "The newest step the worker completed.", double(w.last_step));
-  m.gauge("bulkhead_scrub_clean_through_step_id",
-          "The newest step after which the worker's scrubber verified every resident weight.",
-          double(w.scrub_clean_through));
+  m.counter("bulkhead_migrated_sequences_total",
+            "Sequences moved from a lost, starting or drained worker to the others.",
+            double(s.migrated_sequences));
+  // One sample per worker, labelled with its name.
+  auto perWorker = [&](const std::string& name, const char* help, auto value) {
+    m.family(name, "gauge", help);
+    for (const WorkerView& v : workers)
+      m.sample(name, double(value(v)), "worker=\"" + escaped(v.name) + "\"");
+  };
+  perWorker("bulkhead_worker_ready", "1 while the worker serves.",
+            [](const WorkerView& v) { return v.status.state == "ready" ? 1 : 0; });
+  perWorker("bulkhead_worker_incarnation", "The worker's incarnation id (low 52 bits).",
+            [](const WorkerView& v) { return v.status.incarnation & ((uint64_t(1) << 52) - 1); });
+  perWorker("bulkhead_kv_blocks", "KV cache blocks sequences can use.",
+            [](const WorkerView& v) { return v.status.kv_blocks_total; });
+  perWorker("bulkhead_kv_blocks_free", "KV cache blocks free.",
+            [](const WorkerView& v) { return v.status.kv_blocks_free; });
+  perWorker("bulkhead_weight_resident_bytes", "Weight bytes resident in the worker's memory.",
+            [](const WorkerView& v) { return v.status.weight_bytes; });
+  perWorker("bulkhead_last_step_id", "The newest step the worker completed.",
+            [](const WorkerView& v) { return v.status.last_step; });
+  perWorker("bulkhead_scrub_clean_through_step_id",
+            "The newest step after which the worker's scrubber verified every resident weight.",
+            [](const WorkerView& v) { return v.status.scrub_clean_through; });
+  perWorker("bulkhead_worker_requests_running", "Requests the worker computes.",
+            [](const WorkerView& v) { return v.stats.requests_running; });
   m.histogram("bulkhead_step_duration_seconds", "A worker step's round trip.", h.step_ms, 1e-3);
   m.histogram("bulkhead_time_to_first_token_seconds",
               "From a request's arrival to the release of its first token.", h.first_token_ms,
@@ -134,6 +149,9 @@ std::string renderMetrics(const SchedulerStats& s, const WorkerStatus& w,
   m.histogram("bulkhead_release_delay_seconds",
               "From the end of a token's step to its release to the client.", h.release_ms, 1e-3);
   m.histogram("bulkhead_step_batch_size", "Sequences in a worker step.", h.batch_size, 1.0);
+  m.histogram("bulkhead_migration_seconds",
+              "From the loss of a sequence's worker to its first token on another.",
+              h.migration_ms, 1e-3);
   return m.take();
 }
 
@@ -143,7 +161,7 @@ struct MetricsServer::Impl {
 };
 
 Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& listen,
-                                                            const StatsBoard& board) {
+                                                            const Router& router) {
   const size_t colon = listen.rfind(':');
   if (colon == std::string::npos)
     return invalidArgument("--metrics-listen " + listen + ": expected HOST:PORT");
@@ -156,8 +174,8 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& l
   }
   std::unique_ptr<MetricsServer> m(new MetricsServer());
   m->impl_ = std::make_unique<Impl>();
-  m->impl_->server.Get("/metrics", [&board](const httplib::Request&, httplib::Response& res) {
-    res.set_content(renderMetrics(board.stats(), board.worker(), board.histograms()),
+  m->impl_->server.Get("/metrics", [&router](const httplib::Request&, httplib::Response& res) {
+    res.set_content(renderMetrics(router.stats(), router.workers(), router.histograms()),
                     "text/plain; version=0.0.4");
   });
   const int bound = port == 0 ? m->impl_->server.bind_to_any_port(host)

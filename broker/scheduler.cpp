@@ -20,24 +20,30 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options,
-                     WorkPool& pool)
+                     WorkPool& pool, SchedulerLinks links)
     : model_(std::move(model)),
       options_(std::move(options)),
+      links_(std::move(links)),
       sampler_(pool),
-      canaries_(options_.state_dir, options_.pinned_canary),
+      canaries_(links_.canaries ? links_.canaries
+                                : std::make_shared<CanaryStore>(options_.state_dir,
+                                                                options_.pinned_canary)),
       queues_(model_.max_context, model_.eos_token_ids,
               [this](const Status& status) { onFinished(status); }),
       slot_(
-          std::move(factory), slotOptions(options_, model_), canaries_, sampler_, injector_, board_,
+          std::move(factory), slotOptions(options_, model_), *canaries_, sampler_, injector_,
+          board_,
           WorkerSlot::Callbacks{.lost =
                                     [this](const std::string&) {
                                       forgetInFlight();
                                       queues_.workerLost();
+                                      handOff();
                                     },
                                 .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
                                 .fail_waiting =
                                     [this](const std::string& why) {
                                       forgetInFlight();
+                                      handOff();
                                       queues_.failAll(unavailable("no healthy worker: " + why));
                                     },
                                 .serving = [this](bool serving) { setServing(serving); },
@@ -135,7 +141,7 @@ Status Scheduler::submit(GenerationRequest request, std::shared_ptr<TokenSink> s
       refused = resourceExhausted("the request queue is full (" +
                                   std::to_string(options_.max_waiting) + " waiting)");
     } else {
-      seq->id = next_sequence_id_++;
+      seq->id = links_.sequence_ids ? links_.sequence_ids->fetch_add(1) : next_sequence_id_++;
       incoming_.push_back(std::move(seq));
     }
   }
@@ -158,13 +164,16 @@ void Scheduler::run() {
         queues_.waiting().push_back(std::move(incoming_.front()));
         incoming_.pop_front();
       }
+      if (!adopted_.empty()) queues_.adopt(std::move(adopted_));
+      adopted_.clear();
+      held_ = queues_.open() + queues_.waiting().size();
     }
     const bool worked = serveOnce();
     const bool idle = queues_.empty();
     publishCounts();
     std::unique_lock lock(mu_);
     if (idle && incoming_.empty()) idle_.notify_all();
-    if (worked || !incoming_.empty() || stopping_) continue;
+    if (worked || !incoming_.empty() || !adopted_.empty() || stopping_) continue;
     lock.unlock();
     last_reply_.reset();  // the next step follows a wait for work, not this one's reply
     sleepUntilWork();
@@ -176,6 +185,8 @@ void Scheduler::run() {
   {
     std::lock_guard lock(mu_);
     incoming.swap(incoming_);
+    for (auto& s : adopted_) incoming.push_back(std::move(s));
+    adopted_.clear();
   }
   for (auto& s : incoming) s->sink->onFinish(FinishReason::kNone, {}, unavailable("shutting down"));
   slot_.shutdown();
@@ -187,17 +198,29 @@ void Scheduler::run() {
 
 // One pass of the loop; true when it did work (the loop then goes round without sleeping).
 bool Scheduler::serveOnce() {
-  bool restart;
+  bool restart, retire, retired;
   {
     std::lock_guard lock(mu_);
     restart = restart_requested_;
+    retire = retire_requested_;
+    retired = retired_;
   }
   if (restart) {
     drainSteps();
     handleRestart();
+  } else if (retire) {
+    handleRetire();
+    return true;
+  } else if (retired) {
+    handOff();  // a request that raced with the drain
+    queues_.dropCancelled(Clock::now());
+    return false;
   }
   queues_.dropCancelled(Clock::now());
   slot_.checkExited();
+  // While this worker is not ready, what waits for it may go to another that is (a worker
+  // starting a large model takes seconds).
+  if (slot_.worker() == nullptr) handOff();
   WorkerConnection* worker = slot_.ensure();
   if (worker == nullptr) return false;
   if (worker->hello().incarnation != blocks_incarnation_) {
@@ -230,6 +253,43 @@ bool Scheduler::serveOnce() {
   return false;
 }
 
+void Scheduler::handOff() {
+  if (!links_.hand_off || queues_.waiting().empty()) return;
+  std::vector<SequencePtr> moving = queues_.takeWaiting();
+  // Timed from the first move that has not resumed yet; recovery from this worker's fault (if
+  // one is being injected) is the first moved sequence's first token elsewhere.
+  const Sequence::Migration migration{Clock::now(), injector_.migrationCallback()};
+  std::vector<const Sequence*> marked;
+  for (auto& s : moving) {
+    if (s->migration) continue;
+    s->migration = migration;
+    marked.push_back(s.get());
+  }
+  const size_t offered = moving.size();
+  links_.hand_off(moving);
+  for (auto& s : moving)  // stays here
+    if (std::find(marked.begin(), marked.end(), s.get()) != marked.end()) s->migration.reset();
+  const size_t moved = offered - moving.size();
+  if (moved != 0) {
+    spdlog::info("{} sequences moved from {} to other workers", moved, links_.worker_name);
+    board_.update([&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences += moved; });
+  }
+  queues_.adopt(std::move(moving));
+}
+
+void Scheduler::adopt(std::vector<SequencePtr> sequences) {
+  {
+    std::lock_guard lock(mu_);
+    for (auto& s : sequences) adopted_.push_back(std::move(s));
+  }
+  notify();
+}
+
+size_t Scheduler::load() const {
+  std::lock_guard lock(mu_);
+  return incoming_.size() + adopted_.size() + held_;
+}
+
 void Scheduler::publishCounts() {
   const QueueCounters& c = queues_.counters();
   board_.update([&](SchedulerStats& s, WorkerStatus& w) {
@@ -245,7 +305,8 @@ void Scheduler::publishCounts() {
 void Scheduler::sleepUntilWork() {
   // Wakes on a notification, on the worker process exiting, or at the next duty: a start attempt,
   // a canary or heartbeat, or the nearest request deadline.
-  auto until = std::min(Clock::now() + std::chrono::seconds(1), slot_.nextDuty());
+  auto until = Clock::now() + std::chrono::seconds(1);
+  if (!retired()) until = std::min(until, slot_.nextDuty());
   for (const auto& s : queues_.waiting())
     if (s->request.deadline) until = std::min(until, *s->request.deadline);
   const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now()).count();

@@ -9,6 +9,7 @@
 // feed the tokens the cache lacks, sample when the last one is fed.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -74,10 +75,25 @@ struct ModelLimits {
   std::vector<uint32_t> eos_token_ids;
 };
 
+// What the schedulers of one broker share, one scheduler per worker (broker/router.h). The
+// defaults make a scheduler that stands alone.
+struct SchedulerLinks {
+  std::string worker_name = "worker-0";
+  std::shared_ptr<CanaryStore> canaries;  // null: the scheduler's own
+  // Sequence ids, unique across the workers (a sequence keeps its id when it moves); null: the
+  // scheduler's own counter.
+  std::shared_ptr<std::atomic<uint64_t>> sequence_ids;
+  // Offers sequences this scheduler cannot compute now (its worker was lost, is starting or is
+  // drained; they hold no KV blocks) to the other workers, which take them from `sequences`; those
+  // left there stay. Called on this scheduler's thread without its lock; null: they all stay.
+  std::function<void(std::vector<SequencePtr>& sequences)> hand_off;
+};
+
 class Scheduler {
  public:
   // `pool` verifies and samples logits rows; it may be shared with other schedulers.
-  Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options, WorkPool& pool);
+  Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions options, WorkPool& pool,
+            SchedulerLinks links = {});
   ~Scheduler();
 
   // Starts the scheduling thread (which starts the worker).
@@ -92,6 +108,20 @@ class Scheduler {
   void setServingCallback(std::function<void(bool)> callback);
   // Stops admitting and waits (up to `timeout`) until nothing runs; returns requests finished.
   Result<uint32_t> drain(std::chrono::milliseconds timeout);
+  // drain() in two halves, so that several schedulers stop admitting at the same moment.
+  void beginDrain();
+  Result<uint32_t> awaitDrained(std::chrono::steady_clock::time_point deadline);
+
+  // Sequences that move here from another worker (their history is replayed here).
+  void adopt(std::vector<SequencePtr> sequences);
+  // Sequences this scheduler holds or was handed and has not started (a placement signal).
+  size_t load() const;
+  // Takes this worker out of service for an operator: its sequences move to the other workers
+  // (hand_off must take them all, or the worker keeps serving and FAILED_PRECONDITION says why),
+  // then it is shut down. It stays stopped until restartWorker(). Returns the sequences moved.
+  Result<uint32_t> retire(std::chrono::milliseconds timeout);
+  bool retired() const;
+  const std::string& workerName() const { return links_.worker_name; }
   // Replaces the worker; in-flight sequences are replayed. Returns {old, new} incarnations.
   Result<std::pair<uint64_t, uint64_t>> restartWorker(std::chrono::milliseconds timeout);
   // Injects one fault (the worker must run with fault injection) and waits until it is detected
@@ -111,6 +141,9 @@ class Scheduler {
   void notify();
   void sleepUntilWork();
   void handleRestart();
+  void handleRetire();
+  // Offers the waiting sequences to the other workers (SchedulerLinks::hand_off).
+  void handOff();
   void publishCounts();
   // A step sent to the worker whose reply has not been taken.
   struct InFlightStep {
@@ -144,16 +177,27 @@ class Scheduler {
 
   const ModelLimits model_;
   const SchedulerOptions options_;
+  const SchedulerLinks links_;
   RowSampler sampler_;  // the scheduler thread's; scratch kept between steps
   StatsBoard board_;
-  CanaryStore canaries_;
+  std::shared_ptr<CanaryStore> canaries_;
   FaultInjector injector_;
 
   // Shared with RPC threads, under mu_.
   mutable std::mutex mu_;
   std::condition_variable idle_;  // drains and restarts wait on it
   std::deque<SequencePtr> incoming_;
+  std::vector<SequencePtr> adopted_;
+  // What the queues held as the loop last took the incoming requests (load(): it only shrinks
+  // until the next pass).
+  size_t held_ = 0;
   bool stopping_ = false;
+  // An operator's drain of this worker alone: asked for, then done (the worker stopped), and why
+  // it could not be done.
+  bool retire_requested_ = false;
+  bool retired_ = false;
+  std::optional<Status> retire_refused_;
+  uint32_t retired_moved_ = 0;
   bool draining_ = false;
   bool restart_requested_ = false;
   bool failed_ = false;  // a crash loop: submissions get UNAVAILABLE

@@ -9,15 +9,25 @@ namespace bulkhead {
 using std::chrono::milliseconds;
 
 Result<uint32_t> Scheduler::drain(milliseconds timeout) {
-  std::unique_lock lock(mu_);
-  draining_ = true;
-  finished_while_draining_ = 0;
-  lock.unlock();
+  beginDrain();
+  return awaitDrained(std::chrono::steady_clock::now() + timeout);
+}
+
+void Scheduler::beginDrain() {
+  {
+    std::lock_guard lock(mu_);
+    draining_ = true;
+    finished_while_draining_ = 0;
+  }
   notify();
-  lock.lock();
-  const bool done = idle_.wait_for(lock, timeout, [&] {
+}
+
+Result<uint32_t> Scheduler::awaitDrained(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock lock(mu_);
+  const bool done = idle_.wait_until(lock, deadline, [&] {
     const SchedulerStats s = board_.stats();
-    return stopping_ || (incoming_.empty() && s.requests_running == 0 && s.requests_waiting == 0);
+    return stopping_ || (incoming_.empty() && adopted_.empty() && s.requests_running == 0 &&
+                         s.requests_waiting == 0);
   });
   if (!done) return Status(Code::kDeadlineExceeded, "drain did not finish in time");
   const uint32_t finished = finished_while_draining_;
@@ -53,7 +63,63 @@ Result<InjectionOutcome> Scheduler::injectFault(Fault fault, uint64_t random, mi
   return outcome;
 }
 
+Result<uint32_t> Scheduler::retire(milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  if (retired_) return 0u;
+  retire_requested_ = true;
+  retire_refused_.reset();
+  lock.unlock();
+  notify();
+  lock.lock();
+  const bool done =
+      idle_.wait_for(lock, timeout, [&] { return !retire_requested_ || stopping_; });
+  if (!done || retire_requested_) return unavailable("the worker's drain did not finish in time");
+  if (retire_refused_) return *retire_refused_;
+  return retired_moved_;
+}
+
+bool Scheduler::retired() const {
+  std::lock_guard lock(mu_);
+  return retired_;
+}
+
+// The worker goes; its sequences replay on the others. Steps in flight complete first, and a
+// worker whose tokens wait for its scrubber vouches for them, so nothing sent is taken back.
+void Scheduler::handleRetire() {
+  drainSteps();
+  if (slot_.worker() != nullptr && queues_.hasUnreleased())
+    if (auto scrub = slot_.vouch()) applyScrub(*scrub, gated(*slot_.worker()));
+  queues_.workerLost();
+  const size_t held = queues_.waiting().size();
+  handOff();
+  const size_t left = queues_.waiting().size();
+  if (left == 0) {
+    spdlog::info("{} drained by an operator: {} sequences moved; stopping its worker",
+                 links_.worker_name, held);
+    slot_.shutdown();
+    setServing(false);
+  }
+  std::lock_guard lock(mu_);
+  retire_requested_ = false;
+  if (left != 0) {
+    retire_refused_ = failedPrecondition(links_.worker_name +
+                                         " keeps serving: no other worker could take " +
+                                         std::to_string(left) + " of its sequences");
+  } else {
+    retired_ = true;
+    retired_moved_ = uint32_t(held);
+  }
+  idle_.notify_all();
+}
+
 void Scheduler::handleRestart() {
+  bool was_retired;
+  {
+    std::lock_guard lock(mu_);
+    was_retired = retired_;
+    retired_ = false;
+  }
+  if (was_retired) slot_.resume();
   const WorkerConnection* old = slot_.worker();
   const uint64_t old_incarnation = old ? old->hello().incarnation : 0;
   slot_.replace("operator", "restart requested by an operator", /*operator_request=*/true);

@@ -36,8 +36,10 @@ struct GenerationRequest {
 // it; per sequence's first token, from the request's arrival (time to first token); per later
 // token, from the previous token's release (the inter-token gap; tokens released together after
 // the first of them have a gap of 0).
+// Per sequence that moved to another worker, from the loss (or drain) of its worker to its first
+// token released on the new one.
 struct ReleaseTimes {
-  std::vector<double> after_step, first_token, inter_token;
+  std::vector<double> after_step, first_token, inter_token, migration;
 };
 
 class TokenSink {

@@ -172,6 +172,11 @@ void SequenceQueues::release(uint64_t clean_through, ReleaseTimes* times) {
       const std::vector<TokenChoice> out = s->ledger.takeReleasable(clean_through, &produced);
       if (out.empty()) continue;
       s->sink->onTokens(out);
+      if (s->migration) {
+        if (times != nullptr) times->migration.push_back(ms(now - s->migration->lost_at));
+        if (s->migration->resumed) s->migration->resumed();
+        s->migration.reset();
+      }
       if (times != nullptr) {
         for (const auto& at : produced) times->after_step.push_back(ms(now - at));
         if (s->last_release) {
@@ -243,6 +248,26 @@ void SequenceQueues::failAll(const Status& status) {
   }
   for (auto& s : waiting_) finish(*s, FinishReason::kNone, status);
   waiting_.clear();
+}
+
+std::vector<SequencePtr> SequenceQueues::takeWaiting() {
+  std::vector<SequencePtr> out;
+  for (auto& s : waiting_) {
+    freeBlocks(*s);
+    out.push_back(std::move(s));
+  }
+  waiting_.clear();
+  return out;
+}
+
+void SequenceQueues::adopt(std::vector<SequencePtr> sequences) {
+  std::sort(sequences.begin(), sequences.end(),
+            [](const SequencePtr& a, const SequencePtr& b) { return a->id < b->id; });
+  auto at = waiting_.begin();
+  for (auto& s : sequences) {
+    at = std::find_if(at, waiting_.end(), [&](const SequencePtr& w) { return w->id > s->id; });
+    at = std::next(waiting_.insert(at, std::move(s)));
+  }
 }
 
 void SequenceQueues::finish(Sequence& seq, FinishReason reason, const Status& status) {

@@ -33,6 +33,13 @@ struct Sequence {
   // When the broker took the request, and when it last handed tokens to the client.
   std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
   std::optional<std::chrono::steady_clock::time_point> last_release;
+  // Set when the sequence moved here from a worker that was lost or drained: when that happened,
+  // and who to tell once its first token here is released (the fault injector timing recovery).
+  struct Migration {
+    std::chrono::steady_clock::time_point lost_at;
+    std::function<void()> resumed;
+  };
+  std::optional<Migration> migration;
 
   Sequence(GenerationRequest r, std::shared_ptr<TokenSink> s)
       : request(std::move(r)), sink(std::move(s)), ledger(request.prompt) {}
@@ -105,6 +112,11 @@ class SequenceQueues {
   void workerLost();
   void failAll(const Status& status);
   void finish(Sequence& seq, FinishReason reason, const Status& status);
+  // Every waiting sequence, in order (they hold no blocks): to move to another worker.
+  std::vector<SequencePtr> takeWaiting();
+  // Sequences from another worker (or given back by takeWaiting's taker) join the waiting ones in
+  // the order of their ids, that is of their arrival.
+  void adopt(std::vector<SequencePtr> sequences);
 
  private:
   void requeueAll();

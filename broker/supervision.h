@@ -49,6 +49,13 @@ class Supervision {
   // An operator asked for a restart: not a failure; the next start may happen at once.
   void onOperatorRestart(Clock::time_point now);
   void onStopped() { state_ = WorkerState::kStopped; }
+  // A stopped slot (an operator drained its worker) is put back into service: it starts at once.
+  void onResumed(Clock::time_point now) {
+    state_ = WorkerState::kStarting;
+    consecutive_failures_ = 0;
+    proven_ = false;
+    next_start_at_ = now;
+  }
 
  private:
   SupervisionOptions options_;

@@ -268,4 +268,9 @@ void WorkerSlot::shutdown() {
   ready_ = false;
 }
 
+void WorkerSlot::resume() {
+  supervision_.onResumed(Clock::now());
+  board_.update([](SchedulerStats&, WorkerStatus& w) { w.state = "starting"; });
+}
+
 }  // namespace bulkhead

@@ -88,7 +88,9 @@ class WorkerSlot {
   bool faultPending() const;
   // Asks the worker for a full scrub pass; replaces it when that fails.
   std::optional<ScrubStatus> vouch();
+  // Stops the worker (an orderly exit) and the slot: nothing starts until resume().
   void shutdown();
+  void resume();
 
  private:
   bool start();

@@ -28,6 +28,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.attention_scale_factor = options.attention_scale_factor;
     cuda.cuda_graphs = options.cuda_graphs;
     cuda.cublas_products = options.cuda_cublas_products;
+    cuda.device = options.cuda_device;
     BULKHEAD_ASSIGN_OR_RETURN(auto backend, CudaBackend::create(std::move(checkpoint), cuda));
     return std::unique_ptr<Backend>(std::move(backend));
 #else

@@ -17,6 +17,7 @@ struct BackendOptions {
   float attention_scale_factor = 1.0f;  // fault injection (CpuBackend::Options)
   bool cuda_graphs = true;              // the CUDA backend runs decode steps as graphs
   bool cuda_cublas_products = false;    // CudaBackend::Options::cublas_products
+  int cuda_device = 0;                  // the CUDA device ordinal the worker uses
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

@@ -52,6 +52,10 @@ int main(int argc, char** argv) {
   app.add_flag("--no-in-step-checks", no_in_step_checks,
                "Do not check the weight words each step reads (to measure what the checks cost; "
                "tokens then wait for the scrubber)");
+  app.add_option("--device", backend_options.cuda_device,
+                 "CUDA backend: the device ordinal to run on (a broker with --workers N gives "
+                 "worker i device i)")
+      ->check(CLI::Range(0, 1023));
   bool no_cuda_graphs = false;
   app.add_flag("--no-cuda-graphs", no_cuda_graphs,
                "CUDA backend: launch every step's kernels one by one (the logits are the same)");

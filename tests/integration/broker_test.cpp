@@ -576,16 +576,16 @@ TEST(BrokerMetricsTest, ScrapedAfterTrafficAndAWorkerKill) {
   EXPECT_EQ(m.at("bulkhead_prompt_tokens_total"), requests * 3);
   EXPECT_GE(m.at("bulkhead_generated_tokens_total"), tokens);
   EXPECT_EQ(m.at("bulkhead_worker_restarts_total{cause=\"worker exited\"}"), 1);
-  EXPECT_EQ(m.at("bulkhead_worker_ready"), 1);
+  EXPECT_EQ(m.at("bulkhead_worker_ready{worker=\"worker-0\"}"), 1);
   // Every released token is either a sequence's first or follows another.
   EXPECT_EQ(m.at("bulkhead_time_to_first_token_seconds_count"), requests);
   EXPECT_EQ(m.at("bulkhead_inter_token_seconds_count"), tokens - requests);
   EXPECT_EQ(m.at("bulkhead_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), requests);
   EXPECT_GT(m.at("bulkhead_step_duration_seconds_count"), 0);
   EXPECT_EQ(m.at("bulkhead_step_batch_size_count"), m.at("bulkhead_step_duration_seconds_count"));
-  EXPECT_GT(m.at("bulkhead_weight_resident_bytes"), 0);
-  EXPECT_GT(m.at("bulkhead_last_step_id"), 0);
-  EXPECT_LE(m.at("bulkhead_scrub_clean_through_step_id"), m.at("bulkhead_last_step_id"));
+  EXPECT_GT(m.at("bulkhead_weight_resident_bytes{worker=\"worker-0\"}"), 0);
+  EXPECT_GT(m.at("bulkhead_last_step_id{worker=\"worker-0\"}"), 0);
+  EXPECT_LE(m.at("bulkhead_scrub_clean_through_step_id{worker=\"worker-0\"}"), m.at("bulkhead_last_step_id{worker=\"worker-0\"}"));
 }
 
 }  // namespace

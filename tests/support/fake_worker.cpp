@@ -2,6 +2,7 @@
 #include "support/fake_worker.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "shared/checksum.h"
 #include "shared/mix.h"
@@ -63,14 +64,17 @@ uint32_t FakeWorkerControl::starts() const {
 
 WorkerFactory FakeWorkerControl::factory(std::shared_ptr<FakeWorkerControl> self) {
   return [self](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+    bool restart;
     {
       std::lock_guard lock(self->mu_);
-      ++self->starts_;
+      restart = ++self->starts_ > 1;
       if (self->failing_starts_ > 0) {
         --self->failing_starts_;
         return workerFailure(WorkerFailure::Kind::kStartFailed, "scripted start failure");
       }
     }
+    // The load time of a real worker, simulated (nothing waits on it but the start itself).
+    if (restart && self->restart_delay.count() > 0) std::this_thread::sleep_for(self->restart_delay);
     return std::unique_ptr<WorkerConnection>(std::make_unique<FakeWorker>(self, incarnation));
   };
 }
@@ -117,6 +121,7 @@ std::optional<FakeFault> FakeWorker::takeFault() {
 WorkerFailure FakeWorker::sendStep(uint64_t step_id, std::span<const SequenceStep> batch,
                                    uint32_t first_slot, std::chrono::milliseconds) {
   if (!broken_.ok()) return broken_;
+  if (control_->on_step) control_->on_step(batch);
   if (replies_.size() >= kMaxStepsInFlight)
     return workerFailure(WorkerFailure::Kind::kProtocolViolation, "too many steps in flight");
   size_t rows = 0;

@@ -5,6 +5,7 @@
 // sequences were in fact replayed on a new incarnation.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -53,6 +54,11 @@ class FakeWorkerControl {
   // The worker says it checks every step's weight reads: its tokens need no scrubber's word, and
   // the broker may send it two steps at once.
   bool in_step_checks = false;
+  // Every start after the first takes this long (a worker loading a large model).
+  std::chrono::milliseconds restart_delay{0};
+  // Called on the scheduler's thread as each step is sent, before it is computed (a test's hook
+  // into the middle of a generation). Set before the scheduler starts.
+  std::function<void(std::span<const SequenceStep> batch)> on_step;
 
   // The fault fires on the `after_steps`-th step from now that carries logits rows.
   void scheduleFault(uint32_t after_steps, FakeFault fault);

@@ -45,15 +45,20 @@ TEST(Metrics, RendersCountersLabelsAndCumulativeHistograms) {
   s.prompt_tokens = 21;
   s.restarts_by_cause = {{"worker exited", 2}, {"odd \"cause\"", 1}};
   s.integrity_failures_by_check = {{"payload checksum", 3}};
-  WorkerStatus w;
-  w.state = "ready";
-  w.kv_blocks_total = 100;
-  w.kv_blocks_free = 60;
+  s.migrated_sequences = 4;
+  std::vector<WorkerView> workers(2);
+  workers[0].name = "worker-0";
+  workers[0].status.state = "ready";
+  workers[0].status.kv_blocks_total = 100;
+  workers[0].status.kv_blocks_free = 60;
+  workers[1].name = "worker-1";
+  workers[1].status.state = "starting";
+  workers[1].stats.requests_running = 3;
   StatsHistograms h;
   for (double ms : {0.1, 0.3, 3.0, 3.0, 70.0, 20000.0}) h.step_ms.add(ms);
   h.batch_size.add(3);
 
-  const Parsed p = parse(renderMetrics(s, w, h));
+  const Parsed p = parse(renderMetrics(s, workers, h));
   EXPECT_EQ(p.types.at("bulkhead_requests_total"), "counter");
   EXPECT_EQ(p.samples.at("bulkhead_requests_total{outcome=\"completed\"}"), 7);
   EXPECT_EQ(p.samples.at("bulkhead_requests_total{outcome=\"failed\"}"), 1);
@@ -62,8 +67,13 @@ TEST(Metrics, RendersCountersLabelsAndCumulativeHistograms) {
   EXPECT_EQ(p.samples.at("bulkhead_worker_restarts_total{cause=\"worker exited\"}"), 2);
   EXPECT_EQ(p.samples.at("bulkhead_worker_restarts_total{cause=\"odd \\\"cause\\\"\"}"), 1);
   EXPECT_EQ(p.samples.at("bulkhead_integrity_failures_total{check=\"payload checksum\"}"), 3);
-  EXPECT_EQ(p.samples.at("bulkhead_worker_ready"), 1);
-  EXPECT_EQ(p.samples.at("bulkhead_kv_blocks_free"), 60);
+  EXPECT_EQ(p.samples.at("bulkhead_migrated_sequences_total"), 4);
+  // One sample per worker, by name.
+  EXPECT_EQ(p.types.at("bulkhead_worker_ready"), "gauge");
+  EXPECT_EQ(p.samples.at("bulkhead_worker_ready{worker=\"worker-0\"}"), 1);
+  EXPECT_EQ(p.samples.at("bulkhead_worker_ready{worker=\"worker-1\"}"), 0);
+  EXPECT_EQ(p.samples.at("bulkhead_kv_blocks_free{worker=\"worker-0\"}"), 60);
+  EXPECT_EQ(p.samples.at("bulkhead_worker_requests_running{worker=\"worker-1\"}"), 3);
 
   EXPECT_EQ(p.types.at("bulkhead_step_duration_seconds"), "histogram");
   EXPECT_EQ(p.samples.at("bulkhead_step_duration_seconds_bucket{le=\"0.00025\"}"), 1);

@@ -1,0 +1,209 @@
+// Router: placement, moving sequences between workers, and the broker-wide views.
+#include "broker/router.h"
+
+#include <algorithm>
+
+#include <spdlog/spdlog.h>
+
+namespace bulkhead {
+
+Router::Router(std::vector<WorkerFactory> factories, ModelLimits model, SchedulerOptions options,
+               WorkPool& pool) {
+  const size_t n = std::max<size_t>(1, factories.size());
+  if (n > 1) options.max_waiting = uint32_t((options.max_waiting + n - 1) / n);
+  auto canaries = std::make_shared<CanaryStore>(options.state_dir, options.pinned_canary);
+  auto ids = std::make_shared<std::atomic<uint64_t>>(1);
+  serving_.assign(factories.size(), false);
+  // The watchdog is pinged once every scheduling loop has gone round since the last ping, so a
+  // single stuck loop is noticed.
+  const std::function<void()> alive = options.alive;
+  beats_ = std::make_unique<std::atomic<bool>[]>(factories.size());
+  for (size_t i = 0; i < factories.size(); ++i) {
+    if (alive)
+      options.alive = [this, i, alive, n = factories.size()] {
+        beats_[i].store(true);
+        for (size_t k = 0; k < n; ++k)
+          if (!beats_[k].load()) return;
+        for (size_t k = 0; k < n; ++k) beats_[k].store(false);
+        alive();
+      };
+    SchedulerLinks links{.worker_name = "worker-" + std::to_string(i),
+                         .canaries = canaries,
+                         .sequence_ids = ids,
+                         .hand_off = {}};
+    if (factories.size() > 1)
+      links.hand_off = [this, i](std::vector<SequencePtr>& s) { handOff(i, s); };
+    schedulers_.push_back(std::make_unique<Scheduler>(std::move(factories[i]), model, options, pool,
+                                                      std::move(links)));
+  }
+}
+
+Router::~Router() {
+  stop();
+}
+
+void Router::start() {
+  for (size_t i = 0; i < schedulers_.size(); ++i) {
+    schedulers_[i]->setServingCallback([this, i](bool serving) { servingChanged(i, serving); });
+    schedulers_[i]->start();
+  }
+}
+
+void Router::stop() {
+  // Every thread stops before any scheduler is destroyed: a moving sequence may be handed to any.
+  for (auto& s : schedulers_) s->stop();
+}
+
+void Router::setServingCallback(std::function<void(bool)> callback) {
+  std::lock_guard lock(mu_);
+  serving_callback_ = std::move(callback);
+  if (serving_callback_) serving_callback_(any_serving_);
+}
+
+void Router::servingChanged(size_t i, bool serving) {
+  // Held while calling out, so that the callback sees the changes in the order they happened.
+  std::lock_guard lock(mu_);
+  serving_[i] = serving;
+  const bool any = std::find(serving_.begin(), serving_.end(), true) != serving_.end();
+  if (any == any_serving_) return;
+  any_serving_ = any;
+  if (serving_callback_) serving_callback_(any);
+}
+
+bool Router::ready(size_t i) const {
+  return !schedulers_[i]->retired() && schedulers_[i]->workerStatus().state == "ready";
+}
+
+size_t Router::place() const {
+  if (schedulers_.size() == 1) return 0;
+  size_t best = schedulers_.size();
+  size_t best_load = 0;
+  uint32_t best_free = 0;
+  for (int pass = 0; pass < 2 && best == schedulers_.size(); ++pass) {
+    for (size_t i = 0; i < schedulers_.size(); ++i) {
+      // First pass: ready workers only; second: any not drained (the request waits for it).
+      if (pass == 0 ? !ready(i) : schedulers_[i]->retired()) continue;
+      const size_t load = schedulers_[i]->load();
+      const uint32_t free = schedulers_[i]->workerStatus().kv_blocks_free;
+      if (best == schedulers_.size() || load < best_load ||
+          (load == best_load && free > best_free)) {
+        best = i;
+        best_load = load;
+        best_free = free;
+      }
+    }
+  }
+  return best == schedulers_.size() ? 0 : best;
+}
+
+Status Router::submit(GenerationRequest request, std::shared_ptr<TokenSink> sink) {
+  const size_t at = place();
+  return schedulers_[at]->submit(std::move(request), std::move(sink));
+}
+
+void Router::handOff(size_t from, std::vector<SequencePtr>& sequences) {
+  struct Peer {
+    size_t index, load;
+    uint32_t free;
+    std::vector<SequencePtr> taken;
+  };
+  std::vector<Peer> peers;
+  for (size_t i = 0; i < schedulers_.size(); ++i)
+    if (i != from && ready(i))
+      peers.push_back(
+          {i, schedulers_[i]->load(), schedulers_[i]->workerStatus().kv_blocks_free, {}});
+  if (peers.empty()) return;
+  for (SequencePtr& s : sequences) {
+    Peer& p = *std::min_element(peers.begin(), peers.end(), [](const Peer& a, const Peer& b) {
+      return a.load != b.load ? a.load < b.load : a.free > b.free;
+    });
+    p.taken.push_back(std::move(s));
+    ++p.load;
+  }
+  sequences.clear();
+  for (Peer& p : peers)
+    if (!p.taken.empty()) schedulers_[p.index]->adopt(std::move(p.taken));
+}
+
+Result<Scheduler*> Router::find(const std::string& name) const {
+  if (name.empty()) {
+    if (schedulers_.size() == 1) return schedulers_[0].get();
+    return invalidArgument("the broker has " + std::to_string(schedulers_.size()) +
+                           " workers: name one (worker-0 .. worker-" +
+                           std::to_string(schedulers_.size() - 1) + ")");
+  }
+  for (const auto& s : schedulers_)
+    if (s->workerName() == name) return s.get();
+  return Status(Code::kNotFound, "no worker named " + name);
+}
+
+Result<uint32_t> Router::drain(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (auto& s : schedulers_) s->beginDrain();
+  uint32_t finished = 0;
+  for (auto& s : schedulers_) {
+    auto n = s->awaitDrained(deadline);
+    if (!n.ok()) return n.status();
+    finished += *n;
+  }
+  return finished;
+}
+
+Result<uint32_t> Router::drainWorker(const std::string& name, std::chrono::milliseconds timeout) {
+  BULKHEAD_ASSIGN_OR_RETURN(Scheduler * target, find(name));
+  bool other_ready = false;
+  for (size_t i = 0; i < schedulers_.size(); ++i)
+    other_ready |= schedulers_[i].get() != target && ready(i);
+  if (!other_ready && !target->retired())
+    return failedPrecondition("no other worker is ready to take " + target->workerName() +
+                              "'s sequences");
+  return target->retire(timeout);
+}
+
+Result<std::pair<uint64_t, uint64_t>> Router::restartWorker(const std::string& name,
+                                                            std::chrono::milliseconds timeout) {
+  BULKHEAD_ASSIGN_OR_RETURN(Scheduler * target, find(name));
+  return target->restartWorker(timeout);
+}
+
+Result<InjectionOutcome> Router::injectFault(const std::string& name, Fault fault,
+                                             uint64_t random, std::chrono::milliseconds timeout,
+                                             bool keep_armed) {
+  Scheduler* target = nullptr;
+  if (name.empty() && schedulers_.size() > 1) {
+    std::vector<size_t> candidates;
+    for (size_t i = 0; i < schedulers_.size(); ++i)
+      if (ready(i)) candidates.push_back(i);
+    if (candidates.empty()) return unavailable("no worker is ready for a fault");
+    // The high bits: the low ones pick rows and bits inside the worker.
+    target = schedulers_[candidates[(random >> 40) % candidates.size()]].get();
+  } else {
+    BULKHEAD_ASSIGN_OR_RETURN(target, find(name));
+  }
+  auto outcome = target->injectFault(fault, random, timeout, keep_armed);
+  if (outcome.ok()) outcome->worker = target->workerName();
+  return outcome;
+}
+
+std::vector<const StatsBoard*> Router::boards() const {
+  std::vector<const StatsBoard*> out;
+  for (const auto& s : schedulers_) out.push_back(&s->board());
+  return out;
+}
+
+SchedulerStats Router::stats() const {
+  return StatsBoard::combined(boards());
+}
+
+StatsHistograms Router::histograms() const {
+  return StatsBoard::combinedHistograms(boards());
+}
+
+std::vector<WorkerView> Router::workers() const {
+  std::vector<WorkerView> out;
+  for (const auto& s : schedulers_)
+    out.push_back({s->workerName(), s->workerStatus(), s->stats(), s->retired()});
+  return out;
+}
+
+}  // namespace bulkhead

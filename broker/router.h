@@ -1,0 +1,86 @@
+// The broker's workers: one Scheduler (one thread, one worker slot) per worker, and the router in
+// front of them. A new request goes to the ready worker holding the fewest sequences (then the one
+// with the most free KV blocks) and stays there, with its KV cache, while that worker serves.
+// When a worker is lost (any failure), starting, in a crash loop or drained by an operator, the
+// sequences it holds move at once to the ready workers and are replayed there from the broker's
+// copy of their history; batch-invariant numerics make their tokens the same. The failed worker
+// restarts in the background and takes new requests once its canary passes. With no ready worker
+// elsewhere, sequences wait for their own, as with a single worker.
+//
+// Every scheduler reports into its own StatsBoard; the router adds them up. One worker behaves
+// exactly as a Scheduler alone.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "broker/scheduler.h"
+
+namespace bulkhead {
+
+struct WorkerView {
+  std::string name;
+  WorkerStatus status;
+  SchedulerStats stats;  // counters of the sequences this worker computed
+  bool drained = false;  // stopped by an operator (Admin Drain with a name)
+};
+
+class Router {
+ public:
+  // One worker per factory (at least one), named worker-0, worker-1, ... The queue limit
+  // (options.max_waiting) is the broker's: each worker gets its share.
+  Router(std::vector<WorkerFactory> factories, ModelLimits model, SchedulerOptions options,
+         WorkPool& pool);
+  ~Router();
+
+  void start();
+  void stop();
+
+  // Places a validated request on a worker (see the file comment).
+  Status submit(GenerationRequest request, std::shared_ptr<TokenSink> sink);
+  // Called with true while at least one worker serves, false when none does.
+  void setServingCallback(std::function<void(bool)> callback);
+
+  // The whole broker: stops admitting and waits until nothing runs.
+  Result<uint32_t> drain(std::chrono::milliseconds timeout);
+  // One worker, for an operator replacing its GPU: its sequences move to the others, then it
+  // stops until restartWorker(name). FAILED_PRECONDITION when no other worker is ready.
+  Result<uint32_t> drainWorker(const std::string& name, std::chrono::milliseconds timeout);
+  // Replaces the named worker (empty: the only one), or starts a drained one again.
+  Result<std::pair<uint64_t, uint64_t>> restartWorker(const std::string& name,
+                                                      std::chrono::milliseconds timeout);
+  // Into the named worker; empty: the only one, or with several a ready one picked by `random`.
+  Result<InjectionOutcome> injectFault(const std::string& name, Fault fault, uint64_t random,
+                                       std::chrono::milliseconds timeout, bool keep_armed = false);
+
+  size_t size() const { return schedulers_.size(); }
+  // The broker's counters: every worker's added up, percentiles over all of their windows.
+  SchedulerStats stats() const;
+  StatsHistograms histograms() const;
+  std::vector<WorkerView> workers() const;
+
+ private:
+  // The scheduler named `name`; empty names the only one. NOT_FOUND / INVALID_ARGUMENT.
+  Result<Scheduler*> find(const std::string& name) const;
+  bool ready(size_t i) const;
+  // Where a new request goes: the ready worker with the least load, else any that is not
+  // drained (it waits for that worker).
+  size_t place() const;
+  // Moves `sequences` from worker `from` to the ready others.
+  void handOff(size_t from, std::vector<SequencePtr>& sequences);
+  void servingChanged(size_t i, bool serving);
+  std::vector<const StatsBoard*> boards() const;
+
+  std::unique_ptr<std::atomic<bool>[]> beats_;  // each loop went round since the last ping
+  std::vector<std::unique_ptr<Scheduler>> schedulers_;
+  mutable std::mutex mu_;  // serving state only; never held while calling a scheduler
+  std::vector<bool> serving_;
+  bool any_serving_ = false;
+  std::function<void(bool)> serving_callback_;
+};
+
+}  // namespace bulkhead

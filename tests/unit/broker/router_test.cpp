@@ -1,0 +1,245 @@
+// The router over three in-process fake workers: placement, and what happens to a worker's
+// sequences when it is killed, hangs, reads a stale weight slot or is drained in the middle of their
+// generations. Each test asserts that the sequences did move (another worker re-prefilled them
+// from position 0 with the tokens generated so far), that every client got exactly the tokens of a
+// fault-free run without an error, and that the broker kept serving throughout.
+#include "broker/router.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "support/collect_sink.h"
+#include "support/fake_worker.h"
+
+namespace bulkhead {
+namespace {
+
+using namespace std::chrono_literals;
+using test::CollectSink;
+using test::expectedGreedy;
+
+class RouterTest : public ::testing::Test {
+ protected:
+  static constexpr size_t kWorkers = 3;
+
+  // Every worker's client steps wait until the test's requests are all submitted, so that placement
+  // sees each worker holding what it was given (a fake step takes microseconds: unheld, a request
+  // could end before the next one is placed). Then `hooks_[i]` runs as worker i sends a step.
+  RouterTest() {
+    gate_ = submitted_.get_future().share();
+    for (size_t i = 0; i < kWorkers; ++i) {
+      controls_.push_back(std::make_shared<test::FakeWorkerControl>());
+      controls_[i]->on_step = [this, i](std::span<const SequenceStep> batch) {
+        const bool client = std::any_of(batch.begin(), batch.end(),
+                                        [](const SequenceStep& s) { return s.sequence_id != 0; });
+        if (!client) return;  // the canary
+        EXPECT_EQ(gate_.wait_for(20s), std::future_status::ready);
+        if (hooks_[i]) hooks_[i]();
+      };
+    }
+  }
+  ~RouterTest() override {
+    if (router_) router_->stop();
+  }
+
+  // Starts the router and waits (bounded) until every worker is ready.
+  void start(SchedulerOptions o = {}) {
+    o.restart_backoff_initial = 1ms;
+    o.restart_backoff_max = 2ms;
+    o.canary_interval = 0ms;
+    o.canary_reference = test::fakeReference();
+    std::vector<WorkerFactory> factories;
+    for (auto& c : controls_) factories.push_back(c->factory(c));
+    router_ = std::make_unique<Router>(std::move(factories),
+                                       ModelLimits{controls_[0]->vocab, 4096, {}}, o, pool_);
+    router_->setServingCallback([this](bool serving) {
+      std::lock_guard lock(mu_);
+      serving_changes_.push_back(serving);
+    });
+    router_->start();
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (!allReady() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    ASSERT_TRUE(allReady()) << "the workers did not all become ready";
+  }
+  bool allReady() const {
+    for (const WorkerView& w : router_->workers())
+      if (w.status.state != "ready") return false;
+    return true;
+  }
+
+  struct Run {
+    std::vector<uint32_t> prompt;
+    std::shared_ptr<CollectSink> sink = std::make_shared<CollectSink>();
+  };
+  std::vector<Run> submit(int n, uint32_t tokens) {
+    std::vector<Run> runs(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      runs[size_t(i)].prompt = {uint32_t(i + 1), uint32_t(3 * i + 2), 5};
+      GenerationRequest r;
+      r.prompt = runs[size_t(i)].prompt;
+      r.max_tokens = tokens;
+      EXPECT_TRUE(router_->submit(r, runs[size_t(i)].sink).ok());
+    }
+    if (!released_) submitted_.set_value();
+    released_ = true;
+    return runs;
+  }
+  void expectAllExact(const std::vector<Run>& runs, uint32_t tokens) {
+    for (const Run& r : runs) {
+      ASSERT_TRUE(r.sink->wait()) << "a request never finished";
+      EXPECT_TRUE(r.sink->status().ok()) << r.sink->status().toString();
+      EXPECT_EQ(r.sink->tokens(), expectedGreedy(r.prompt, tokens, controls_[0]->vocab));
+    }
+  }
+  // Sequences worker `from` computed that another worker then re-prefilled from position 0 with
+  // more than their prompt (they had generated tokens: they moved mid-generation).
+  std::set<uint64_t> movedMidGeneration(size_t from, size_t prompt_length) const {
+    std::set<uint64_t> had;
+    for (const auto& s : controls_[from]->steps())
+      if (s.sequence_id != 0) had.insert(s.sequence_id);
+    std::set<uint64_t> moved;
+    for (size_t i = 0; i < controls_.size(); ++i) {
+      if (i == from) continue;
+      std::set<uint64_t> seen;
+      for (const auto& s : controls_[i]->steps()) {
+        if (!had.count(s.sequence_id) || !seen.insert(s.sequence_id).second) continue;
+        if (s.start_position == 0 && s.tokens.size() > prompt_length) moved.insert(s.sequence_id);
+      }
+    }
+    return moved;
+  }
+  // Once the broker served, it never reported otherwise.
+  void expectServedThroughout() {
+    std::lock_guard lock(mu_);
+    auto first = std::find(serving_changes_.begin(), serving_changes_.end(), true);
+    ASSERT_NE(first, serving_changes_.end());
+    EXPECT_EQ(std::find(first, serving_changes_.end(), false), serving_changes_.end())
+        << "health went NOT_SERVING while other workers served";
+  }
+  // A fault in worker 1 in the middle of nine 24-token generations (three on each worker); its
+  // restart takes 2 s, longer than the rest of the generations.
+  void expectMovedOnFault(std::vector<test::FakeFault> faults) {
+    controls_[1]->restart_delay = 2s;
+    start();
+    for (size_t k = 0; k < faults.size(); ++k) controls_[1]->scheduleFault(k == 0 ? 6 : 1, faults[k]);
+    auto runs = submit(9, 24);
+    expectAllExact(runs, 24);
+    EXPECT_EQ(router_->workers()[1].status.state, "starting")
+        << "the generations waited for the failed worker's restart";
+    const auto moved = movedMidGeneration(1, 3);
+    EXPECT_EQ(moved.size(), 3u) << "worker 1's three sequences move to the others";
+    const SchedulerStats s = router_->stats();
+    EXPECT_EQ(s.migrated_sequences, 3u);
+    EXPECT_GT(s.migration_ms_p99, 0.0);
+    EXPECT_LT(s.migration_ms_p99, 2000.0) << "moved sequences waited for the restart";
+    EXPECT_EQ(s.requests_completed, 9u);
+    EXPECT_EQ(s.requests_failed, 0u);
+    expectServedThroughout();
+  }
+
+  std::promise<void> submitted_;
+  std::shared_future<void> gate_;
+  bool released_ = false;
+  std::function<void()> hooks_[kWorkers];
+  std::vector<std::shared_ptr<test::FakeWorkerControl>> controls_;
+  WorkPool pool_{2};
+  std::unique_ptr<Router> router_;
+  std::mutex mu_;
+  std::vector<bool> serving_changes_;
+};
+
+TEST_F(RouterTest, RequestsSpreadOverTheWorkersAndStayOnTheirs) {
+  start();
+  auto runs = submit(9, 16);
+  expectAllExact(runs, 16);
+  std::map<uint64_t, int> workers_of;  // sequence -> workers that computed it
+  for (const auto& c : controls_) {
+    std::set<uint64_t> mine;
+    for (const auto& s : c->steps())
+      if (s.sequence_id != 0) mine.insert(s.sequence_id);
+    EXPECT_EQ(mine.size(), 3u) << "nine requests over three idle workers: three each";
+    for (uint64_t id : mine) ++workers_of[id];
+  }
+  EXPECT_EQ(workers_of.size(), 9u) << "sequence ids are unique across the workers";
+  for (const auto& [id, n] : workers_of) EXPECT_EQ(n, 1) << "sequence " << id << " moved";
+  EXPECT_EQ(router_->stats().migrated_sequences, 0u);
+  const auto views = router_->workers();
+  ASSERT_EQ(views.size(), kWorkers);
+  EXPECT_EQ(views[2].name, "worker-2");
+  EXPECT_GT(views[2].stats.tokens_generated, 0u);
+}
+
+TEST_F(RouterTest, AKilledWorkersSequencesFinishOnTheOthersWithoutWaitingForItsRestart) {
+  expectMovedOnFault(
+      {{.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited}});
+}
+
+TEST_F(RouterTest, AHungWorkersSequencesFinishOnTheOthers) {
+  expectMovedOnFault(
+      {{.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kTimedOut}});
+}
+
+// A stale weight slot fails the step's integrity check every time the step is retried: after
+// the retries the worker is replaced, and its sequences move.
+TEST_F(RouterTest, AStaleSlotWorkersSequencesFinishOnTheOthers) {
+  const test::FakeFault stale{.kind = test::FakeFault::Kind::kFailStep,
+                              .failure = WorkerFailure::Kind::kIntegrityFailure};
+  expectMovedOnFault({stale, stale, stale});
+  EXPECT_GE(router_->stats().integrity_failures, 3u);
+}
+
+TEST_F(RouterTest, DrainingOneWorkerMovesItsSequencesAndLosesNothing) {
+  // When worker 1 sends its fourth step (its sequences mid-generation), an operator drains it.
+  std::promise<void> asked;
+  std::future<Result<uint32_t>> drained;
+  std::atomic<int> steps{0};
+  hooks_[1] = [&] {
+    if (++steps != 4) return;
+    std::promise<void> started;
+    auto begun = started.get_future();
+    drained = std::async(std::launch::async, [&, started = std::move(started)]() mutable {
+      started.set_value();
+      return router_->drainWorker("worker-1", 10s);
+    });
+    begun.wait();
+  };
+  start();
+  auto runs = submit(9, 64);
+  expectAllExact(runs, 64);
+  ASSERT_TRUE(drained.valid());
+  const auto moved = drained.get();
+  ASSERT_TRUE(moved.ok()) << moved.status().toString();
+  EXPECT_EQ(*moved, 3u);
+  EXPECT_EQ(movedMidGeneration(1, 3).size(), 3u);
+  EXPECT_EQ(router_->workers()[1].status.state, "stopped");
+  expectServedThroughout();
+
+  // New requests go to the two that serve; a restart brings the drained one back.
+  const size_t steps_before = controls_[1]->steps().size();
+  expectAllExact(submit(4, 8), 8);
+  EXPECT_EQ(controls_[1]->steps().size(), steps_before);
+  auto restarted = router_->restartWorker("worker-1", 10s);
+  ASSERT_TRUE(restarted.ok()) << restarted.status().toString();
+  EXPECT_EQ(router_->workers()[1].status.state, "ready");
+}
+
+TEST_F(RouterTest, TheLastReadyWorkerCannotBeDrainedAlone) {
+  start();
+  ASSERT_TRUE(router_->drainWorker("worker-0", 10s).ok());
+  ASSERT_TRUE(router_->drainWorker("worker-1", 10s).ok());
+  const auto refused = router_->drainWorker("worker-2", 10s);
+  EXPECT_EQ(refused.status().code(), Code::kFailedPrecondition) << refused.status().toString();
+  EXPECT_EQ(router_->drainWorker("worker-7", 1s).status().code(), Code::kNotFound);
+  EXPECT_EQ(router_->restartWorker("", 1s).status().code(), Code::kInvalidArgument)
+      << "with several workers an operator names one";
+  expectAllExact(submit(3, 8), 8);
+  expectServedThroughout();
+}
+
+}  // namespace
+}  // namespace bulkhead
