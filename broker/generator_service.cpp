@@ -355,7 +355,7 @@ grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext*
     const WorkerStatus& w = view.status;
     v1::WorkerInfo* info = response->add_workers();
     info->set_name(view.name);
-    info->set_state(w.state);
+    info->set_state(view.draining ? "draining" : w.state);
     info->set_incarnation(w.incarnation);
     info->set_pid(w.pid);
     info->set_backend(w.backend);

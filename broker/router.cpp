@@ -202,7 +202,7 @@ StatsHistograms Router::histograms() const {
 std::vector<WorkerView> Router::workers() const {
   std::vector<WorkerView> out;
   for (const auto& s : schedulers_)
-    out.push_back({s->workerName(), s->workerStatus(), s->stats(), s->retired()});
+    out.push_back({s->workerName(), s->workerStatus(), s->stats(), s->retiring(), s->retired()});
   return out;
 }
 

@@ -26,7 +26,8 @@ struct WorkerView {
   std::string name;
   WorkerStatus status;
   SchedulerStats stats;  // counters of the sequences this worker computed
-  bool drained = false;  // stopped by an operator (Admin Drain with a name)
+  bool draining = false;  // an operator's drain (Admin Drain with a name) is under way
+  bool drained = false;   // stopped by that drain
 };
 
 class Router {

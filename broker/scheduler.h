@@ -121,6 +121,8 @@ class Scheduler {
   // then it is shut down. It stays stopped until restartWorker(). Returns the sequences moved.
   Result<uint32_t> retire(std::chrono::milliseconds timeout);
   bool retired() const;
+  // An operator's drain of this worker was asked for and is not done yet.
+  bool retiring() const;
   const std::string& workerName() const { return links_.worker_name; }
   // Replaces the worker; in-flight sequences are replayed. Returns {old, new} incarnations.
   Result<std::pair<uint64_t, uint64_t>> restartWorker(std::chrono::milliseconds timeout);

@@ -83,6 +83,11 @@ bool Scheduler::retired() const {
   return retired_;
 }
 
+bool Scheduler::retiring() const {
+  std::lock_guard lock(mu_);
+  return retire_requested_;
+}
+
 // The worker goes; its sequences replay on the others. Steps in flight complete first, and a
 // worker whose tokens wait for its scrubber vouches for them, so nothing sent is taken back.
 void Scheduler::handleRetire() {

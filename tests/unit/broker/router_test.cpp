@@ -194,19 +194,17 @@ TEST_F(RouterTest, AStaleSlotWorkersSequencesFinishOnTheOthers) {
 }
 
 TEST_F(RouterTest, DrainingOneWorkerMovesItsSequencesAndLosesNothing) {
-  // When worker 1 sends its fourth step (its sequences mid-generation), an operator drains it.
-  std::promise<void> asked;
+  // When worker 1 sends its fourth step (its sequences mid-generation), an operator drains it;
+  // the step goes on once the drain is under way.
   std::future<Result<uint32_t>> drained;
   std::atomic<int> steps{0};
   hooks_[1] = [&] {
     if (++steps != 4) return;
-    std::promise<void> started;
-    auto begun = started.get_future();
-    drained = std::async(std::launch::async, [&, started = std::move(started)]() mutable {
-      started.set_value();
-      return router_->drainWorker("worker-1", 10s);
-    });
-    begun.wait();
+    drained = std::async(std::launch::async, [&] { return router_->drainWorker("worker-1", 10s); });
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (!router_->workers()[1].draining && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+    EXPECT_TRUE(router_->workers()[1].draining);
   };
   start();
   auto runs = submit(9, 64);
