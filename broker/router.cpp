@@ -30,9 +30,19 @@ Router::Router(std::vector<WorkerFactory> factories, ModelLimits model, Schedule
     SchedulerLinks links{.worker_name = "worker-" + std::to_string(i),
                          .canaries = canaries,
                          .sequence_ids = ids,
-                         .hand_off = {}};
-    if (factories.size() > 1)
+                         .hand_off = {},
+                         .served_elsewhere = {}};
+    if (factories.size() > 1) {
       links.hand_off = [this, i](std::vector<SequencePtr>& s) { handOff(i, s); };
+      links.served_elsewhere = [this, i](std::function<void()> done) {
+        for (size_t k = 1; k < schedulers_.size(); ++k) {
+          const size_t j = (i + k) % schedulers_.size();
+          if (!ready(j)) continue;
+          schedulers_[j]->afterNextStep(std::move(done));
+          return;
+        }
+      };
+    }
     schedulers_.push_back(std::make_unique<Scheduler>(std::move(factories[i]), model, options, pool,
                                                       std::move(links)));
   }

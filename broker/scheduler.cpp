@@ -37,6 +37,10 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
                                     [this](const std::string&) {
                                       forgetInFlight();
                                       queues_.workerLost();
+                                      if (queues_.empty() && links_.served_elsewhere) {
+                                        if (auto done = injector_.migrationCallback())
+                                          links_.served_elsewhere(std::move(done));
+                                      }
                                       handOff();
                                     },
                                 .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
@@ -275,6 +279,11 @@ void Scheduler::handOff() {
     board_.update([&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences += moved; });
   }
   queues_.adopt(std::move(moving));
+}
+
+void Scheduler::afterNextStep(std::function<void()> done) {
+  std::lock_guard lock(mu_);
+  after_step_.push_back(std::move(done));
 }
 
 void Scheduler::adopt(std::vector<SequencePtr> sequences) {

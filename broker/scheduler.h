@@ -87,6 +87,9 @@ struct SchedulerLinks {
   // drained; they hold no KV blocks) to the other workers, which take them from `sequences`; those
   // left there stay. Called on this scheduler's thread without its lock; null: they all stay.
   std::function<void(std::vector<SequencePtr>& sequences)> hand_off;
+  // When this worker is lost holding no sequence, `done` runs after the next step another ready
+  // worker completes: service went on without a pause (the fault injector's recovery).
+  std::function<void(std::function<void()> done)> served_elsewhere;
 };
 
 class Scheduler {
@@ -116,6 +119,8 @@ class Scheduler {
   void adopt(std::vector<SequencePtr> sequences);
   // Sequences this scheduler holds or was handed and has not started (a placement signal).
   size_t load() const;
+  // Runs `done` on the scheduling thread after the next step this worker completes.
+  void afterNextStep(std::function<void()> done);
   // Takes this worker out of service for an operator: its sequences move to the other workers
   // (hand_off must take them all, or the worker keeps serving and FAILED_PRECONDITION says why),
   // then it is shut down. It stays stopped until restartWorker(). Returns the sequences moved.
@@ -190,6 +195,7 @@ class Scheduler {
   std::condition_variable idle_;  // drains and restarts wait on it
   std::deque<SequencePtr> incoming_;
   std::vector<SequencePtr> adopted_;
+  std::vector<std::function<void()>> after_step_;
   // What the queues held as the loop last took the incoming requests (load(): it only shrinks
   // until the next pass).
   size_t held_ = 0;

@@ -134,6 +134,12 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   }
   step_failures_in_a_row_ = 0;
   slot_.stepCompleted();
+  std::vector<std::function<void()>> after;
+  {
+    std::lock_guard lock(mu_);
+    after.swap(after_step_);
+  }
+  for (auto& done : after) done();
   board_.update([&](SchedulerStats&, WorkerStatus& w) {
     w.last_step = step.step_id;
     w.scrub_clean_through = std::min(reply->scrub.clean_through, step.step_id);

@@ -1,7 +1,9 @@
-// `bulkhead chaos`: proves the broker's promise. Starts its own broker and worker with fault
+// `bulkhead chaos`: proves the broker's promise. Starts its own broker and workers with fault
 // injection, records a fault-free reference for a set of greedy and seeded requests, then replays
 // them under concurrent load while injecting faults from a seeded schedule, and checks that every
-// completed output equals its reference and every fault was detected.
+// completed output equals its reference and every fault was detected. With several workers the
+// faults land on random workers, and a shorter run against a single-worker broker on the same
+// machine (checked against the same references) gives the recovery times to compare with.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +26,10 @@ struct ChaosOptions {
   // The broker's --pipeline-sample-share; 0 sends two steps at once from the first (and the run
   // then fails if none was); unset: the broker's default.
   std::optional<double> pipeline_sample_share;
+  uint32_t workers = 1;
+  // With several workers: faults injected into the single-worker comparison run (the same
+  // schedule's first ones; unset: as many as --faults; 0: no comparison run).
+  std::optional<uint32_t> baseline_faults;
   std::string report_path;
 };
 

@@ -198,6 +198,12 @@ int main(int argc, char** argv) {
   chaos->add_option("--step-timeout-ms", chaos_opts.step_timeout_ms,
                     "Broker step deadline (how fast hangs are detected)");
   chaos->add_option("--report", chaos_opts.report_path, "Write the JSON report here");
+  chaos->add_option("--workers", chaos_opts.workers,
+                    "Workers behind the broker; faults land on random ones")
+      ->check(CLI::Range(1u, 64u));
+  chaos->add_option("--baseline-faults", chaos_opts.baseline_faults,
+                    "With several workers: faults for the single-worker run whose recovery times "
+                    "the report compares (default: as many as --faults; 0: none)");
   chaos->add_option("--pipeline-sample-share", chaos_opts.pipeline_sample_share,
                     "The broker's --pipeline-sample-share (0: two steps in flight throughout)");
   chaos->add_option("--broker", chaos_opts.broker_path,
