@@ -1,0 +1,198 @@
+// A real broker with three CPU workers: a kill, a hang and a stale weight slot injected into one
+// worker while it holds generations in the middle of their tokens, and an operator draining one
+// worker. Every client gets exactly its fault-free tokens without an error, the failed worker's
+// sequences finish on the other two (the fault injection reports recovery by their first token
+// there), and health never leaves SERVING.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "support/broker_process.h"
+
+namespace bulkhead {
+namespace {
+
+using namespace std::chrono_literals;
+using test::Generation;
+
+// Records every status the broker's health service reports until it is destroyed.
+class HealthWatch {
+ public:
+  explicit HealthWatch(std::shared_ptr<grpc::Channel> channel)
+      : stub_(grpc::health::v1::Health::NewStub(channel)) {
+    thread_ = std::thread([this] {
+      grpc::health::v1::HealthCheckRequest req;
+      auto reader = stub_->Watch(&ctx_, req);
+      grpc::health::v1::HealthCheckResponse resp;
+      while (reader->Read(&resp)) {
+        std::lock_guard lock(mu_);
+        seen_.push_back(resp.status());
+      }
+      (void)reader->Finish();
+    });
+  }
+  ~HealthWatch() {
+    ctx_.TryCancel();
+    thread_.join();
+  }
+  // Every status reported was SERVING (and there was one).
+  void expectServingThroughout() {
+    std::lock_guard lock(mu_);
+    ASSERT_FALSE(seen_.empty()) << "the health watch saw no status";
+    for (auto s : seen_) EXPECT_EQ(s, grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+
+ private:
+  std::unique_ptr<grpc::health::v1::Health::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<grpc::health::v1::HealthCheckResponse::ServingStatus> seen_;
+};
+
+class ThreeWorkersTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    broker_ = std::make_unique<test::BrokerProcess>(
+        test::fixtureDir("tiny-qwen2"),
+        std::vector<std::string>{"--workers", "3", "--enable-fault-injection", "--step-timeout-ms",
+                                 "300", "--step-timeout-per-token-us", "500"});
+    ASSERT_TRUE(broker_->ok());
+    admin_ = v1::Admin::NewStub(broker_->channel());
+    // Six long generations, greedy and seeded, and their fault-free tokens.
+    for (uint32_t i = 0; i < 6; ++i) {
+      auto r = test::request({21, 22, 23 + i}, 200);
+      r.set_ignore_eos(true);
+      if (i % 2 == 1) {
+        r.mutable_sampling()->set_temperature(0.8f);
+        r.mutable_sampling()->set_seed(7 + i);
+      }
+      requests_.push_back(r);
+      reference_.push_back(test::generate(*broker_->channel(), r));
+      ASSERT_TRUE(reference_.back().status.ok());
+    }
+  }
+
+  std::vector<v1::WorkerInfo> workers() {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse r;
+    EXPECT_TRUE(admin_->ListWorkers(&ctx, {}, &r).ok());
+    return {r.workers().begin(), r.workers().end()};
+  }
+
+  // Starts the six generations and returns once each has received tokens (all are mid-way).
+  struct Streams {
+    std::vector<std::future<Generation>> results;
+  };
+  Streams startMidGeneration() {
+    Streams s;
+    std::vector<std::promise<void>> started(requests_.size());
+    std::vector<std::future<void>> first;
+    for (auto& p : started) first.push_back(p.get_future());
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      s.results.push_back(std::async(
+          std::launch::async, [this, i, started = std::move(started[i])]() mutable {
+            auto stub = v1::Generator::NewStub(broker_->channel());
+            grpc::ClientContext ctx;
+            ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+            auto reader = stub->Generate(&ctx, requests_[i]);
+            Generation g;
+            v1::GenerateResponse r;
+            bool told = false;
+            while (reader->Read(&r)) {
+              g.tokens.insert(g.tokens.end(), r.token_ids().begin(), r.token_ids().end());
+              if (!told) started.set_value();
+              told = true;
+            }
+            if (!told) started.set_value();
+            g.status = reader->Finish();
+            return g;
+          }));
+    }
+    for (auto& f : first) EXPECT_EQ(f.wait_for(60s), std::future_status::ready);
+    return s;
+  }
+  void expectExact(Streams& s) {
+    for (size_t i = 0; i < s.results.size(); ++i) {
+      const Generation g = s.results[i].get();
+      EXPECT_TRUE(g.status.ok()) << "request " << i << ": " << g.status.error_message();
+      EXPECT_EQ(g.tokens, reference_[i].tokens) << "request " << i;
+    }
+  }
+
+  void expectMovedOnFault(const std::string& fault, uint64_t random) {
+    HealthWatch health(broker_->channel());
+    Streams streams = startMidGeneration();
+    const auto before = workers();
+    ASSERT_EQ(before.size(), 3u);
+    ASSERT_GT(before[1].requests_running(), 0u) << "worker-1 holds no generation";
+    grpc::ClientContext ctx;
+    v1::InjectFaultRequest req;
+    req.set_fault(fault);
+    req.set_random(random);
+    req.set_worker("worker-1");
+    v1::InjectFaultResponse resp;
+    ASSERT_TRUE(admin_->InjectFault(&ctx, req, &resp).ok());
+    EXPECT_TRUE(resp.detected()) << fault;
+    EXPECT_TRUE(resp.recovered()) << fault;
+    EXPECT_EQ(resp.worker(), "worker-1");
+    EXPECT_TRUE(resp.migrated()) << fault << ": recovery came from the restart, not from a move";
+    EXPECT_GT(resp.recovery_ms(), 0.0);
+    expectExact(streams);
+    const auto after = workers();
+    EXPECT_GT(after[1].migrated_sequences(), before[1].migrated_sequences());
+    EXPECT_EQ(after[1].restarts(), before[1].restarts() + 1) << "worker-1 was not replaced";
+    grpc::ClientContext stats_ctx;
+    v1::Stats stats;
+    ASSERT_TRUE(admin_->GetStats(&stats_ctx, {}, &stats).ok());
+    EXPECT_GT(stats.migration_ms_p99(), 0.0) << "the move's time is reported";
+    health.expectServingThroughout();
+  }
+
+  std::unique_ptr<test::BrokerProcess> broker_;
+  std::unique_ptr<v1::Admin::Stub> admin_;
+  std::vector<v1::GenerateRequest> requests_;
+  std::vector<Generation> reference_;
+};
+
+// Even `random`: the kill and the hang land in the middle of a step.
+TEST_F(ThreeWorkersTest, AKilledWorkersGenerationsFinishOnTheOthers) {
+  expectMovedOnFault("worker_kill", 2);
+}
+
+TEST_F(ThreeWorkersTest, AHungWorkersGenerationsFinishOnTheOthers) {
+  expectMovedOnFault("worker_hang", 4);
+}
+
+TEST_F(ThreeWorkersTest, AStaleSlotWorkersGenerationsFinishOnTheOthers) {
+  expectMovedOnFault("stale_slot", 5);
+}
+
+TEST_F(ThreeWorkersTest, DrainingOneWorkerLosesNothing) {
+  HealthWatch health(broker_->channel());
+  Streams streams = startMidGeneration();
+  ASSERT_GT(workers()[1].requests_running(), 0u);
+  grpc::ClientContext ctx;
+  v1::DrainRequest req;
+  req.set_worker("worker-1");
+  v1::DrainResponse resp;
+  ASSERT_TRUE(admin_->Drain(&ctx, req, &resp).ok());
+  EXPECT_GT(resp.moved(), 0u);
+  expectExact(streams);
+  EXPECT_EQ(workers()[1].state(), "stopped");
+  health.expectServingThroughout();
+
+  grpc::ClientContext restart_ctx;
+  v1::RestartWorkerRequest restart;
+  restart.set_name("worker-1");
+  v1::RestartWorkerResponse restarted;
+  ASSERT_TRUE(admin_->RestartWorker(&restart_ctx, restart, &restarted).ok());
+  EXPECT_EQ(workers()[1].state(), "ready");
+}
+
+}  // namespace
+}  // namespace bulkhead
