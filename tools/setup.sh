@@ -4,7 +4,7 @@ set -euo pipefail
 packages=(build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   capnproto libcapnp-dev libboost-dev libspdlog-dev nlohmann-json3-dev libcli11-dev
-  libgtest-dev libgmock-dev python3-grpcio libcpp-httplib-dev openssl systemd
+  libgtest-dev libgmock-dev python3-grpcio python3-yaml libcpp-httplib-dev openssl systemd
   libsystemd-dev debootstrap systemd-container util-linux curl
   clang-14 libclang-rt-14-dev libomp-14-dev)
 missing=()
