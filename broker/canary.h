@@ -79,6 +79,9 @@ class CanaryStore {
   // could not be moved aside sits where it would go).
   void record(uint64_t model_identity, const std::string& backend, uint64_t weight_digest,
               uint64_t logits_digest) noexcept;
+  // Held from check() through qualification to record(), so that workers starting together
+  // qualify once: the others wait, then find the record.
+  std::unique_lock<std::mutex> qualifying() { return std::unique_lock(qualify_mu_); }
 
  private:
   struct Record {
@@ -90,6 +93,7 @@ class CanaryStore {
   // overwritten.
   std::optional<Record> load(const std::filesystem::path& path, uint64_t identity,
                              const std::string& backend, bool& keep_out) noexcept;
+  std::mutex qualify_mu_;
   std::mutex mu_;  // check and record, whole
   std::filesystem::path dir_;
   std::optional<CanaryRecord> pinned_;

@@ -91,6 +91,7 @@ bool WorkerSlot::passesCanary() {
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.canary_runs; });
   Status s = run.status();
   if (run.ok()) {
+    const auto qualifying = canaries_.qualifying();
     s = canaries_.check(h.model_identity, h.backend, h.weight_digest, run->digest);
     if (s.code() == Code::kNotFound) {
       // No record vouches for this model and backend yet: the reference engine must.

@@ -129,6 +129,10 @@ int main(int argc, char** argv) {
                    "Extra flag for every worker, the ceiling's step-bench included (repeatable)")
       ->allow_extra_args(false);
   serve_bench->add_option("--json", serve_opts.json_path, "Also write the results as JSON");
+  std::string serve_workers = "1";
+  serve_bench->add_option("--workers", serve_workers,
+                          "Comma-separated worker counts behind the broker (e.g. 1,2,4): each row "
+                          "also gives tokens/s against the same row with one worker");
 
   StepBenchOptions step_opts;
   std::string batches = "1,32";
@@ -276,6 +280,11 @@ int main(int argc, char** argv) {
     if (!parsed.ok())
       return fail("serve-bench", invalidArgument("--concurrency: expected e.g. 1,32,64"));
     serve_opts.concurrency = *parsed;
+    auto workers = parseTokenList(serve_workers);
+    if (!workers.ok() || workers->empty() ||
+        std::find(workers->begin(), workers->end(), 0u) != workers->end())
+      return fail("serve-bench", invalidArgument("--workers: expected e.g. 1,2,4"));
+    serve_opts.workers = *workers;
     serve_opts.broker_path = besideThis("bulkhead-broker");
     serve_opts.worker_path = besideThis("bulkhead-worker");
     Status s = runServeBench(serve_opts);

@@ -18,6 +18,8 @@ struct ServeBenchOptions {
   std::string worker_path;
   std::string backend = "cpu";
   std::vector<uint32_t> concurrency = {1, 32, 64};
+  // Workers behind the broker, one broker per count and row; the ceiling is one worker's.
+  std::vector<uint32_t> workers = {1};
   uint32_t prompt_len = 32;
   uint32_t gen_len = 128;
   uint32_t requests_per_stream = 4;
