@@ -141,7 +141,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> workers_from;
   app.add_option("--workers-from", workers_from,
                  "Attach to the worker systemd runs on this socket instead of spawning one "
-                 "(repeatable: one worker per socket)");
+                 "(repeatable: one worker per socket)")
+      ->allow_extra_args(false);
   uint32_t attach_timeout_s = 600;
   app.add_option("--attach-timeout-s", attach_timeout_s,
                  "How long to wait for an attached worker to listen (it loads its model first)");
@@ -231,6 +232,8 @@ int main(int argc, char** argv) {
   WorkPool pool(sampling_threads);
   // Set on SIGTERM before the scheduler stops: an attach still waiting for a worker gives up.
   auto stopping = std::make_unique<std::atomic<bool>>(false);
+  // (A config file's workers-from="" names no socket.)
+  std::erase(workers_from, std::string());
   // Several CPU workers on one host share its cores.
   const bool has_cpu_threads =
       std::any_of(worker_args.begin(), worker_args.end(),

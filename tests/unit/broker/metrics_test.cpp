@@ -1,5 +1,6 @@
 // renderMetrics: every family declared once with its type, labelled counters escaped, histograms
-// cumulative with +Inf equal to the count, durations in seconds.
+// cumulative with +Inf equal to the count, durations in seconds; and several workers' boards
+// combined into the broker's stats.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -86,6 +87,37 @@ TEST(Metrics, RendersCountersLabelsAndCumulativeHistograms) {
   EXPECT_NEAR(p.samples.at("bulkhead_step_duration_seconds_sum"), 20.0764, 1e-9);
   EXPECT_EQ(p.samples.at("bulkhead_step_batch_size_bucket{le=\"4\"}"), 1);
   EXPECT_EQ(p.samples.at("bulkhead_step_batch_size_bucket{le=\"2\"}"), 0);
+}
+
+// The broker's stats over several workers: counters and labelled counters added, percentiles
+// over every worker's samples together, histograms merged.
+TEST(StatsBoard, CombinedAddsCountersAndPoolsTheWindows) {
+  StatsBoard a, b;
+  a.update([](SchedulerStats& s, WorkerStatus&) {
+    s.requests_completed = 3;
+    s.migrated_sequences = 2;
+    s.restarts_by_cause["worker exited"] = 1;
+  });
+  b.update([](SchedulerStats& s, WorkerStatus&) {
+    s.requests_completed = 4;
+    s.restarts_by_cause["worker exited"] = 2;
+    s.restarts_by_cause["canary"] = 1;
+  });
+  for (double ms : {1.0, 2.0, 3.0}) a.addStepTimes(ms, ms, 0, 1);
+  for (double ms : {10.0, 20.0, 30.0, 40.0, 50.0}) b.addStepTimes(ms, ms, 0, 2);
+  b.addReleaseTimes({.after_step = {}, .first_token = {}, .inter_token = {}, .migration = {7.0}});
+  const StatsBoard* boards[] = {&a, &b};
+  const SchedulerStats s = StatsBoard::combined(boards);
+  EXPECT_EQ(s.requests_completed, 7u);
+  EXPECT_EQ(s.migrated_sequences, 2u);
+  EXPECT_EQ(s.restarts_by_cause.at("worker exited"), 3u);
+  EXPECT_EQ(s.restarts_by_cause.at("canary"), 1u);
+  EXPECT_EQ(s.step_ms_p50, 20.0) << "the median of all eight steps, not of either board";
+  EXPECT_EQ(s.migration_ms_p50, 7.0);
+  const StatsHistograms h = StatsBoard::combinedHistograms(boards);
+  EXPECT_EQ(h.step_ms.count(), 8u);
+  EXPECT_EQ(h.migration_ms.count(), 1u);
+  EXPECT_DOUBLE_EQ(h.batch_size.sum(), 3 * 1.0 + 5 * 2.0);
 }
 
 }  // namespace
