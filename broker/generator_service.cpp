@@ -471,21 +471,21 @@ grpc::ServerUnaryReactor* AdminService::InjectFault(grpc::CallbackServerContext*
   const uint64_t random = request->random();
   // The injection waits for detection and recovery: off the callback thread.
   const bool keep_armed = request->keep_armed();
-  Status started = executor_.submit(
-      [this, reactor, response, f = *fault, random, timeout, keep_armed, worker = request->worker()] {
-        auto r = router_.injectFault(worker, f, random, timeout, keep_armed);
-        if (r.ok()) {
-          response->set_migrated(r->migrated);
-          response->set_worker(r->worker);
-          response->set_detected(r->detected);
-          response->set_recovered(r->recovered);
-          response->set_detection_ms(r->detection_ms);
-          response->set_recovery_ms(r->recovery_ms);
-          response->set_detected_as(r->detected_as);
-          response->set_disarmed(r->disarmed);
-        }
-        reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
-      });
+  Status started = executor_.submit([this, reactor, response, f = *fault, random, timeout,
+                                     keep_armed, worker = request->worker()] {
+    auto r = router_.injectFault(worker, f, random, timeout, keep_armed);
+    if (r.ok()) {
+      response->set_migrated(r->migrated);
+      response->set_worker(r->worker);
+      response->set_detected(r->detected);
+      response->set_recovered(r->recovered);
+      response->set_detection_ms(r->detection_ms);
+      response->set_recovery_ms(r->recovery_ms);
+      response->set_detected_as(r->detected_as);
+      response->set_disarmed(r->disarmed);
+    }
+    reactor->Finish(r.ok() ? grpc::Status::OK : toGrpcStatus(r.status()));
+  });
   if (!started.ok()) reactor->Finish(toGrpcStatus(started));
   return reactor;
 }

@@ -250,15 +250,15 @@ int main(int argc, char** argv) {
       mine.extra_args.push_back("--device");
       mine.extra_args.push_back(std::to_string(i));
     }
-    factories.push_back([mine, i](uint64_t incarnation)
-                            -> WorkerResult<std::unique_ptr<WorkerConnection>> {
-      WorkerClient::SpawnOptions o = mine;
-      // Unique across this broker's workers and across brokers on the host.
-      o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32) ^ (uint64_t(i) << 24);
-      auto client = WorkerClient::spawn(o);
-      if (!client.ok()) return client.error();
-      return std::unique_ptr<WorkerConnection>(std::move(*client));
-    });
+    factories.push_back(
+        [mine, i](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+          WorkerClient::SpawnOptions o = mine;
+          // Unique across this broker's workers and across brokers on the host.
+          o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32) ^ (uint64_t(i) << 24);
+          auto client = WorkerClient::spawn(o);
+          if (!client.ok()) return client.error();
+          return std::unique_ptr<WorkerConnection>(std::move(*client));
+        });
   }
   for (const std::string& path : workers_from) {
     // Attach mode: systemd runs the worker; the broker connects, and after replacing it (which

@@ -150,8 +150,8 @@ std::string renderMetrics(const SchedulerStats& s, const std::vector<WorkerView>
               "From the end of a token's step to its release to the client.", h.release_ms, 1e-3);
   m.histogram("bulkhead_step_batch_size", "Sequences in a worker step.", h.batch_size, 1.0);
   m.histogram("bulkhead_migration_seconds",
-              "From the loss of a sequence's worker to its first token on another.",
-              h.migration_ms, 1e-3);
+              "From the loss of a sequence's worker to its first token on another.", h.migration_ms,
+              1e-3);
   return m.take();
 }
 

@@ -176,9 +176,8 @@ Result<std::pair<uint64_t, uint64_t>> Router::restartWorker(const std::string& n
   return target->restartWorker(timeout);
 }
 
-Result<InjectionOutcome> Router::injectFault(const std::string& name, Fault fault,
-                                             uint64_t random, std::chrono::milliseconds timeout,
-                                             bool keep_armed) {
+Result<InjectionOutcome> Router::injectFault(const std::string& name, Fault fault, uint64_t random,
+                                             std::chrono::milliseconds timeout, bool keep_armed) {
   Scheduler* target = nullptr;
   if (name.empty() && schedulers_.size() > 1) {
     std::vector<size_t> candidates;

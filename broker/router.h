@@ -25,7 +25,7 @@ namespace bulkhead {
 struct WorkerView {
   std::string name;
   WorkerStatus status;
-  SchedulerStats stats;  // counters of the sequences this worker computed
+  SchedulerStats stats;   // counters of the sequences this worker computed
   bool draining = false;  // an operator's drain (Admin Drain with a name) is under way
   bool drained = false;   // stopped by that drain
 };

@@ -25,9 +25,9 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
       options_(std::move(options)),
       links_(std::move(links)),
       sampler_(pool),
-      canaries_(links_.canaries ? links_.canaries
-                                : std::make_shared<CanaryStore>(options_.state_dir,
-                                                                options_.pinned_canary)),
+      canaries_(links_.canaries
+                    ? links_.canaries
+                    : std::make_shared<CanaryStore>(options_.state_dir, options_.pinned_canary)),
       queues_(model_.max_context, model_.eos_token_ids,
               [this](const Status& status) { onFinished(status); }),
       slot_(
@@ -289,8 +289,14 @@ void Scheduler::afterNextStep(std::function<void()> done) {
 void Scheduler::adopt(std::vector<SequencePtr> sequences) {
   {
     std::lock_guard lock(mu_);
-    for (auto& s : sequences) adopted_.push_back(std::move(s));
+    // Once stopping, the loop's last pass may have ended: they end here.
+    if (!stopping_) {
+      for (auto& s : sequences) adopted_.push_back(std::move(s));
+      sequences.clear();
+    }
   }
+  for (auto& s : sequences)
+    s->sink->onFinish(FinishReason::kNone, {}, unavailable("the broker is shutting down"));
   notify();
 }
 

@@ -58,7 +58,9 @@ struct SchedulerOptions {
   // and sampling a step's rows takes at least this share of the worker's compute time (and again
   // one at a time below half of it). Halving a GPU batch costs compute (the weights are read once
   // a step, whatever its rows): on the H200 two 32-row 0.5B steps took 25% longer than one of 64,
-  // so below ~40% the halves lose more than the overlap wins. Negative: always one at a time.
+  // so below ~40% the halves lose more than the overlap wins. A worker whose compute grows with
+  // its rows (the CPU: two half steps cost one whole) gets a quarter of this share. Negative:
+  // always one at a time.
   double pipeline_sample_share = 0.4;
   // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
   std::chrono::milliseconds heartbeat_interval{2'000};

@@ -71,8 +71,7 @@ Result<uint32_t> Scheduler::retire(milliseconds timeout) {
   lock.unlock();
   notify();
   lock.lock();
-  const bool done =
-      idle_.wait_for(lock, timeout, [&] { return !retire_requested_ || stopping_; });
+  const bool done = idle_.wait_for(lock, timeout, [&] { return !retire_requested_ || stopping_; });
   if (!done || retire_requested_) return unavailable("the worker's drain did not finish in time");
   if (retire_refused_) return *retire_refused_;
   return retired_moved_;
@@ -107,9 +106,9 @@ void Scheduler::handleRetire() {
   std::lock_guard lock(mu_);
   retire_requested_ = false;
   if (left != 0) {
-    retire_refused_ = failedPrecondition(links_.worker_name +
-                                         " keeps serving: no other worker could take " +
-                                         std::to_string(left) + " of its sequences");
+    retire_refused_ =
+        failedPrecondition(links_.worker_name + " keeps serving: no other worker could take " +
+                           std::to_string(left) + " of its sequences");
   } else {
     retired_ = true;
     retired_moved_ = uint32_t(held);

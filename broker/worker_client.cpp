@@ -239,6 +239,7 @@ WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
     hello_.model_identity = h.getModelIdentity();
     hello_.scrubbing = h.getScrubbing();
     hello_.in_step_checks = h.getInStepChecks();
+    hello_.compute_grows_with_rows = h.getComputeGrowsWithRows();
     if (hello_.vocab_size == 0 || hello_.kv_block_size == 0 || hello_.max_step_tokens == 0)
       return failure(Kind::kProtocolViolation, "Hello has zero limits");
     auto arena = LogitsArena::open(h.getArenaName(), hello_.incarnation, hello_.vocab_size);

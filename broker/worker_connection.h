@@ -59,7 +59,8 @@ struct WorkerHello {
   std::vector<uint32_t> eos_token_ids;
   uint64_t model_identity = 0;
   bool scrubbing = false;
-  bool in_step_checks = false;  // every step checks the weight words it read
+  bool in_step_checks = false;           // every step checks the weight words it read
+  bool compute_grows_with_rows = false;  // a CPU: half steps cost half (see the scheduler)
 };
 
 struct WeightCorruptionReport {

@@ -35,6 +35,10 @@ struct Hello {
   # Whether every step checks the weight words its kernels read (StepDone.weightReads): a step
   # that passes is vouched for by itself, and its tokens need not wait for the scrubber.
   inStepChecks @19 :Bool;
+  # Whether a step's compute time grows with its rows (a CPU), rather than staying near flat up
+  # to large batches (a GPU reading its weights once a step): two half steps then cost no more
+  # than one whole, and the broker overlaps sampling with compute sooner.
+  computeGrowsWithRows @20 :Bool;
 }
 
 struct WeightCorruption {

@@ -131,7 +131,8 @@ Result<Broker> startBroker(const ChaosOptions& o, uint32_t workers, const std::s
   if (!listening.ok() || !serving.ok() || *serving != "serving")
     return unavailable("the broker did not start serving");
   const std::string address = listening->substr(listening->find(' ') + 1);
-  return Broker{std::move(*child), grpc::CreateChannel(address, grpc::InsecureChannelCredentials())};
+  return Broker{std::move(*child),
+                grpc::CreateChannel(address, grpc::InsecureChannelCredentials())};
 }
 
 void stopBroker(Broker& broker) {
@@ -239,8 +240,8 @@ Phase runFaults(const ChaosOptions& o, grpc::Channel& channel,
         ++c.misattributed;
         std::lock_guard lock(mu);
         phase.problems.push_back("fault " + std::to_string(k) + " (" + req.fault() + " in " +
-                                 resp.worker() + ") detected as another class's: " +
-                                 resp.detected_as());
+                                 resp.worker() +
+                                 ") detected as another class's: " + resp.detected_as());
       }
     } else {
       std::lock_guard lock(mu);
@@ -270,7 +271,8 @@ Phase runFaults(const ChaosOptions& o, grpc::Channel& channel,
   // proved nothing about replay.
   if (faults >= 50 &&
       (phase.stats.replayed_sequences() == 0 || phase.stats.rolled_back_tokens() == 0))
-    phase.problems.push_back("no fault landed in the middle of a generation (nothing was replayed)");
+    phase.problems.push_back(
+        "no fault landed in the middle of a generation (nothing was replayed)");
   if (workers > 1 && faults >= 50 && phase.stats.migrated_sequences() == 0)
     phase.problems.push_back("no sequence moved to another worker");
   return phase;
@@ -316,9 +318,9 @@ nlohmann::json phaseReport(const Phase& p) {
 }
 
 void printPhase(const Phase& p) {
-  std::printf("\n%-16s %9s %9s %10s %8s %8s %12s %12s %12s %12s\n", "class", "injected",
-              "detected", "recovered", "as_own", "moved", "detect_p50", "detect_p99",
-              "recover_p50", "recover_p99");
+  std::printf("\n%-16s %9s %9s %10s %8s %8s %12s %12s %12s %12s\n", "class", "injected", "detected",
+              "recovered", "as_own", "moved", "detect_p50", "detect_p99", "recover_p50",
+              "recover_p99");
   for (const auto& [name, c] : p.classes) {
     std::printf("%-16s %9u %9u %10u %8u %8u %10.1f ms %9.1f ms %9.1f ms %9.1f ms\n", name.c_str(),
                 c.injected, c.detected, c.recovered, c.detected - c.misattributed, c.migrated,
@@ -352,8 +354,8 @@ void printPhase(const Phase& p) {
 void printComparison(const Phase& many, const Phase& one) {
   const std::vector<std::string> replacing = {"worker_kill",   "worker_hang",     "slow_step",
                                               "garbage_reply", "truncated_reply", "stale_slot"};
-  std::printf("\n%-16s %22s %22s\n", "recovery p99", (std::to_string(many.workers) + " workers").c_str(),
-              "1 worker");
+  std::printf("\n%-16s %22s %22s\n", "recovery p99",
+              (std::to_string(many.workers) + " workers").c_str(), "1 worker");
   std::vector<double> many_replacing, one_replacing;
   for (const auto& [name, c] : many.classes) {
     const ClassStats& b = one.classes.at(name);

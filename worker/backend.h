@@ -34,6 +34,9 @@ struct BackendLimits {
   uint64_t kv_cache_bytes = 0;
   // Every step checks the weight words its kernels read (WeightReadVerdict).
   bool checks_weight_reads = false;
+  // A step's compute time grows about linearly with its rows (the CPU), rather than staying
+  // near flat while the weights' read dominates (a GPU).
+  bool compute_grows_with_rows = false;
 };
 
 // Where one requested logits row goes: vocab_size floats at `payload` (an arena slot, so the

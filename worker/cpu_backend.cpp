@@ -45,7 +45,8 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
                 .resident_weight_bytes = checkpoint->weightBytes(),
                 .streamed_weight_bytes = 0,
                 .kv_cache_bytes = uint64_t(kv_floats) * 2 * sizeof(float),
-                .checks_weight_reads = options.check_weight_reads};
+                .checks_weight_reads = options.check_weight_reads,
+                .compute_grows_with_rows = true};
   b->k_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
   b->v_cache_ = std::make_unique_for_overwrite<float[]>(kv_floats);
 

@@ -378,7 +378,8 @@ Status CudaBackend::load(const Options& options) {
              .resident_weight_bytes = weight_bytes,
              .streamed_weight_bytes = 0,
              .kv_cache_bytes = d.kv_layer_elems * c.num_layers * 2 * 2,
-             .checks_weight_reads = options.check_weight_reads};
+             .checks_weight_reads = options.check_weight_reads,
+             .compute_grows_with_rows = false};
   return okStatus();
 }
 

@@ -185,6 +185,7 @@ Status WorkerServer::sendHello(int fd) {
   hello.setModelIdentity(model_identity_);
   hello.setScrubbing(scrubber_->share() > 0);
   hello.setInStepChecks(backend_->limits().checks_weight_reads);
+  hello.setComputeGrowsWithRows(backend_->limits().compute_grows_with_rows);
   const auto& eos = backend_->config().eos_token_ids;
   auto eos_list = hello.initEosTokenIds(unsigned(eos.size()));
   for (size_t i = 0; i < eos.size(); ++i) eos_list.set(unsigned(i), eos[i]);

@@ -94,8 +94,8 @@ class ThreeWorkersTest : public ::testing::Test {
     std::vector<std::future<void>> first;
     for (auto& p : started) first.push_back(p.get_future());
     for (size_t i = 0; i < requests_.size(); ++i) {
-      s.results.push_back(std::async(
-          std::launch::async, [this, i, started = std::move(started[i])]() mutable {
+      s.results.push_back(
+          std::async(std::launch::async, [this, i, started = std::move(started[i])]() mutable {
             auto stub = v1::Generator::NewStub(broker_->channel());
             grpc::ClientContext ctx;
             ctx.set_deadline(std::chrono::system_clock::now() + 60s);

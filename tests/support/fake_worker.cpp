@@ -74,7 +74,8 @@ WorkerFactory FakeWorkerControl::factory(std::shared_ptr<FakeWorkerControl> self
       }
     }
     // The load time of a real worker, simulated (nothing waits on it but the start itself).
-    if (restart && self->restart_delay.count() > 0) std::this_thread::sleep_for(self->restart_delay);
+    if (restart && self->restart_delay.count() > 0)
+      std::this_thread::sleep_for(self->restart_delay);
     return std::unique_ptr<WorkerConnection>(std::make_unique<FakeWorker>(self, incarnation));
   };
 }

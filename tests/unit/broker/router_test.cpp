@@ -1,8 +1,8 @@
 // The router over three in-process fake workers: placement, and what happens to a worker's
-// sequences when it is killed, hangs, reads a stale weight slot or is drained in the middle of their
-// generations. Each test asserts that the sequences did move (another worker re-prefilled them
-// from position 0 with the tokens generated so far), that every client got exactly the tokens of a
-// fault-free run without an error, and that the broker kept serving throughout.
+// sequences when it is killed, hangs, reads a stale weight slot or is drained in the middle of
+// their generations. Each test asserts that the sequences did move (another worker re-prefilled
+// them from position 0 with the tokens generated so far), that every client got exactly the tokens
+// of a fault-free run without an error, and that the broker kept serving throughout.
 #include "broker/router.h"
 
 #include <gtest/gtest.h>
@@ -126,7 +126,8 @@ class RouterTest : public ::testing::Test {
   void expectMovedOnFault(std::vector<test::FakeFault> faults) {
     controls_[1]->restart_delay = 2s;
     start();
-    for (size_t k = 0; k < faults.size(); ++k) controls_[1]->scheduleFault(k == 0 ? 6 : 1, faults[k]);
+    for (size_t k = 0; k < faults.size(); ++k)
+      controls_[1]->scheduleFault(k == 0 ? 6 : 1, faults[k]);
     auto runs = submit(9, 24);
     expectAllExact(runs, 24);
     EXPECT_EQ(router_->workers()[1].status.state, "starting")
