@@ -2,7 +2,7 @@
 // it starts each worker on the socket path and starts the next one when the last has gone).
 // A worker killed mid-generation is re-attached after its restart and every stream finishes
 // identical to a fault-free run; a worker the broker replaces is killed by the broker, so it
-// never serves again.
+// never serves again; with two attached workers, a killed one's streams finish on the other.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -112,6 +112,60 @@ TEST(AttachModeTest, AWorkerTheBrokerReplacesIsKilledAndTheNextOneServes) {
   EXPECT_EQ(response.old_incarnation(), before);
   EXPECT_NE(response.new_incarnation(), before);
   EXPECT_TRUE(test::generate(*broker.channel(), seeded(0)).status.ok());
+}
+
+// Two attached workers, one socket each: a worker killed mid-generation has its streams finish on
+// the other while systemd has not started its successor yet; the successor is attached after.
+TEST(AttachModeTest, TwoWorkersOneKilledItsStreamsFinishOnTheOtherBeforeItReturns) {
+  test::TempDir dir;
+  const std::string sockets[] = {dir.file("worker-0.sock"), dir.file("worker-1.sock")};
+  ChildProcess w0 = startWorker(sockets[0]);
+  ChildProcess w1 = startWorker(sockets[1]);
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                             {"--workers-from", sockets[0], "--workers-from", sockets[1]});
+  ASSERT_TRUE(broker.ok());
+  std::vector<test::Generation> reference;
+  for (uint32_t i = 0; i < 4; ++i) {
+    reference.push_back(test::generate(*broker.channel(), seeded(i)));
+    ASSERT_TRUE(reference.back().status.ok());
+  }
+  // Four streams at once, two on each worker; worker-0 dies once the first stream has a token.
+  auto stub = v1::Generator::NewStub(broker.channel());
+  grpc::ClientContext first_ctx;
+  auto first_stream = stub->Generate(&first_ctx, seeded(0));
+  std::vector<std::future<test::Generation>> others;
+  for (uint32_t i = 1; i < 4; ++i)
+    others.push_back(std::async(std::launch::async,
+                                [&, i] { return test::generate(*broker.channel(), seeded(i)); }));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(first_stream->Read(&response));
+  std::vector<uint32_t> tokens(response.token_ids().begin(), response.token_ids().end());
+  w0.kill();
+  while (first_stream->Read(&response))
+    tokens.insert(tokens.end(), response.token_ids().begin(), response.token_ids().end());
+  ASSERT_TRUE(first_stream->Finish().ok());
+  EXPECT_EQ(tokens, reference[0].tokens);
+  for (uint32_t i = 1; i < 4; ++i) {
+    const test::Generation g = others[i - 1].get();
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.tokens, reference[i].tokens) << "request " << i;
+  }
+  // Every stream ended before worker-0's successor existed: they finished on worker-1.
+  const v1::Stats s = stats(*broker.channel());
+  EXPECT_GE(s.migrated_sequences(), 1u);
+  ChildProcess successor = startWorker(sockets[0]);
+  auto admin = v1::Admin::NewStub(broker.channel());
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  v1::ListWorkersResponse workers;
+  do {
+    grpc::ClientContext ctx;
+    workers.Clear();
+    ASSERT_TRUE(admin->ListWorkers(&ctx, {}, &workers).ok());
+  } while (
+      !(workers.workers(0).state() == "ready" && workers.workers(0).pid() == successor.pid()) &&
+      std::chrono::steady_clock::now() < deadline);
+  EXPECT_EQ(workers.workers(0).pid(), successor.pid()) << "the successor was not attached";
+  EXPECT_EQ(workers.workers(1).pid(), w1.pid());
 }
 
 }  // namespace
