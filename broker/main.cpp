@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
   const bool has_cpu_threads =
       std::any_of(worker_args.begin(), worker_args.end(),
                   [](const std::string& a) { return a.rfind("--cpu-threads", 0) == 0; });
-  if (workers > 1 && backend == "cpu" && !has_cpu_threads) {
+  if (workers > 1 && backend != "cuda" && !has_cpu_threads) {  // auto picks the CPU
     spawn.extra_args.push_back("--cpu-threads");
     spawn.extra_args.push_back(
         std::to_string(std::max(1u, std::thread::hardware_concurrency() / workers)));
