@@ -84,14 +84,17 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
       "%u sampling threads, in-step weight checks %s\n",
       o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations, o.scrub_share,
       pool.threads(), hello.in_step_checks ? "on" : "off");
-  std::printf("%6s %12s %12s %12s %14s %14s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",
-              "compute_p50", "overhead_p50", "overhead_p99", "MB/step");
+  // overhead = rtt - compute, split into the step's round trip beyond the worker's compute
+  // (messages, wake-ups, header checks) and the verification and sampling of its rows.
+  std::printf("%6s %12s %12s %12s %14s %14s %12s %12s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",
+              "compute_p50", "overhead_p50", "overhead_p99", "trip_p50", "sample_p50", "MB/step");
   nlohmann::json report = {{"model", o.model_dir},
                            {"backend", hello.backend},
                            {"vocab", hello.vocab_size},
                            {"iterations", o.iterations},
                            {"results", nlohmann::json::array()}};
-  const SamplingConfig greedy;
+  // What a default request asks for: greedy, no logprobs.
+  const SamplingConfig greedy{.logprobs = false};
   std::vector<RowToSample> jobs;
   std::vector<SampledRow> sampled;
   std::vector<StepBenchRow> rows_out;
@@ -99,12 +102,13 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   for (uint32_t batch : o.batches) {
     const auto blocks = blockTables(batch, blocks_per_seq);
     const std::vector<uint32_t> rows = {0}, token = {1};
-    std::vector<double> rtt, compute, overhead;
+    std::vector<double> rtt, compute, overhead, trip, sample;
     for (uint32_t it = 0; it < positions - 1; ++it) {
       const std::vector<SequenceStep> steps = decodeSteps(batch, it, seq_base, blocks, token, rows);
       const auto start = std::chrono::steady_clock::now();
       auto result = (*client)->step(step_id++, steps, std::chrono::seconds(60));
       if (!result.ok()) return result.error().toStatus();
+      const auto replied = std::chrono::steady_clock::now();
       jobs.clear();
       for (const PendingRow& row : result->rows)
         jobs.push_back({.logits = row.payload,
@@ -126,12 +130,17 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
       rtt.push_back(us);
       compute.push_back(double(result->compute_micros));
       overhead.push_back(us - double(result->compute_micros));
+      const double trip_us = std::chrono::duration<double, std::micro>(replied - start).count() -
+                             double(result->compute_micros);
+      trip.push_back(trip_us);
+      sample.push_back(us - double(result->compute_micros) - trip_us);
     }
     seq_base += batch;
     const double mb = double(batch) * hello.vocab_size * 4 / 1e6;
-    std::printf("%6u %12.1f %12.1f %12.1f %14.1f %14.1f %12.2f\n", batch, percentile(rtt, 50),
-                percentile(rtt, 99), percentile(compute, 50), percentile(overhead, 50),
-                percentile(overhead, 99), mb);
+    std::printf("%6u %12.1f %12.1f %12.1f %14.1f %14.1f %12.1f %12.1f %12.2f\n", batch,
+                percentile(rtt, 50), percentile(rtt, 99), percentile(compute, 50),
+                percentile(overhead, 50), percentile(overhead, 99), percentile(trip, 50),
+                percentile(sample, 50), mb);
     rows_out.push_back({batch, percentile(rtt, 50), percentile(rtt, 99), percentile(compute, 50),
                         percentile(overhead, 50), percentile(overhead, 99)});
     report["results"].push_back({{"batch", batch},
@@ -140,6 +149,8 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
                                  {"compute_p50_us", percentile(compute, 50)},
                                  {"overhead_p50_us", percentile(overhead, 50)},
                                  {"overhead_p99_us", percentile(overhead, 99)},
+                                 {"trip_p50_us", percentile(trip, 50)},
+                                 {"sample_p50_us", percentile(sample, 50)},
                                  {"logits_mb_per_step", mb}});
   }
   (void)(*client)->shutdown(std::chrono::seconds(10));
