@@ -261,7 +261,10 @@ std::optional<ScrubStatus> WorkerSlot::vouch() {
 
 void WorkerSlot::shutdown() {
   supervision_.onStopped();
-  board_.update([](SchedulerStats&, WorkerStatus& w) { w.state = "stopped"; });
+  board_.update([](SchedulerStats&, WorkerStatus& w) {
+    w.state = "stopped";
+    w.pid = 0;  // no process any more
+  });
   if (worker_) {
     (void)worker_->shutdown(std::chrono::seconds(10));
     worker_.reset();

@@ -109,6 +109,19 @@ int main(int argc, char** argv) {
   bench->add_option("--temperature", bench_cmd.temperature, "0 = greedy");
   bench->add_option("--top-p", bench_cmd.top_p, "Nucleus sampling mass (with --temperature)");
 
+  AdminCommand admin_cmd;
+  auto* admin = app.add_subcommand(
+      "admin", "An operator's call to a broker: workers | stats | drain | restart");
+  admin->add_option("action", admin_cmd.action, "workers | stats | drain | restart")->required();
+  admin
+      ->add_option("--server", admin_cmd.server,
+                   "Broker address host:port, or unix:PATH of its --admin-socket")
+      ->required();
+  admin->add_option("--worker", admin_cmd.worker,
+                    "drain: only this worker (its sequences move to the others); restart: this "
+                    "worker (needed with several)");
+  addSecurity(admin, admin_cmd.security);
+
   ServeBenchOptions serve_opts;
   std::string serve_concurrency = "1,32,64";
   auto* serve_bench = app.add_subcommand(
@@ -202,8 +215,9 @@ int main(int argc, char** argv) {
   chaos->add_option("--step-timeout-ms", chaos_opts.step_timeout_ms,
                     "Broker step deadline (how fast hangs are detected)");
   chaos->add_option("--report", chaos_opts.report_path, "Write the JSON report here");
-  chaos->add_option("--workers", chaos_opts.workers,
-                    "Workers behind the broker; faults land on random ones")
+  chaos
+      ->add_option("--workers", chaos_opts.workers,
+                   "Workers behind the broker; faults land on random ones")
       ->check(CLI::Range(1u, 64u));
   chaos->add_option("--baseline-faults", chaos_opts.baseline_faults,
                     "With several workers: faults for the single-worker run whose recovery times "
@@ -289,6 +303,9 @@ int main(int argc, char** argv) {
     serve_opts.worker_path = besideThis("bulkhead-worker");
     Status s = runServeBench(serve_opts);
     if (!s.ok()) return fail("serve-bench", s);
+  } else if (*admin) {
+    Status s = runAdmin(admin_cmd);
+    if (!s.ok()) return fail("admin", s);
   } else if (*bench) {
     Status s = runBench(bench_cmd);
     if (!s.ok()) return fail("bench", s);

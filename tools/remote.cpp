@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include <google/protobuf/util/json_util.h>
 #include <nlohmann/json.hpp>
 
 #include "bulkhead/v1/generator.grpc.pb.h"
@@ -228,6 +229,73 @@ Status runBench(const BenchCommand& c) {
   if (r.failed > 0)
     return unavailable(std::to_string(r.failed) + " requests failed: " + r.first_error);
   return okStatus();
+}
+
+Status runAdmin(const AdminCommand& command) {
+  BULKHEAD_ASSIGN_OR_RETURN(const Connection c, connectTo(command.server, command.security));
+  auto admin = v1::Admin::NewStub(c.channel);
+  grpc::ClientContext context;
+  c.prepare(context);
+  if (command.action == "workers") {
+    v1::ListWorkersResponse r;
+    if (grpc::Status s = admin->ListWorkers(&context, {}, &r); !s.ok()) return fromGrpc(s);
+    std::printf("%-10s %-9s %18s %8s %-8s %13s %8s %8s %12s %10s %9s %6s  %s\n", "worker", "state",
+                "incarnation", "pid", "backend", "kv_free/total", "running", "waiting", "tokens",
+                "steps", "restarts", "moved", "last_failure");
+    for (const v1::WorkerInfo& w : r.workers()) {
+      const std::string kv =
+          std::to_string(w.kv_blocks_free()) + "/" + std::to_string(w.kv_blocks_total());
+      std::printf(
+          "%-10s %-9s %18llx %8d %-8s %13s %8u %8u %12llu %10llu %9u %6llu  %s\n", w.name().c_str(),
+          w.state().c_str(), static_cast<unsigned long long>(w.incarnation()), w.pid(),
+          w.backend().c_str(), kv.c_str(), w.requests_running(), w.requests_waiting(),
+          static_cast<unsigned long long>(w.tokens_generated()),
+          static_cast<unsigned long long>(w.steps()), w.restarts(),
+          static_cast<unsigned long long>(w.migrated_sequences()), w.last_failure().c_str());
+    }
+    return okStatus();
+  }
+  if (command.action == "stats") {
+    v1::Stats r;
+    if (grpc::Status s = admin->GetStats(&context, {}, &r); !s.ok()) return fromGrpc(s);
+    std::string json;
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = true;
+    options.always_print_primitive_fields = true;
+    options.preserve_proto_field_names = true;
+    if (!google::protobuf::util::MessageToJsonString(r, &json, options).ok())
+      return internalError("cannot print the stats as JSON");
+    std::printf("%s", json.c_str());
+    return okStatus();
+  }
+  if (command.action == "drain") {
+    v1::DrainRequest request;
+    request.set_worker(command.worker);
+    v1::DrainResponse r;
+    if (grpc::Status s = admin->Drain(&context, request, &r); !s.ok()) return fromGrpc(s);
+    if (command.worker.empty()) {
+      std::printf("drained: %u requests finished; the broker no longer serves\n", r.drained());
+    } else {
+      std::printf(
+          "%s drained: %u sequences moved to the other workers; it stays stopped until "
+          "`bulkhead admin restart --worker %s`\n",
+          command.worker.c_str(), r.moved(), command.worker.c_str());
+    }
+    return okStatus();
+  }
+  if (command.action == "restart") {
+    v1::RestartWorkerRequest request;
+    request.set_name(command.worker);
+    v1::RestartWorkerResponse r;
+    if (grpc::Status s = admin->RestartWorker(&context, request, &r); !s.ok()) return fromGrpc(s);
+    std::printf("%s restarted: incarnation %llx -> %llx\n",
+                command.worker.empty() ? "the worker" : command.worker.c_str(),
+                static_cast<unsigned long long>(r.old_incarnation()),
+                static_cast<unsigned long long>(r.new_incarnation()));
+    return okStatus();
+  }
+  return invalidArgument("unknown admin action \"" + command.action +
+                         "\" (workers, stats, drain, restart)");
 }
 
 }  // namespace bulkhead

@@ -1,5 +1,5 @@
-// The `bulkhead` subcommands that talk to a running broker: generate (streams tokens to stdout)
-// and bench (a load generator).
+// The `bulkhead` subcommands that talk to a running broker: generate (streams tokens to stdout),
+// bench (a load generator) and admin (the operator's calls).
 #pragma once
 
 #include <cstdint>
@@ -60,5 +60,17 @@ struct BenchResult {
 BenchResult measureBench(const BenchCommand& command);
 // Prints throughput, time to first token and inter-token latency (p50/p99).
 Status runBench(const BenchCommand& command);
+
+struct AdminCommand {
+  std::string server;  // host:port, or unix:PATH for a broker's --admin-socket
+  ClientSecurity security;
+  // workers (a table), stats (JSON), drain (the whole broker, or --worker), restart (--worker;
+  // none: the only worker)
+  std::string action;
+  std::string worker;
+};
+
+// Prints what the call returned; the broker's error otherwise.
+Status runAdmin(const AdminCommand& command);
 
 }  // namespace bulkhead

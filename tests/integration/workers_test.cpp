@@ -194,5 +194,34 @@ TEST_F(ThreeWorkersTest, DrainingOneWorkerLosesNothing) {
   EXPECT_EQ(workers()[1].state(), "ready");
 }
 
+// The operator's tool: `bulkhead admin` lists the three workers, drains one while generations run
+// (they finish on the others), shows it stopped, and restarts it.
+TEST_F(ThreeWorkersTest, TheAdminToolDrainsAndRestartsOneWorker) {
+  test::TempDir dir;
+  auto admin = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {"admin", "--server", broker_->address()});
+    return test::runBinary(dir, "bulkhead", args);
+  };
+  auto listed = admin({"workers"});
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  for (const char* name : {"worker-0", "worker-1", "worker-2"})
+    EXPECT_NE(listed.out.find(name), std::string::npos) << listed.out;
+  Streams streams = startMidGeneration();
+  auto drained = admin({"drain", "--worker", "worker-1"});
+  ASSERT_EQ(drained.exit_code, 0) << drained.err;
+  EXPECT_NE(drained.out.find("worker-1 drained"), std::string::npos) << drained.out;
+  expectExact(streams);
+  EXPECT_EQ(workers()[1].state(), "stopped");
+  auto stats = admin({"stats"});
+  ASSERT_EQ(stats.exit_code, 0) << stats.err;
+  EXPECT_NE(stats.out.find("\"migrated_sequences\""), std::string::npos) << stats.out;
+  auto restarted = admin({"restart", "--worker", "worker-1"});
+  ASSERT_EQ(restarted.exit_code, 0) << restarted.err;
+  EXPECT_EQ(workers()[1].state(), "ready");
+  auto unnamed = admin({"restart"});
+  EXPECT_NE(unnamed.exit_code, 0) << "with several workers an operator names one";
+  EXPECT_NE(unnamed.err.find("name one"), std::string::npos) << unnamed.err;
+}
+
 }  // namespace
 }  // namespace bulkhead
