@@ -349,7 +349,8 @@ Status CudaBackend::load(const Options& options) {
   for (const LayerTensors& l : t.layers)
     if (l.o_bias != nullptr)
       return unimplemented("the CUDA backend has no o_proj bias (" + l.o_bias->name + ")");
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  device_ = options.device;
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
   BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
@@ -421,6 +422,7 @@ Status CudaBackend::allocateStep(const Options& options) {
 }
 
 Status CudaBackend::registerOutputs(std::span<std::byte> memory) {
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
   d_->outputs = {};  // the previous registration, if any, ends first
   if (memory.empty()) return okStatus();
   BULKHEAD_ASSIGN_OR_RETURN(d_->outputs,
@@ -433,6 +435,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   if (pending_.queued)
     return failedPrecondition("enqueueStep while a step is pending (waitStep not called)");
   BULKHEAD_RETURN_IF_ERROR(validateStep(batch, rows, limits_));
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
   CudaState& d = *d_;
   // Flatten the batch into the pinned inputs: one entry per token row.
   size_t table_words = 0;
@@ -845,6 +848,7 @@ WeightReadVerdict CudaBackend::verdictOfStep() const {
 Status CudaBackend::waitStep(WeightReadVerdict& verdict) {
   if (!pending_.queued) return failedPrecondition("waitStep without an enqueued step");
   pending_.queued = false;
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
   if (pending_.tokens < 0) {  // a binding failed its slot tag: nothing was computed
     verdict = verifySlots();
     return okStatus();
@@ -898,8 +902,14 @@ Status CudaBackend::checkRange(const WeightRange& r) const {
   return okStatus();
 }
 
+Status CudaBackend::onDevice() const {
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  return okStatus();
+}
+
 Status CudaBackend::residentChecksums(std::span<const WeightRange> ranges,
                                       std::span<uint64_t> out) {
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
   if (out.size() != ranges.size())
     return invalidArgument(std::to_string(ranges.size()) + " ranges but " +
                            std::to_string(out.size()) + " checksum destinations");
@@ -927,6 +937,7 @@ Status CudaBackend::residentChecksums(std::span<const WeightRange> ranges,
 }
 
 Status CudaBackend::repairResident(const WeightRange& r) {
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
   BULKHEAD_RETURN_IF_ERROR(checkRange(r));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_->slots[r.tensor] + r.offset,
                                            used_[r.tensor]->data.data() + r.offset, r.bytes,
@@ -936,6 +947,7 @@ Status CudaBackend::repairResident(const WeightRange& r) {
 
 Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
   if (bit > 7) return invalidArgument("bit " + std::to_string(bit) + " is not 0..7");
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
   uint64_t offset = byte_offset;
   for (size_t t = 0; t < used_.size(); ++t) {
     if (offset < used_[t]->data.size()) {

@@ -113,11 +113,15 @@ class CudaBackend final : public Backend {
   WeightReadVerdict verifySlots() const;
   WeightReadVerdict verdictOfStep() const;
   Status checkRange(const WeightRange& range) const;
+  // The CUDA device is current per thread: every entry that may run on another thread than the
+  // one that loaded the backend (the scrubber's, a fault's) makes this backend's device current.
+  Status onDevice() const;
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
   float attention_scale_ = 1.0f;
   bool graphs_ = true;
+  int device_ = 0;
   uint64_t graph_launches_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;

@@ -1,11 +1,13 @@
 // The CUDA backend end to end: against the golden fixture and the CPU reference engine, batch-
-// and chunk-invariant bit for bit, its rows' checksums those of the bytes it wrote, and each
-// in-step check failing the step that a real injected fault spoils (and no other).
+// and chunk-invariant bit for bit (and across devices, given two), its rows' checksums those of
+// the bytes it wrote, and each in-step check failing the step that a real injected fault spoils
+// (and no other).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <thread>
 
 #include "shared/checkpoint.h"
 #include "shared/checksum.h"
@@ -25,10 +27,11 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
   return ckpt.ok() ? std::make_shared<const Checkpoint>(std::move(*ckpt)) : nullptr;
 }
 
-std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
-                                         bool graphs = true) {
+std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
+                                         int device = 0) {
   CudaBackend::Options options;
   options.cuda_graphs = graphs;
+  options.device = device;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto backend = CudaBackend::create(std::move(ckpt), options);
@@ -329,6 +332,34 @@ TEST_P(CudaBackendModels, ResidentChecksumsSeeACorruptionAndRepairMendsIt) {
   EXPECT_NE(got[1], want[1]);
   ASSERT_TRUE(backend_->repairResident(ranges[1]).ok());
   ASSERT_TRUE(backend_->residentChecksums(ranges, got).ok());
+  EXPECT_EQ(got, want);
+}
+
+// Two GPUs (a broker's --workers 2): a sequence gives the same logits bit for bit on either
+// device, so one that moves from GPU 0 to GPU 1 mid-generation continues exactly; and the second
+// device's backend serves calls from a thread other than the one that loaded it (the worker's
+// scrubber), which must use that device, not the thread's default one.
+TEST_P(CudaBackendModels, TheSecondDeviceGivesTheSameLogitsAndScrubsFromAnotherThread) {
+  if (test::deviceCount() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  std::unique_ptr<CudaBackend> second = cudaBackend(checkpoint_, true, 1);
+  ASSERT_NE(second, nullptr);
+  const auto tokens = randomTokens(40, vocab_, 9);
+  test::BackendDriver on_first(*backend_), on_second(*second);
+  // Prefilled in chunks of 7 (and decoded) on each: the rows of a sequence that moved.
+  expectIdentical(on_first.runAlone(1, tokens, 7), on_second.runAlone(1, tokens, 7),
+                  "device 1 against device 0");
+  const auto used = checkpoint_->usedTensors();
+  std::vector<WeightRange> ranges;
+  std::vector<uint64_t> want;
+  for (uint32_t t = 0; t < used.size(); ++t) {
+    ranges.push_back({t, 0, used[t]->data.size()});
+    want.push_back(checksumBytes(used[t]->data));
+  }
+  std::vector<uint64_t> got(ranges.size());
+  Status scrubbed;
+  std::thread scrubber([&] { scrubbed = second->residentChecksums(ranges, got); });
+  scrubber.join();
+  ASSERT_TRUE(scrubbed.ok()) << scrubbed.toString();
   EXPECT_EQ(got, want);
 }
 

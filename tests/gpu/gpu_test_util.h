@@ -12,9 +12,12 @@
 
 namespace bulkhead::test {
 
-inline bool haveDevice() {
+inline int deviceCount() {
   int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+inline bool haveDevice() {
+  return deviceCount() > 0;
 }
 
 // n elements of T in device memory, freed at scope exit.
