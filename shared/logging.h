@@ -17,9 +17,9 @@ namespace bulkhead {
 
 // The fields a log line is about; unset ones are left out.
 struct LogFields {
-  std::optional<std::string> request_id;
-  std::optional<std::string> worker;
-  std::optional<uint64_t> incarnation;
+  std::optional<std::string> request_id = {};
+  std::optional<std::string> worker = {};
+  std::optional<uint64_t> incarnation = {};
 };
 
 // Fields every line of this process carries (a worker: its socket and incarnation).

@@ -19,7 +19,7 @@ struct ClientSecurity {
 
 struct RemoteGenerateCommand {
   std::string server;
-  ClientSecurity security;
+  ClientSecurity security = {};
   std::vector<uint32_t> tokens;
   uint32_t max_tokens = 16;
   float temperature = 0, top_p = 0, min_p = 0, repetition_penalty = 0;
@@ -37,7 +37,7 @@ Status runRemoteGenerate(const RemoteGenerateCommand& command);
 
 struct BenchCommand {
   std::string server;
-  ClientSecurity security;
+  ClientSecurity security = {};
   float temperature = 0;  // 0: greedy
   float top_p = 1;
   uint32_t concurrency = 1;
@@ -63,7 +63,7 @@ Status runBench(const BenchCommand& command);
 
 struct AdminCommand {
   std::string server;  // host:port, or unix:PATH for a broker's --admin-socket
-  ClientSecurity security;
+  ClientSecurity security = {};
   // workers (a table), stats (JSON), drain (the whole broker, or --worker), restart (--worker;
   // none: the only worker)
   std::string action;

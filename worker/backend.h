@@ -59,9 +59,9 @@ enum class WeightCheck : uint8_t {
 };
 
 struct WeightReadVerdict {
-  bool checked = false;       // the backend checks its weight reads in the step
-  std::string failed_tensor;  // the first weight whose reads did not match; empty: all did
-  std::string why;            // what the backend can tell: another slot than its own, or bytes
+  bool checked = false;            // the backend checks its weight reads in the step
+  std::string failed_tensor = {};  // the first weight whose reads did not match; empty: all did
+  std::string why = {};            // what the backend can tell: another slot than its own, or bytes
   WeightCheck failed_check = WeightCheck::kReads;  // meaningful when failed_tensor is set
   uint64_t words_read = 0;
 };
