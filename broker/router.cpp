@@ -31,9 +31,17 @@ Router::Router(std::vector<WorkerFactory> factories, ModelLimits model, Schedule
                          .canaries = canaries,
                          .sequence_ids = ids,
                          .hand_off = {},
+                         .claim_parked = {},
+                         .crash_looped = {},
                          .served_elsewhere = {}};
     if (factories.size() > 1) {
-      links.hand_off = [this, i](std::vector<SequencePtr>& s) { handOff(i, s); };
+      links.hand_off = [this, i](std::vector<SequencePtr>& s, bool may_park) {
+        return handOff(i, s, may_park);
+      };
+      links.claim_parked = [this](std::vector<SequencePtr>& into) { claimParked(into); };
+      links.crash_looped = [this](const Status& status) {
+        if (!anyAlive()) failParked(status);
+      };
       links.served_elsewhere = [this, i](std::function<void()> done) {
         for (size_t k = 1; k < schedulers_.size(); ++k) {
           const size_t j = (i + k) % schedulers_.size();
@@ -62,6 +70,7 @@ void Router::start() {
 void Router::stop() {
   // Every thread stops before any scheduler is destroyed: a moving sequence may be handed to any.
   for (auto& s : schedulers_) s->stop();
+  failParked(unavailable("the broker is shutting down"));
 }
 
 void Router::setServingCallback(std::function<void(bool)> callback) {
@@ -111,7 +120,7 @@ Status Router::submit(GenerationRequest request, std::shared_ptr<TokenSink> sink
   return schedulers_[at]->submit(std::move(request), std::move(sink));
 }
 
-void Router::handOff(size_t from, std::vector<SequencePtr>& sequences) {
+size_t Router::handOff(size_t from, std::vector<SequencePtr>& sequences, bool may_park) {
   struct Peer {
     size_t index, load;
     uint32_t free;
@@ -122,7 +131,18 @@ void Router::handOff(size_t from, std::vector<SequencePtr>& sequences) {
     if (i != from && ready(i))
       peers.push_back(
           {i, schedulers_[i]->load(), schedulers_[i]->workerStatus().kv_blocks_free, {}});
-  if (peers.empty()) return;
+  if (peers.empty()) {
+    if (may_park && anyAlive()) {
+      std::lock_guard lock(parked_mu_);
+      for (SequencePtr& s : sequences) parked_.push_back(std::move(s));
+      sequences.clear();
+      parked_count_.store(parked_.size());
+      spdlog::info("no other worker is ready: {} sequences wait for the first that is",
+                   parked_.size());
+    }
+    return 0;
+  }
+  const size_t moved = sequences.size();
   for (SequencePtr& s : sequences) {
     Peer& p = *std::min_element(peers.begin(), peers.end(), [](const Peer& a, const Peer& b) {
       return a.load != b.load ? a.load < b.load : a.free > b.free;
@@ -133,6 +153,31 @@ void Router::handOff(size_t from, std::vector<SequencePtr>& sequences) {
   sequences.clear();
   for (Peer& p : peers)
     if (!p.taken.empty()) schedulers_[p.index]->adopt(std::move(p.taken));
+  return moved;
+}
+
+void Router::claimParked(std::vector<SequencePtr>& into) {
+  if (parked_count_.load() == 0) return;
+  std::lock_guard lock(parked_mu_);
+  for (SequencePtr& s : parked_) into.push_back(std::move(s));
+  parked_.clear();
+  parked_count_.store(0);
+}
+
+bool Router::anyAlive() const {
+  for (const auto& s : schedulers_)
+    if (!s->retired() && s->workerStatus().state != "failed") return true;
+  return false;
+}
+
+void Router::failParked(const Status& status) {
+  std::vector<SequencePtr> parked;
+  {
+    std::lock_guard lock(parked_mu_);
+    parked.swap(parked_);
+    parked_count_.store(0);
+  }
+  for (SequencePtr& s : parked) s->sink->onFinish(FinishReason::kNone, {}, status);
 }
 
 Result<Scheduler*> Router::find(const std::string& name) const {

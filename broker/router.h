@@ -5,7 +5,8 @@
 // sequences it holds move at once to the ready workers and are replayed there from the broker's
 // copy of their history; batch-invariant numerics make their tokens the same. The failed worker
 // restarts in the background and takes new requests once its canary passes. With no ready worker
-// elsewhere, sequences wait for their own, as with a single worker.
+// elsewhere, they wait in the router for the first worker that becomes ready (its own restart
+// or another's), and fail only once every worker is in a crash loop or drained.
 //
 // Every scheduler reports into its own StatsBoard; the router adds them up. One worker behaves
 // exactly as a Scheduler alone.
@@ -71,8 +72,13 @@ class Router {
   // Where a new request goes: the ready worker with the least load, else any that is not
   // drained (it waits for that worker).
   size_t place() const;
-  // Moves `sequences` from worker `from` to the ready others.
-  void handOff(size_t from, std::vector<SequencePtr>& sequences);
+  // Moves `sequences` from worker `from` to the ready others, or parks them (SchedulerLinks).
+  size_t handOff(size_t from, std::vector<SequencePtr>& sequences, bool may_park);
+  void claimParked(std::vector<SequencePtr>& into);
+  // Some worker is ready or may become ready (not in a crash loop, not drained).
+  bool anyAlive() const;
+  // Ends the parked sequences with `status` (none alive, or the broker stopping).
+  void failParked(const Status& status);
   void servingChanged(size_t i, bool serving);
   std::vector<const StatsBoard*> boards() const;
 
@@ -82,6 +88,10 @@ class Router {
   std::vector<bool> serving_;
   bool any_serving_ = false;
   std::function<void(bool)> serving_callback_;
+  // Sequences whose worker went while no other was ready, for the first that is.
+  std::mutex parked_mu_;
+  std::vector<SequencePtr> parked_;
+  std::atomic<size_t> parked_count_{0};
 };
 
 }  // namespace bulkhead

@@ -30,32 +30,34 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
                     : std::make_shared<CanaryStore>(options_.state_dir, options_.pinned_canary)),
       queues_(model_.max_context, model_.eos_token_ids,
               [this](const Status& status) { onFinished(status); }),
-      slot_(
-          std::move(factory), slotOptions(options_, model_), *canaries_, sampler_, injector_,
-          board_,
-          WorkerSlot::Callbacks{.lost =
-                                    [this](const std::string&) {
-                                      forgetInFlight();
-                                      queues_.workerLost();
-                                      if (queues_.empty() && links_.served_elsewhere) {
-                                        if (auto done = injector_.migrationCallback())
-                                          links_.served_elsewhere(std::move(done));
-                                      }
-                                      handOff();
-                                    },
-                                .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
-                                .fail_waiting =
-                                    [this](const std::string& why) {
-                                      forgetInFlight();
-                                      handOff();
-                                      queues_.failAll(unavailable("no healthy worker: " + why));
-                                    },
-                                .serving = [this](bool serving) { setServing(serving); },
-                                .recovered =
-                                    [this] {
-                                      std::lock_guard lock(mu_);
-                                      failed_ = false;
-                                    }}) {
+      slot_(std::move(factory), slotOptions(options_, model_), *canaries_, sampler_, injector_,
+            board_,
+            WorkerSlot::Callbacks{
+                .lost =
+                    [this](const std::string&) {
+                      forgetInFlight();
+                      queues_.workerLost();
+                      if (queues_.empty() && links_.served_elsewhere) {
+                        if (auto done = injector_.migrationCallback())
+                          links_.served_elsewhere(std::move(done));
+                      }
+                      handOff();
+                    },
+                .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
+                .fail_waiting =
+                    [this](const std::string& why) {
+                      forgetInFlight();
+                      handOff();
+                      const Status status = unavailable("no healthy worker: " + why);
+                      queues_.failAll(status);
+                      if (links_.crash_looped) links_.crash_looped(status);
+                    },
+                .serving = [this](bool serving) { setServing(serving); },
+                .recovered =
+                    [this] {
+                      std::lock_guard lock(mu_);
+                      failed_ = false;
+                    }}) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 }
 
@@ -227,6 +229,11 @@ bool Scheduler::serveOnce() {
   if (slot_.worker() == nullptr) handOff();
   WorkerConnection* worker = slot_.ensure();
   if (worker == nullptr) return false;
+  if (links_.claim_parked) {
+    std::vector<SequencePtr> parked;
+    links_.claim_parked(parked);
+    if (!parked.empty()) queues_.adopt(std::move(parked));
+  }
   if (worker->hello().incarnation != blocks_incarnation_) {
     // A new worker's cache is empty (every sequence was requeued when the last one was lost).
     queues_.resetBlocks(worker->hello().kv_block_count, worker->hello().kv_block_size,
@@ -257,7 +264,7 @@ bool Scheduler::serveOnce() {
   return false;
 }
 
-void Scheduler::handOff() {
+void Scheduler::handOff(bool may_park) {
   if (!links_.hand_off || queues_.waiting().empty()) return;
   std::vector<SequencePtr> moving = queues_.takeWaiting();
   // Timed from the first move that has not resumed yet; recovery from this worker's fault (if
@@ -269,11 +276,9 @@ void Scheduler::handOff() {
     s->migration = migration;
     marked.push_back(s.get());
   }
-  const size_t offered = moving.size();
-  links_.hand_off(moving);
+  const size_t moved = links_.hand_off(moving, may_park);
   for (auto& s : moving)  // stays here
     if (std::find(marked.begin(), marked.end(), s.get()) != marked.end()) s->migration.reset();
-  const size_t moved = offered - moving.size();
   if (moved != 0) {
     spdlog::info("{} sequences moved from {} to other workers", moved, links_.worker_name);
     board_.update([&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences += moved; });

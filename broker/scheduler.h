@@ -87,8 +87,15 @@ struct SchedulerLinks {
   std::shared_ptr<std::atomic<uint64_t>> sequence_ids;
   // Offers sequences this scheduler cannot compute now (its worker was lost, is starting or is
   // drained; they hold no KV blocks) to the other workers, which take them from `sequences`; those
-  // left there stay. Called on this scheduler's thread without its lock; null: they all stay.
-  std::function<void(std::vector<SequencePtr>& sequences)> hand_off;
+  // left there stay. With no other worker ready and `may_park`, they wait in the router for the
+  // first worker that is (while any can still become ready). Returns how many went to another
+  // worker. Called on this scheduler's thread without its lock; null: they all stay.
+  std::function<size_t(std::vector<SequencePtr>& sequences, bool may_park)> hand_off;
+  // Appends the sequences parked in the router (this scheduler's worker is ready).
+  std::function<void(std::vector<SequencePtr>& into)> claim_parked;
+  // This worker entered a crash loop: parked sequences fail with `status` if no worker can
+  // serve them any more.
+  std::function<void(const Status& status)> crash_looped;
   // When this worker is lost holding no sequence, `done` runs after the next step another ready
   // worker completes: service went on without a pause (the fault injector's recovery).
   std::function<void(std::function<void()> done)> served_elsewhere;
@@ -152,7 +159,7 @@ class Scheduler {
   void handleRestart();
   void handleRetire();
   // Offers the waiting sequences to the other workers (SchedulerLinks::hand_off).
-  void handOff();
+  void handOff(bool may_park = true);
   void publishCounts();
   // A step sent to the worker whose reply has not been taken.
   struct InFlightStep {

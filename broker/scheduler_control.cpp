@@ -95,7 +95,7 @@ void Scheduler::handleRetire() {
     if (auto scrub = slot_.vouch()) applyScrub(*scrub, gated(*slot_.worker()));
   queues_.workerLost();
   const size_t held = queues_.waiting().size();
-  handOff();
+  handOff(/*may_park=*/false);
   const size_t left = queues_.waiting().size();
   if (left == 0) {
     spdlog::info("{} drained by an operator: {} sequences moved; stopping its worker",

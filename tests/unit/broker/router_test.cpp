@@ -227,6 +227,45 @@ TEST_F(RouterTest, DrainingOneWorkerMovesItsSequencesAndLosesNothing) {
   EXPECT_EQ(router_->workers()[1].status.state, "ready");
 }
 
+// Every worker dies in the middle of the generations; worker 0 is back in 0.2 s, the others
+// take 2 s. Whatever was on workers 1 and 2 waits for the first worker ready (worker 0), not for
+// its own: every request is done while they still start.
+TEST_F(RouterTest, WhenNoOtherWorkerIsReadyTheFirstToReturnTakesTheSequences) {
+  controls_[0]->restart_delay = 200ms;
+  controls_[1]->restart_delay = 2s;
+  controls_[2]->restart_delay = 2s;
+  start();
+  const test::FakeFault kill{.kind = test::FakeFault::Kind::kFailStep,
+                             .failure = WorkerFailure::Kind::kExited};
+  for (auto& c : controls_) c->scheduleFault(4, kill);
+  auto runs = submit(9, 24);
+  expectAllExact(runs, 24);
+  const auto views = router_->workers();
+  EXPECT_EQ(views[1].status.state, "starting") << "a request waited for worker 1's restart";
+  EXPECT_EQ(views[2].status.state, "starting") << "a request waited for worker 2's restart";
+  EXPECT_EQ(router_->stats().requests_failed, 0u);
+  EXPECT_LT(router_->stats().migration_ms_p99, 2000.0);
+  expectServedThroughout();
+}
+
+// Every worker dies and none can start again: requests fail with UNAVAILABLE once the last
+// worker is in a crash loop, rather than wait for ever.
+TEST_F(RouterTest, SequencesFailOnceEveryWorkerIsInACrashLoop) {
+  start();
+  const test::FakeFault kill{.kind = test::FakeFault::Kind::kFailStep,
+                             .failure = WorkerFailure::Kind::kExited};
+  for (auto& c : controls_) {
+    c->failStarts(1000);
+    c->scheduleFault(4, kill);
+  }
+  auto runs = submit(9, 64);
+  for (const Run& r : runs) {
+    ASSERT_TRUE(r.sink->wait()) << "a request never ended";
+    EXPECT_EQ(r.sink->status().code(), Code::kUnavailable) << r.sink->status().toString();
+  }
+  for (const WorkerView& w : router_->workers()) EXPECT_EQ(w.status.state, "failed");
+}
+
 TEST_F(RouterTest, TheLastReadyWorkerCannotBeDrainedAlone) {
   start();
   ASSERT_TRUE(router_->drainWorker("worker-0", 10s).ok());
