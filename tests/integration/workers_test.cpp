@@ -63,9 +63,10 @@ class ThreeWorkersTest : public ::testing::Test {
                                  "300", "--step-timeout-per-token-us", "500"});
     ASSERT_TRUE(broker_->ok());
     admin_ = v1::Admin::NewStub(broker_->channel());
-    // Six long generations, greedy and seeded, and their fault-free tokens.
+    // Six long generations (the fixture's context allows 256 positions), greedy and seeded,
+    // and their fault-free tokens.
     for (uint32_t i = 0; i < 6; ++i) {
-      auto r = test::request({21, 22, 23 + i}, 200);
+      auto r = test::request({21, 22, 23 + i}, 250);
       r.set_ignore_eos(true);
       if (i % 2 == 1) {
         r.mutable_sampling()->set_temperature(0.8f);
