@@ -17,6 +17,7 @@
 #include <grpcpp/generic/generic_stub.h>
 
 #include "support/broker_process.h"
+#include "support/metrics_scrape.h"
 #include "support/test_support.h"
 
 namespace bulkhead {
@@ -524,27 +525,6 @@ TEST(BrokerShutdownTest, SigtermAnswersAnAdminCallThatIsStillWaiting) {
 namespace bulkhead {
 namespace {
 
-// Prometheus text: name{labels} -> value.
-std::map<std::string, double> scrape(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  httplib::Client client(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
-  client.set_read_timeout(10, 0);
-  auto res = client.Get("/metrics");
-  std::map<std::string, double> samples;
-  if (!res || res->status != 200) {
-    ADD_FAILURE() << "GET /metrics failed";
-    return samples;
-  }
-  std::istringstream in(res->body);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    const size_t space = line.rfind(' ');
-    samples[line.substr(0, space)] = std::stod(line.substr(space + 1));
-  }
-  return samples;
-}
-
 TEST(BrokerMetricsTest, ScrapedAfterTrafficAndAWorkerKill) {
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--metrics-listen", "127.0.0.1:0"});
   ASSERT_TRUE(broker.ok());
@@ -570,7 +550,7 @@ TEST(BrokerMetricsTest, ScrapedAfterTrafficAndAWorkerKill) {
   r.set_ignore_eos(true);
   ASSERT_TRUE(generate(*broker.channel(), r).status.ok());
 
-  const auto m = scrape(broker.metricsAddress());
+  const auto m = test::scrapeMetrics(broker.metricsAddress());
   const double requests = kRequests + 1, tokens = requests * kTokens;
   EXPECT_EQ(m.at("bulkhead_requests_total{outcome=\"completed\"}"), requests);
   EXPECT_EQ(m.at("bulkhead_prompt_tokens_total"), requests * 3);

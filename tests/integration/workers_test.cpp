@@ -2,7 +2,7 @@
 // worker while it holds generations in the middle of their tokens, and an operator draining one
 // worker. Every client gets exactly its fault-free tokens without an error, the failed worker's
 // sequences finish on the other two (the fault injection reports recovery by their first token
-// there), and health never leaves SERVING.
+// there, as the metrics also show), and health never leaves SERVING.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "support/broker_process.h"
+#include "support/metrics_scrape.h"
 
 namespace bulkhead {
 namespace {
@@ -60,7 +61,8 @@ class ThreeWorkersTest : public ::testing::Test {
     broker_ = std::make_unique<test::BrokerProcess>(
         test::fixtureDir("tiny-qwen2"),
         std::vector<std::string>{"--workers", "3", "--enable-fault-injection", "--step-timeout-ms",
-                                 "300", "--step-timeout-per-token-us", "500"});
+                                 "300", "--step-timeout-per-token-us", "500", "--metrics-listen",
+                                 "127.0.0.1:0"});
     ASSERT_TRUE(broker_->ok());
     admin_ = v1::Admin::NewStub(broker_->channel());
     // Six long generations (the fixture's context allows 256 positions), greedy and seeded,
@@ -151,6 +153,12 @@ class ThreeWorkersTest : public ::testing::Test {
     v1::Stats stats;
     ASSERT_TRUE(admin_->GetStats(&stats_ctx, {}, &stats).ok());
     EXPECT_GT(stats.migration_ms_p99(), 0.0) << "the move's time is reported";
+    // The metrics say the same, and carry one sample per worker.
+    const auto m = test::scrapeMetrics(broker_->metricsAddress());
+    for (const char* w : {"worker-0", "worker-1", "worker-2"})
+      EXPECT_EQ(m.count(std::string("bulkhead_kv_blocks{worker=\"") + w + "\"}"), 1u) << w;
+    EXPECT_EQ(m.at("bulkhead_migrated_sequences_total"), double(stats.migrated_sequences()));
+    EXPECT_GE(m.at("bulkhead_migration_seconds_count"), 1.0);
     health.expectServingThroughout();
   }
 
