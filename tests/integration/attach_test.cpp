@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <functional>
 #include <future>
 #include <string>
 #include <vector>
@@ -50,30 +51,27 @@ v1::Stats stats(grpc::Channel& channel) {
   return s;
 }
 
-TEST(AttachModeTest, AKilledWorkerIsReattachedAfterItsRestartAndStreamsFinishIdentically) {
-  test::TempDir dir;
-  const std::string socket = dir.file("worker.sock");
-  ChildProcess first = startWorker(socket);
-  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--workers-from", socket});
-  ASSERT_TRUE(broker.ok());
+// Four seeded generations: a fault-free reference first, then the same four at once. `fault`
+// runs once the first stream has a token (every stream is mid-generation), and each stream must
+// then finish without an error, identical to its reference.
+void expectIdenticalThroughFault(const std::shared_ptr<grpc::Channel>& channel,
+                                 const std::function<void()>& fault) {
   std::vector<test::Generation> reference;
   for (uint32_t i = 0; i < 4; ++i) {
-    reference.push_back(test::generate(*broker.channel(), seeded(i)));
+    reference.push_back(test::generate(*channel, seeded(i)));
     ASSERT_TRUE(reference.back().status.ok());
   }
-  // The same requests again; the worker dies once the first stream has a token.
-  auto stub = v1::Generator::NewStub(broker.channel());
+  auto stub = v1::Generator::NewStub(channel);
   grpc::ClientContext first_ctx;
   auto first_stream = stub->Generate(&first_ctx, seeded(0));
   std::vector<std::future<test::Generation>> others;
   for (uint32_t i = 1; i < 4; ++i)
-    others.push_back(std::async(std::launch::async,
-                                [&, i] { return test::generate(*broker.channel(), seeded(i)); }));
+    others.push_back(
+        std::async(std::launch::async, [&, i] { return test::generate(*channel, seeded(i)); }));
   v1::GenerateResponse response;
   ASSERT_TRUE(first_stream->Read(&response));
   std::vector<uint32_t> tokens(response.token_ids().begin(), response.token_ids().end());
-  first.kill();  // SIGKILL, reaped: systemd would now start the next one
-  ChildProcess second = startWorker(socket);
+  fault();
   while (first_stream->Read(&response))
     tokens.insert(tokens.end(), response.token_ids().begin(), response.token_ids().end());
   ASSERT_TRUE(first_stream->Finish().ok());
@@ -83,6 +81,22 @@ TEST(AttachModeTest, AKilledWorkerIsReattachedAfterItsRestartAndStreamsFinishIde
     ASSERT_TRUE(g.status.ok()) << g.status.error_message();
     EXPECT_EQ(g.tokens, reference[i].tokens) << "request " << i;
   }
+}
+
+TEST(AttachModeTest, AKilledWorkerIsReattachedAfterItsRestartAndStreamsFinishIdentically) {
+  test::TempDir dir;
+  const std::string socket = dir.file("worker.sock");
+  ChildProcess first = startWorker(socket);
+  test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"), {"--workers-from", socket});
+  ASSERT_TRUE(broker.ok());
+  // The worker dies once the first stream has a token: SIGKILL, reaped; systemd would now start
+  // the next one.
+  ChildProcess second;
+  expectIdenticalThroughFault(broker.channel(), [&] {
+    first.kill();
+    second = startWorker(socket);
+  });
+  if (HasFatalFailure()) return;
   const v1::Stats s = stats(*broker.channel());
   EXPECT_EQ(s.worker_restarts(), 1u);
   EXPECT_GE(s.replayed_sequences(), 1u) << "nothing was replayed";
@@ -124,32 +138,9 @@ TEST(AttachModeTest, TwoWorkersOneKilledItsStreamsFinishOnTheOtherBeforeItReturn
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
                              {"--workers-from", sockets[0], "--workers-from", sockets[1]});
   ASSERT_TRUE(broker.ok());
-  std::vector<test::Generation> reference;
-  for (uint32_t i = 0; i < 4; ++i) {
-    reference.push_back(test::generate(*broker.channel(), seeded(i)));
-    ASSERT_TRUE(reference.back().status.ok());
-  }
   // Four streams at once, two on each worker; worker-0 dies once the first stream has a token.
-  auto stub = v1::Generator::NewStub(broker.channel());
-  grpc::ClientContext first_ctx;
-  auto first_stream = stub->Generate(&first_ctx, seeded(0));
-  std::vector<std::future<test::Generation>> others;
-  for (uint32_t i = 1; i < 4; ++i)
-    others.push_back(std::async(std::launch::async,
-                                [&, i] { return test::generate(*broker.channel(), seeded(i)); }));
-  v1::GenerateResponse response;
-  ASSERT_TRUE(first_stream->Read(&response));
-  std::vector<uint32_t> tokens(response.token_ids().begin(), response.token_ids().end());
-  w0.kill();
-  while (first_stream->Read(&response))
-    tokens.insert(tokens.end(), response.token_ids().begin(), response.token_ids().end());
-  ASSERT_TRUE(first_stream->Finish().ok());
-  EXPECT_EQ(tokens, reference[0].tokens);
-  for (uint32_t i = 1; i < 4; ++i) {
-    const test::Generation g = others[i - 1].get();
-    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
-    EXPECT_EQ(g.tokens, reference[i].tokens) << "request " << i;
-  }
+  expectIdenticalThroughFault(broker.channel(), [&] { w0.kill(); });
+  if (HasFatalFailure()) return;
   // Every stream ended before worker-0's successor existed: they finished on worker-1.
   const v1::Stats s = stats(*broker.channel());
   EXPECT_GE(s.migrated_sequences(), 1u);
