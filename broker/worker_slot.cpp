@@ -216,9 +216,9 @@ void WorkerSlot::replace(std::string_view cause, const std::string& why, bool op
   } else {
     crash_loop = supervision_.onFailure(Clock::now());
   }
-  if (had_worker) callbacks_.lost(why);
   // In this order: whoever sees the state "failed" finds submissions refused, and whoever sees a
-  // request fail finds the state "failed".
+  // request fail finds the state "failed"; and the state leaves "ready" before the sequences move,
+  // so that nobody places work on, or waits for a step from, the worker just lost.
   if (crash_loop) {
     spdlog::error("worker failed {} times in a row; failing requests until a start succeeds",
                   supervision_.consecutiveFailures());
@@ -233,6 +233,7 @@ void WorkerSlot::replace(std::string_view cause, const std::string& why, bool op
     w.last_failure = why;
     w.state = std::string(workerStateName(supervision_.state()));
   });
+  if (had_worker) callbacks_.lost(why);
   if (crash_loop) {
     callbacks_.serving(false);
     callbacks_.fail_waiting(why);
