@@ -3,6 +3,7 @@
 #include "shared/checkpoint.h"
 
 #include "shared/checksum.h"
+#include "shared/work_pool.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -156,12 +157,14 @@ uint64_t Checkpoint::identity() const {
 }
 
 uint64_t Checkpoint::weightDigest() const {
-  std::vector<uint64_t> sums;
-  for (const TensorView* v : usedTensors()) {
-    const auto granules = granuleChecksums(v->data);
-    sums.insert(sums.end(), granules.begin(), granules.end());
-  }
-  return checksumBytes(std::as_bytes(std::span(sums)));
+  std::call_once(digest_->once, [this] {
+    std::vector<std::span<const std::byte>> ranges;
+    for (const TensorView* v : usedTensors()) ranges.push_back(v->data);
+    WorkPool pool;
+    const std::vector<uint64_t> sums = granuleChecksums(ranges, kChecksumGranuleBytes, pool);
+    digest_->value = checksumBytes(std::as_bytes(std::span(sums)));
+  });
+  return digest_->value;
 }
 
 }  // namespace bulkhead

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -56,7 +57,8 @@ class Checkpoint {
   // The tensors the model uses, each once, in a fixed order.
   std::vector<const TensorView*> usedTensors() const;
   // Digest of the per-granule checksums (shared/checksum.h) of every used tensor, in order:
-  // identifies the exact weights a worker loaded.
+  // identifies the exact weights a worker loaded. A pass over every weight byte on every core,
+  // the first time it is asked for; remembered after that.
   uint64_t weightDigest() const;
   // Identity of the model apart from weight content: config.json and every used tensor's name,
   // dtype and shape. Two checkpoints with the same identity should compute the same function.
@@ -72,6 +74,11 @@ class Checkpoint {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, TensorView> all_;
   ModelTensors tensors_;
+  struct Digest {
+    std::once_flag once;
+    uint64_t value = 0;
+  };
+  std::unique_ptr<Digest> digest_ = std::make_unique<Digest>();
 };
 
 }  // namespace bulkhead

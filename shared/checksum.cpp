@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "shared/work_pool.h"
+
 namespace bulkhead {
 namespace {
 
@@ -36,6 +38,17 @@ std::vector<uint64_t> granuleChecksums(std::span<const std::byte> bytes, size_t 
     sums.push_back(
         checksumBytes(bytes.subspan(offset, std::min(granule_bytes, bytes.size() - offset))));
   }
+  return sums;
+}
+
+std::vector<uint64_t> granuleChecksums(std::span<const std::span<const std::byte>> ranges,
+                                       size_t granule_bytes, WorkPool& pool) {
+  std::vector<std::span<const std::byte>> granules;
+  for (std::span<const std::byte> bytes : ranges)
+    for (size_t offset = 0; offset < bytes.size(); offset += granule_bytes)
+      granules.push_back(bytes.subspan(offset, std::min(granule_bytes, bytes.size() - offset)));
+  std::vector<uint64_t> sums(granules.size());
+  pool.parallelFor(granules.size(), [&](size_t i) { sums[i] = checksumBytes(granules[i]); });
   return sums;
 }
 

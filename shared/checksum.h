@@ -23,6 +23,12 @@ uint64_t checksumBytes(std::span<const std::byte> bytes);
 std::vector<uint64_t> granuleChecksums(std::span<const std::byte> bytes,
                                        size_t granule_bytes = kChecksumGranuleBytes);
 
+class WorkPool;
+// granuleChecksums of several byte ranges, one after another in one vector, the granules spread
+// over `pool` (a worker's start checksums every weight byte: gigabytes for a large model).
+std::vector<uint64_t> granuleChecksums(std::span<const std::span<const std::byte>> ranges,
+                                       size_t granule_bytes, WorkPool& pool);
+
 // In-step weight verification: the terms (mix.h foldWordTerm) of one weight row's 32-bit words
 // as a kernel reads them, keyed by a salt that names the weight's role (so the right bytes read in
 // the wrong role do not match) and by each word's index within the weight, `first_index` for the

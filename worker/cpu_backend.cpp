@@ -61,13 +61,21 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
       (reinterpret_cast<uintptr_t>(b->weight_bytes_.get()) + 63) & ~uintptr_t(63));
   std::map<const TensorView*, std::byte*> where;
   size_t offset = 0;
+  // The copy in pieces over the pool: gigabytes for a large model.
+  constexpr size_t kPiece = size_t(16) << 20;
+  std::vector<std::pair<std::span<const std::byte>, std::byte*>> pieces;
   for (const TensorView* m : used) {
-    std::memcpy(base + offset, m->data.data(), m->data.size());
+    for (size_t at = 0; at < m->data.size(); at += kPiece)
+      pieces.emplace_back(m->data.subspan(at, std::min(kPiece, m->data.size() - at)),
+                          base + offset + at);
     b->slot_tags_.tag(base + offset, uint32_t(b->resident_.size()));
     b->resident_.push_back(base + offset);
     where[m] = base + offset;
     offset += aligned(m->data.size());
   }
+  b->pool_->parallelFor(pieces.size(), [&](size_t i) {
+    std::memcpy(pieces[i].second, pieces[i].first.data(), pieces[i].first.size());
+  });
   auto matrix = [&](const TensorView* m) {
     return cpu::WeightMatrix{m->dtype, where.at(m), int(m->shape[0]), int(m->shape[1])};
   };
@@ -123,6 +131,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
         b->account(*roles[r].first, *roles[r].second, roles[r].second->name, false,
                    r < kLinearRoles);
   }
+  b->computeAccounts();
   return b;
 }
 
@@ -143,22 +152,49 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
   a.generation = slot_tags_.generation(resident_[a.tensor_index]);
   w.salt = uint32_t(splitmix64(accounts_.size()));
   w.reads = &a.reads;
-  const size_t row_bytes = w.rowBytes();
-  const uint64_t row_words = weightRowWords(row_bytes);
-  // From the checkpoint's own bytes (the mapped file), never from the resident copy.
-  for (int j = 0; j < w.rows; ++j) {
-    const uint64_t fold = foldWeightRow(tensor.data.data() + size_t(j) * row_bytes, row_bytes,
-                                        uint64_t(j) * row_words, w.salt);
-    if (by_row) a.row_expected.push_back(fold);
-    a.expected += fold;
+  a.source = &tensor;
+  a.by_row = by_row;
+  a.linear = linear;
+  a.words = uint64_t(w.rows) * weightRowWords(w.rowBytes());
+  if (linear) w.columns = &a.columns;
+}
+
+void CpuBackend::computeAccounts() {
+  // Jobs of at most kRows rows (folds add up in any order), and one job per linear layer's
+  // column sums (a fixed order of additions per column); from the checkpoint's own bytes (the
+  // mapped file), never from the resident copy.
+  constexpr int kRows = 4096;
+  struct Job {
+    ReadAccount* account;
+    int first_row = 0, rows = 0;  // rows == 0: the column sums
+    uint64_t fold = 0;
+  };
+  std::vector<Job> jobs;
+  for (ReadAccount& a : accounts_) {
+    const int rows = a.binding->rows;
+    if (a.by_row) a.row_expected.assign(size_t(rows), 0);
+    for (int j = 0; j < rows; j += kRows) jobs.push_back({&a, j, std::min(kRows, rows - j)});
+    if (a.linear) jobs.push_back({&a, 0, 0});
   }
-  a.words = uint64_t(w.rows) * row_words;
-  if (linear) {
-    cpu::WeightMatrix checkpoint_bytes = w;
-    checkpoint_bytes.data = tensor.data.data();
-    a.columns = cpu::columnSums(checkpoint_bytes);
-    w.columns = &a.columns;
-  }
+  pool_->parallelFor(jobs.size(), [&](size_t i) {
+    Job& job = jobs[i];
+    ReadAccount& a = *job.account;
+    cpu::WeightMatrix checkpoint_bytes = *a.binding;
+    checkpoint_bytes.data = a.source->data.data();
+    if (job.rows == 0) {
+      a.columns = cpu::columnSums(checkpoint_bytes);
+      return;
+    }
+    const size_t row_bytes = checkpoint_bytes.rowBytes();
+    const uint64_t row_words = weightRowWords(row_bytes);
+    for (int j = job.first_row; j < job.first_row + job.rows; ++j) {
+      const uint64_t fold = foldWeightRow(checkpoint_bytes.data + size_t(j) * row_bytes, row_bytes,
+                                          uint64_t(j) * row_words, checkpoint_bytes.salt);
+      if (a.by_row) a.row_expected[size_t(j)] = fold;
+      job.fold += fold;
+    }
+  });
+  for (const Job& job : jobs) job.account->expected += job.fold;
 }
 
 WeightReadVerdict CpuBackend::verifyReads(std::span<const uint32_t> gathered) const {

@@ -75,8 +75,10 @@ class CpuBackend final : public Backend {
     // For diagnosis after a failed check only: the binding and the resident slot it started with.
     const cpu::WeightMatrix* binding = nullptr;
     const std::byte* slot = nullptr;
-    uint32_t tensor_index = 0;  // which resident slot's tag the binding must carry
-    uint32_t generation = 0;    // the slot's generation when the binding was made
+    uint32_t tensor_index = 0;           // which resident slot's tag the binding must carry
+    uint32_t generation = 0;             // the slot's generation when the binding was made
+    const TensorView* source = nullptr;  // the checkpoint's bytes the expectations come from
+    bool by_row = false, linear = false;
   };
   struct Layer {
     cpu::WeightMatrix q, k, v, o, gate, up, down;
@@ -95,10 +97,13 @@ class CpuBackend final : public Backend {
   // The forward pass of a validated step; the embedding rows it gathered go to `gathered`.
   void forward(std::span<const SequenceStep> batch, std::span<const RowOutput> logits,
                std::vector<uint32_t>& gathered);
-  // Binds `w` to its in-step account, computed from the checkpoint's bytes of `tensor`.
-  // A linear layer also gets its column sums, for the arithmetic check.
+  // Binds `w` to its in-step account, which computeAccounts() fills from the checkpoint's bytes
+  // of `tensor`. A linear layer also gets its column sums, for the arithmetic check.
   void account(cpu::WeightMatrix& w, const TensorView& tensor, const std::string& role, bool by_row,
                bool linear);
+  // What every account's weight must fold to, and the linear layers' column sums: every weight
+  // byte read once more, spread over the pool.
+  void computeAccounts();
   WeightReadVerdict verifyReads(std::span<const uint32_t> gathered) const;
   // Before a step: every binding's pointer must be a resident slot tagged for its tensor.
   WeightReadVerdict verifySlots() const;

@@ -16,6 +16,7 @@
 #include "shared/checkpoint.h"
 #include "shared/config_file.h"
 #include "shared/logging.h"
+#include "shared/phase_clock.h"
 #include "shared/service_notify.h"
 #include "worker/backend_factory.h"
 #include "worker/canary_check.h"
@@ -100,17 +101,23 @@ int main(int argc, char** argv) {
     spdlog::critical("--perturb-attention needs --enable-fault-injection");
     return 2;
   }
+  PhaseClock clock;
   auto checkpoint = Checkpoint::open(options.model_dir);
   if (!checkpoint.ok()) {
     spdlog::critical("{}", checkpoint.status().toString());
     return 1;
   }
   auto shared = std::make_shared<const Checkpoint>(std::move(*checkpoint));
+  clock.phase("checkpoint");
   auto backend = createBackend(backend_name, shared, backend_options);
   if (!backend.ok()) {
     spdlog::critical("{}", backend.status().toString());
     return 1;
   }
+  clock.phase("backend load");
+  // The digest of the loaded weights (every byte once), which the canary and the broker check.
+  const uint64_t weight_digest = shared->weightDigest();
+  clock.phase("weight digest");
   spdlog::info("loaded {} ({}) on {}: {} KV blocks of {}", options.model_dir,
                shared->config().architecture_name, (*backend)->name(),
                (*backend)->limits().kv_block_count, (*backend)->limits().kv_block_size);
@@ -141,6 +148,7 @@ int main(int argc, char** argv) {
     }
     spdlog::info("canary passed: digest {:016x} as {} records", record->logits_digest,
                  canary_record);
+    clock.phase("canary");
   }
   options.notifier = notifier;
   auto server = WorkerServer::create(std::move(*backend), shared, options);
@@ -148,6 +156,8 @@ int main(int argc, char** argv) {
     spdlog::critical("{}", server.status().toString());
     return 1;
   }
+  clock.phase("arena and scrub references");
+  spdlog::info("started in {} (weights {:016x})", clock.summary(), weight_digest);
   // A backend failure ends serve() with an error: crash-only, the broker replaces this worker.
   Status served = (*server)->serve();
   notifier.notify("STOPPING=1");

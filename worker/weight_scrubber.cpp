@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "shared/checksum.h"
+#include "shared/work_pool.h"
 
 namespace bulkhead {
 namespace {
@@ -27,13 +28,18 @@ WeightScrubber::WeightScrubber(Backend& backend, const Checkpoint& checkpoint,
       share_(std::clamp(options.share, 0.0, 1.0)) {
   const uint64_t granule = std::max<uint64_t>(options.granule_bytes, 4);
   const auto used = checkpoint.usedTensors();
+  // What every granule must read back as, from the checkpoint's own bytes, on every core.
+  std::vector<std::span<const std::byte>> tensors;
+  for (const TensorView* t : used) tensors.push_back(t->data);
+  WorkPool pool;
+  const std::vector<uint64_t> sums = granuleChecksums(tensors, granule, pool);
   for (uint32_t t = 0; t < used.size(); ++t) {
     names_.push_back(used[t]->name);
     const auto bytes = used[t]->data;
     for (uint64_t off = 0; off < bytes.size(); off += granule) {
       const uint64_t len = std::min<uint64_t>(granule, bytes.size() - off);
       const WeightRange range{t, off, len};
-      granules_.push_back({range, checksumBytes(bytes.subspan(off, len)), 0});
+      granules_.push_back({range, sums[granules_.size()], 0});
       ranges_.push_back(range);
       total_bytes_ += len;
     }
