@@ -9,6 +9,8 @@
 #include <map>
 #include <thread>
 
+#include <spdlog/spdlog.h>
+
 #include "cuda/activation.cuh"
 #include "cuda/attention.cuh"
 #include "cuda/checksum.cuh"
@@ -22,6 +24,8 @@
 #include "cuda/rope.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/checksum.h"
+#include "shared/phase_clock.h"
+#include "worker/staged_upload.h"
 
 namespace bulkhead {
 
@@ -179,13 +183,14 @@ Result<uint64_t> CudaBackend::uploadWeights() {
     weight_bytes += m->data.size();
   }
   BULKHEAD_ASSIGN_OR_RETURN(d.weights, DeviceMemory::allocate(arena.bytes));
+  std::vector<Upload> uploads;
   for (size_t i = 0; i < used_.size(); ++i) {
     std::byte* slot = d.weights.get<std::byte>() + offsets[i];
-    BULKHEAD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(slot, used_[i]->data.data(), used_[i]->data.size(), cudaMemcpyHostToDevice));
+    uploads.push_back({used_[i]->data, slot});
     slot_tags_.tag(slot, uint32_t(i));
     d.slots.push_back(slot);
   }
+  BULKHEAD_RETURN_IF_ERROR(uploadStaged(uploads, d.stream.get()));
 
   return weight_bytes;
 }
@@ -355,7 +360,9 @@ Status CudaBackend::load(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
 
+  PhaseClock clock;
   BULKHEAD_ASSIGN_OR_RETURN(const uint64_t weight_bytes, uploadWeights());
+  clock.phase("weight upload (" + std::to_string(weight_bytes >> 20) + " MiB)");
   BULKHEAD_RETURN_IF_ERROR(bindRoles());
   BULKHEAD_RETURN_IF_ERROR(computeColumnSums());
   if (options.cublas_products && options.check_weight_reads)
@@ -363,10 +370,15 @@ Status CudaBackend::load(const Options& options) {
   if (options.cublas_products) {
     BULKHEAD_ASSIGN_OR_RETURN(d.cublas, cuda::Matmul::create(d.stream.get()));
   }
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
+  clock.phase("column sums");
   if (options.check_weight_reads) expectFolds();
+  clock.phase("expected folds");
   BULKHEAD_RETURN_IF_ERROR(allocateStep(options));
   BULKHEAD_ASSIGN_OR_RETURN(const uint32_t blocks, allocateKvCache(options));
   BULKHEAD_RETURN_IF_ERROR(uploadRopeTables());
+  clock.phase("step buffers and KV cache");
+  spdlog::info("CUDA device {} loaded in {}", device_, clock.summary());
 
   std::vector<uint32_t> buckets;
   for (uint32_t b = 1; options.cuda_graphs && b <= kMaxGraphRows; ++b) buckets.push_back(b);
