@@ -29,7 +29,7 @@ class RouterTest : public ::testing::Test {
 
   // Every worker's client steps wait until the test's requests are all submitted, so that placement
   // sees each worker holding what it was given (a fake step takes microseconds: unheld, a request
-  // could end before the next one is placed). Then `hooks_[i]` runs as worker i sends a step.
+  // could end before the next one is placed). Then `hooks_[i]` runs as worker i is sent a step.
   RouterTest() {
     gate_ = submitted_.get_future().share();
     for (size_t i = 0; i < kWorkers; ++i) {
@@ -39,7 +39,7 @@ class RouterTest : public ::testing::Test {
                                         [](const SequenceStep& s) { return s.sequence_id != 0; });
         if (!client) return;  // the canary
         EXPECT_EQ(gate_.wait_for(20s), std::future_status::ready);
-        if (hooks_[i]) hooks_[i]();
+        if (hooks_[i]) hooks_[i](batch);
       };
     }
   }
@@ -125,6 +125,19 @@ class RouterTest : public ::testing::Test {
   // restart takes 2 s, longer than the rest of the generations.
   void expectMovedOnFault(std::vector<test::FakeFault> faults) {
     controls_[1]->restart_delay = 2s;
+    // Whenever another worker is sent one of worker 1's sequences to re-prefill, worker 1 must
+    // not read "ready" (nothing may be placed on it, or wait for its steps, once it is lost).
+    for (size_t i : {size_t(0), size_t(2)}) {
+      hooks_[i] = [this](std::span<const SequenceStep> batch) {
+        // A client sequence re-prefilled from position 0 with more than its 3 prompt tokens.
+        if (std::none_of(batch.begin(), batch.end(), [](const SequenceStep& s) {
+              return s.sequence_id != 0 && s.start_position == 0 && s.tokens.size() > 3;
+            }))
+          return;
+        moved_ = true;
+        if (router_->workers()[1].status.state == "ready") ready_while_moved_ = true;
+      };
+    }
     start();
     for (size_t k = 0; k < faults.size(); ++k)
       controls_[1]->scheduleFault(k == 0 ? 6 : 1, faults[k]);
@@ -132,6 +145,9 @@ class RouterTest : public ::testing::Test {
     expectAllExact(runs, 24);
     EXPECT_EQ(router_->workers()[1].status.state, "starting")
         << "the generations waited for the failed worker's restart";
+    EXPECT_TRUE(moved_.load());
+    EXPECT_FALSE(ready_while_moved_.load())
+        << "worker 1 still read \"ready\" while another worker computed its sequences";
     const auto moved = movedMidGeneration(1, 3);
     EXPECT_EQ(moved.size(), 3u) << "worker 1's three sequences move to the others";
     const SchedulerStats s = router_->stats();
@@ -146,7 +162,8 @@ class RouterTest : public ::testing::Test {
   std::promise<void> submitted_;
   std::shared_future<void> gate_;
   bool released_ = false;
-  std::function<void()> hooks_[kWorkers];
+  std::function<void(std::span<const SequenceStep>)> hooks_[kWorkers];
+  std::atomic<bool> moved_{false}, ready_while_moved_{false};
   std::vector<std::shared_ptr<test::FakeWorkerControl>> controls_;
   WorkPool pool_{2};
   std::unique_ptr<Router> router_;
@@ -199,7 +216,7 @@ TEST_F(RouterTest, DrainingOneWorkerMovesItsSequencesAndLosesNothing) {
   // the step goes on once the drain is under way.
   std::future<Result<uint32_t>> drained;
   std::atomic<int> steps{0};
-  hooks_[1] = [&] {
+  hooks_[1] = [&](std::span<const SequenceStep>) {
     if (++steps != 4) return;
     drained = std::async(std::launch::async, [&] { return router_->drainWorker("worker-1", 10s); });
     const auto deadline = std::chrono::steady_clock::now() + 20s;

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# On the GPU host, from a bundle made by tools/gpu/bundle.sh: the measurements the open issues
+# still wait for, in groups that each fit one device call (10 minutes). Models are made there.
+# Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
+#   cpu     the CPU backend on that host's cores: step-bench and serve-bench on tiny-v152k (the
+#           broker at GPU speed), serve-bench at concurrency 64 behind 1, 2 and 4 workers
+#   cuda    the GPU tests, bench-engine on qwen2.5-0.5b and qwen2.5-7b, serve-bench through a
+#           broker on both
+#   start   a 7B worker's start, phase by phase, then chaos with the CUDA backend on the 7B
+#           (worker_kill recovery is the kill-to-serving time)
+set -uo pipefail
+bundle=$1 out=$2
+shift 2
+export LD_LIBRARY_PATH=$bundle/lib BULKHEAD_FIXTURES_DIR=$bundle/fixtures
+bh=$bundle/bulkhead
+model() {  # model SHAPE: made once per host
+  local m=/tmp/bulkhead-$1
+  [ -d "$m" ] || timeout 300 "$bh" make-model --shape "$1" --out "$m" > /dev/null
+  echo "$m"
+}
+run() {  # run NAME TIMEOUT COMMAND...: output to OUTDIR/NAME.txt, the tables to stdout
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  echo "rc=$?"
+  grep -v '^\[\|^20[0-9][0-9]-' "$out/$name.txt" | tail -40
+}
+nproc
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for group in "$@"; do
+  case $group in
+    cpu)
+      m=$(model tiny-v152k)
+      run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
+      run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
+        --json "$out/serve-bench-cpu.json"
+      run serve-bench-cpu-workers 200 "$bh" serve-bench --model "$m" --concurrency 64 \
+        --workers 1,2,4 --json "$out/serve-bench-cpu-workers.json"
+      ;;
+    cuda)
+      run gpu-tests 300 "$bundle/gpu_tests"
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        run "bench-engine-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
+          --batch 1,8,32,64
+        run "serve-bench-$shape" 300 "$bh" serve-bench --model "$m" --backend cuda \
+          --concurrency 1,32,64 --json "$out/serve-bench-$shape.json"
+      done
+      ;;
+    start)
+      m=$(model qwen2.5-7b)
+      rm -f /tmp/bulkhead-start.sock
+      "$bundle/bulkhead-worker" --model "$m" --socket /tmp/bulkhead-start.sock --backend cuda \
+        > "$out/worker-start-7b.txt" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 240); do grep -q "serving on" "$out/worker-start-7b.txt" && break; sleep 0.5; done
+      kill "$pid"
+      wait "$pid"
+      grep -E "loaded in|started in" "$out/worker-start-7b.txt"
+      run chaos-cuda-7b 420 "$bh" chaos --model "$m" --backend cuda --faults 40 --seed 3 \
+        --report "$out/chaos-cuda-7b.json"
+      ;;
+    *) echo "unknown group $group" >&2 ;;
+  esac
+done
