@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -20,14 +21,23 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
   const float* up = gate + a.inter;
   __nv_bfloat16* out = a.out + size_t(r) * a.inter;
   float g[kPerThread], u[kPerThread], cs[kPerThread], as[kPerThread];
+  // The column sums (which no kernel writes) before the wait for the product before, its
+  // output after.
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int i = first + threadIdx.x + j * kThreads;
-    const bool in = i < a.inter, check = in && a.down.role >= 0;
-    g[j] = in ? gate[i] : 0.0f;
-    u[j] = in ? up[i] : 0.0f;
+    const bool check = i < a.inter && a.down.role >= 0;
     cs[j] = check ? a.down.colsum[i] : 0.0f;
     as[j] = check ? a.down.abssum[i] : 0.0f;
+  }
+  gridDependencyWait();
+  allowDependentLaunch();
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = first + threadIdx.x + j * kThreads;
+    const bool in = i < a.inter;
+    g[j] = in ? gate[i] : 0.0f;
+    u[j] = in ? up[i] : 0.0f;
   }
   double sums[4] = {};  // gate, up, the down product's expected and bound
 #pragma unroll
@@ -63,8 +73,7 @@ Status launchSiluMul(const SiluMulArgs& a, cudaStream_t stream) {
                            std::to_string(a.inter));
   if (a.rows == 0) return okStatus();
   const dim3 grid(unsigned((a.inter + kPerBlock - 1) / kPerBlock), unsigned(a.rows));
-  siluMulKernel<<<grid, kThreads, 0, stream>>>(a);
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(launchKernel(siluMulKernel, grid, kThreads, stream, a));
   return okStatus();
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -47,6 +48,8 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   __shared__ float probs[kChunk];
   __shared__ float warp_values[kWarps];
   __shared__ float partial[kThreads];
+  gridDependencyWait();
+  allowDependentLaunch();
   const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
   const int part = t / HD, d = t % HD;
   const int kvh = h / (a.heads / a.kv_heads);
@@ -152,21 +155,22 @@ Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
                            std::to_string(a.head_dim));
   if (a.rows == 0) return okStatus();
   const dim3 grid(unsigned(a.heads), unsigned(a.rows));
+  cudaError_t launched;
   switch (a.head_dim) {
     case 16:
-      attentionKernel<16><<<grid, kThreads, 0, stream>>>(a);
+      launched = launchKernel(attentionKernel<16>, grid, kThreads, stream, a);
       break;
     case 32:
-      attentionKernel<32><<<grid, kThreads, 0, stream>>>(a);
+      launched = launchKernel(attentionKernel<32>, grid, kThreads, stream, a);
       break;
     case 64:
-      attentionKernel<64><<<grid, kThreads, 0, stream>>>(a);
+      launched = launchKernel(attentionKernel<64>, grid, kThreads, stream, a);
       break;
     default:
-      attentionKernel<128><<<grid, kThreads, 0, stream>>>(a);
+      launched = launchKernel(attentionKernel<128>, grid, kThreads, stream, a);
       break;
   }
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(launched);
   return okStatus();
 }
 

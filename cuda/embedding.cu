@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -14,6 +15,8 @@ __global__ void __launch_bounds__(kThreads)
     embeddingKernel(const __nv_bfloat16* __restrict__ table, int hidden,
                     const uint32_t* __restrict__ tokens, float* __restrict__ out, FoldAccount* fold,
                     uint32_t salt) {
+  gridDependencyWait();
+  allowDependentLaunch();
   const int pairs = hidden / 2;
   const uint64_t first_word = uint64_t(tokens[blockIdx.x]) * pairs;
   const uint32_t* src = reinterpret_cast<const uint32_t*>(table) + first_word;
@@ -37,8 +40,8 @@ Status launchEmbedding(const __nv_bfloat16* table, int hidden, const uint32_t* t
     return invalidArgument("embedding of " + std::to_string(rows) + " rows of " +
                            std::to_string(hidden));
   if (rows == 0) return okStatus();
-  embeddingKernel<<<rows, kThreads, 0, stream>>>(table, hidden, tokens, out, fold, salt);
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(launchKernel(embeddingKernel, dim3(unsigned(rows)), kThreads,
+                                             stream, table, hidden, tokens, out, fold, salt));
   return okStatus();
 }
 

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -90,14 +91,30 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
   uint32_t fold_acc[4] = {};
   float acc[kGroups][4] = {};
-  for (int base = rank * kWarps + warp; base < k_blocks; base += lanes * kUnroll) {
-    uint4 a_lo[kUnroll], a_hi[kUnroll], b[kUnroll][kGroups];
+  uint4 a_lo[kUnroll], a_hi[kUnroll], b[kUnroll][kGroups];
+  auto loadWeights = [&](int base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kb = base + u * lanes;
       const bool in_k = kb < k_blocks && 32 * kb + 8 * c < k;
       a_lo[u] = load16(w_lo + 32 * kb, in_k && row_lo);
       a_hi[u] = load16(w_hi + 32 * kb, in_k && row_hi);
+    }
+  };
+  // The first k blocks' weights (which no kernel writes) load before the wait for the kernel
+  // before, whose output (the tokens) loads after it.
+  int base = rank * kWarps + warp;
+  bool preloaded = base < k_blocks;
+  if (preloaded) loadWeights(base);
+  gridDependencyWait();
+  allowDependentLaunch();
+  for (; base < k_blocks; base += lanes * kUnroll) {
+    if (!preloaded) loadWeights(base);
+    preloaded = false;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int kb = base + u * lanes;
+      const bool in_k = kb < k_blocks && 32 * kb + 8 * c < k;
 #pragma unroll
       for (int t = 0; t < kGroups; ++t) b[u][t] = load16(x_row[t] + 32 * kb, in_k && token[t]);
     }
@@ -186,13 +203,17 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
       dim3(unsigned((n + 15) / 16 * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = unsigned(splits);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = splits > 1 ? 1 : 0;
+  cudaLaunchAttribute attrs[2];
+  unsigned count = 0;
+  if (splits > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = unsigned(splits);
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  config.attrs = attrs;
+  config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
   return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll>, x, m, w, n, k, y, ldy, fold,
                             splits);
 }

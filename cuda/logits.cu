@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -24,6 +25,8 @@ __device__ void account(float v, uint32_t index, unsigned long long& sum, unsign
 __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
   __shared__ double scratch[kWarps];
   __shared__ unsigned long long sum_scratch[kWarps];
+  gridDependencyWait();
+  allowDependentLaunch();
   const int r = blockIdx.y;
   const int begin = blockIdx.x * kPerBlock, end = min(a.vocab, begin + kPerBlock);
   const float* src = a.logits + size_t(r) * a.vocab;
@@ -70,8 +73,8 @@ Status launchLogits(const LogitsArgs& a, cudaStream_t stream) {
                            std::to_string(a.vocab));
   if (a.rows == 0) return okStatus();
   const unsigned blocks = unsigned((a.vocab + kPerBlock - 1) / kPerBlock);
-  logitsKernel<<<dim3(blocks, unsigned(a.rows)), kThreads, 0, stream>>>(a);
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      launchKernel(logitsKernel, dim3(blocks, unsigned(a.rows)), kThreads, stream, a));
   return okStatus();
 }
 

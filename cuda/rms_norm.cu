@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -27,15 +28,14 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
       a.delta ? reinterpret_cast<const float2*>(a.delta + size_t(r) * a.hidden) : nullptr;
   const uint32_t* weight_words = reinterpret_cast<const uint32_t*>(a.weight);
   // Every load first, the weight and the consumers' column sums included, then the arithmetic:
-  // one memory latency a launch rather than one a phase.
+  // one memory latency a launch rather than one a phase. The weight and the column sums (which
+  // no kernel writes) before the wait for the kernel before, the row after it.
   float2 v[kPairs], d[kPairs], cs[kMaxNormConsumers][kPairs], as[kMaxNormConsumers][kPairs];
   uint32_t words[kPairs];
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int i = threadIdx.x + j * kThreads;
     const bool in = i < pairs;
-    v[j] = in ? row[i] : make_float2(0.0f, 0.0f);
-    d[j] = in && delta != nullptr ? delta[i] : make_float2(0.0f, 0.0f);
     words[j] = in && out_r >= 0 ? weight_words[i] : 0u;
 #pragma unroll
     for (int c = 0; c < kMaxNormConsumers; ++c) {
@@ -45,6 +45,15 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
       as[c][j] = used ? reinterpret_cast<const float2*>(a.consumers[c].abssum)[i]
                       : make_float2(0.0f, 0.0f);
     }
+  }
+  gridDependencyWait();
+  allowDependentLaunch();
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    const bool in = i < pairs;
+    v[j] = in ? row[i] : make_float2(0.0f, 0.0f);
+    d[j] = in && delta != nullptr ? delta[i] : make_float2(0.0f, 0.0f);
   }
   float sum = 0.0f;
   double produced[1] = {0.0};
@@ -120,15 +129,16 @@ Status launchRmsNorm(const RmsNormArgs& args, cudaStream_t stream) {
                            std::to_string(args.hidden));
   if (args.rows == 0) return okStatus();
   const int per_thread = (args.hidden / 2 + kThreads - 1) / kThreads;
+  const dim3 grid(unsigned(args.rows));
   if (per_thread <= 1)
-    rmsNormKernel<1><<<args.rows, kThreads, 0, stream>>>(args);
+    BULKHEAD_CUDA_RETURN_IF_ERROR(launchKernel(rmsNormKernel<1>, grid, kThreads, stream, args));
   else if (per_thread <= 2)
-    rmsNormKernel<2><<<args.rows, kThreads, 0, stream>>>(args);
+    BULKHEAD_CUDA_RETURN_IF_ERROR(launchKernel(rmsNormKernel<2>, grid, kThreads, stream, args));
   else if (per_thread <= 4)
-    rmsNormKernel<4><<<args.rows, kThreads, 0, stream>>>(args);
+    BULKHEAD_CUDA_RETURN_IF_ERROR(launchKernel(rmsNormKernel<4>, grid, kThreads, stream, args));
   else
-    rmsNormKernel<kMaxPairs><<<args.rows, kThreads, 0, stream>>>(args);
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        launchKernel(rmsNormKernel<kMaxPairs>, grid, kThreads, stream, args));
   return okStatus();
 }
 

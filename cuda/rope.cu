@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -14,6 +15,8 @@ constexpr int kThreads = 256;
 // grid: (blocks per row, rows); one thread per item of a row: a pair of q, a pair of k, or an
 // element of v, in that order.
 __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
+  gridDependencyWait();
+  allowDependentLaunch();
   const int r = blockIdx.y, half = a.head_dim / 2;
   const int q_dim = a.heads * a.head_dim, kv_dim = a.kv_heads * a.head_dim;
   const int q_pairs = a.heads * half, k_pairs = a.kv_heads * half;
@@ -109,8 +112,7 @@ Status launchQkv(const QkvArgs& a, cudaStream_t stream) {
   if (a.rows == 0) return okStatus();
   const int items = (a.heads + a.kv_heads) * (a.head_dim / 2) + a.kv_heads * a.head_dim;
   const dim3 grid(unsigned((items + kThreads - 1) / kThreads), unsigned(a.rows));
-  qkvKernel<<<grid, kThreads, 0, stream>>>(a);
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(launchKernel(qkvKernel, grid, kThreads, stream, a));
   return okStatus();
 }
 

@@ -2,12 +2,15 @@
 #include "cuda/step_checks.cuh"
 
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
 
 namespace bulkhead::cuda {
 namespace {
 
 __global__ void countFailedKernel(const ProductCheck* products, int total, int roles,
                                   unsigned int* failed, unsigned int* checked) {
+  gridDependencyWait();
+  allowDependentLaunch();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const ProductCheck p = products[i];
@@ -18,6 +21,7 @@ __global__ void countFailedKernel(const ProductCheck* products, int total, int r
 }
 
 __global__ void flipKernel(float* y, size_t index) {
+  gridDependencyWait();
   y[index] = __uint_as_float(__float_as_uint(y[index]) ^ 0x40000000u);
 }
 
@@ -28,9 +32,9 @@ Status launchCountFailedProducts(const ProductCheck* products, int rows, int rol
   const int total = rows * roles;
   if (total <= 0) return okStatus();
   constexpr int kThreads = 256;
-  countFailedKernel<<<(total + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      products, total, roles, failed, checked);
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      launchKernel(countFailedKernel, dim3(unsigned((total + kThreads - 1) / kThreads)), kThreads,
+                   stream, products, total, roles, failed, checked));
   return okStatus();
 }
 

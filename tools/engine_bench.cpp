@@ -89,6 +89,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   BackendOptions options;
   options.check_weight_reads = v.checks;
   options.cuda_graphs = o.graphs;
+  options.cuda_programmatic_launch = o.programmatic_launch;
   options.cuda_cublas_products = v.cublas;
   BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
   const BackendLimits& limits = backend->limits();
@@ -179,8 +180,11 @@ Status runEngineBench(const EngineBenchOptions& o) {
     results.push_back(std::move(measured));
   }
 
-  std::printf("bench-engine: %s on %s, graphs %s, prompt %u, %u decode steps per batch size\n",
-              o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off", o.prompt, o.steps);
+  std::printf(
+      "bench-engine: %s on %s, graphs %s, programmatic launch %s, prompt %u, %u decode steps per "
+      "batch size\n",
+      o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off",
+      o.programmatic_launch ? "on" : "off", o.prompt, o.steps);
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
                 read_bytes_per_s / 1e9);
@@ -193,6 +197,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
   nlohmann::json report = {{"model", o.model_dir},
                            {"backend", o.backend},
                            {"graphs", o.graphs},
+                           {"programmatic_launch", o.programmatic_launch},
                            {"prompt", o.prompt},
                            {"steps", o.steps},
                            {"read_bandwidth_gb_s", read_bytes_per_s / 1e9},

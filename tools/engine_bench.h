@@ -17,9 +17,10 @@ struct EngineBenchOptions {
   std::string backend = "cuda";
   std::vector<uint32_t> batches = {1, 8, 32, 64};
   bool graphs = true;
-  uint32_t prompt = 128;  // tokens prefilled per sequence
-  uint32_t steps = 64;    // timed decode steps per batch size (after 8 untimed)
-  bool compare = true;    // CUDA: also without checks, and through cuBLAS
+  bool programmatic_launch = false;  // CudaBackend::Options::programmatic_launch
+  uint32_t prompt = 128;             // tokens prefilled per sequence
+  uint32_t steps = 64;               // timed decode steps per batch size (after 8 untimed)
+  bool compare = true;               // CUDA: also without checks, and through cuBLAS
   std::string json_path;
 };
 

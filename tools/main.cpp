@@ -179,13 +179,17 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
 
   EngineBenchOptions engine_opts;
-  std::string engine_batches = "1,8,32,64", engine_graphs = "on";
+  std::string engine_batches = "1,8,32,64", engine_graphs = "on", engine_programmatic = "off";
   auto* engine_bench = app.add_subcommand(
       "bench-engine", "The backend alone, in process: prefill and decode speed per batch size");
   engine_bench->add_option("--model", engine_opts.model_dir, "Checkpoint directory")->required();
   engine_bench->add_option("--backend", engine_opts.backend, "cuda | cpu");
   engine_bench->add_option("--batch", engine_batches, "Comma-separated batch sizes");
   engine_bench->add_option("--graphs", engine_graphs, "on | off: decode steps as CUDA graphs")
+      ->check(CLI::IsMember({"on", "off"}));
+  engine_bench
+      ->add_option("--programmatic-launch", engine_programmatic,
+                   "on | off: each of a step's kernels may begin while the one before finishes")
       ->check(CLI::IsMember({"on", "off"}));
   engine_bench->add_option("--prompt", engine_opts.prompt, "Tokens prefilled per sequence");
   engine_bench->add_option("--steps", engine_opts.steps, "Timed decode steps per batch size");
@@ -339,6 +343,7 @@ int main(int argc, char** argv) {
       return fail("bench-engine", invalidArgument("--batch: expected e.g. 1,8,32,64"));
     engine_opts.batches = *parsed;
     engine_opts.graphs = engine_graphs == "on";
+    engine_opts.programmatic_launch = engine_programmatic == "on";
     engine_opts.compare = !engine_alone;
     Status s = runEngineBench(engine_opts);
     if (!s.ok()) return fail("bench-engine", s);

@@ -27,6 +27,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.check_weight_reads = options.check_weight_reads;
     cuda.attention_scale_factor = options.attention_scale_factor;
     cuda.cuda_graphs = options.cuda_graphs;
+    cuda.programmatic_launch = options.cuda_programmatic_launch;
     cuda.cublas_products = options.cuda_cublas_products;
     cuda.device = options.cuda_device;
     BULKHEAD_ASSIGN_OR_RETURN(auto backend, CudaBackend::create(std::move(checkpoint), cuda));

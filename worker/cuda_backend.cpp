@@ -17,6 +17,7 @@
 #include "cuda/column_sums.cuh"
 #include "cuda/embedding.cuh"
 #include "cuda/gemm.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/logits.cuh"
 #include "cuda/matmul.cuh"
 #include "cuda/resources.h"
@@ -144,7 +145,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
 }
 
 CudaBackend::~CudaBackend() {
-  if (d_ != nullptr) cudaStreamSynchronize(d_->stream.get());
+  if (d_ == nullptr) return;
+  cudaStreamSynchronize(d_->stream.get());
+  cuda::setProgrammaticLaunch(d_->stream.get(), false);  // a later stream may reuse the handle
 }
 
 Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string& role) {
@@ -357,6 +360,7 @@ Status CudaBackend::load(const Options& options) {
   device_ = options.device;
   BULKHEAD_RETURN_IF_ERROR(onDevice());
   BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
+  cuda::setProgrammaticLaunch(d.stream.get(), options.programmatic_launch);
   BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
 

@@ -33,6 +33,9 @@ class CudaBackend final : public Backend {
     bool check_weight_reads = true;
     float attention_scale_factor = 1.0f;  // fault injection, as CpuBackend::Options
     bool cuda_graphs = true;  // decode steps as graphs (the numbers are the same without)
+    // A step's kernels launched programmatically (cuda/launch.cuh): each may begin, and load its
+    // weights, while the one before it finishes. The numbers are the same either way.
+    bool programmatic_launch = false;
     // Every product through cuBLAS (cuda/matmul.cuh) instead of our kernel: a speed reference
     // for bench-engine. cuBLAS cannot fold the words it loads, so the in-step checks are off.
     bool cublas_products = false;

@@ -60,6 +60,9 @@ int main(int argc, char** argv) {
   bool no_cuda_graphs = false;
   app.add_flag("--no-cuda-graphs", no_cuda_graphs,
                "CUDA backend: launch every step's kernels one by one (the logits are the same)");
+  app.add_flag("--programmatic-launch", backend_options.cuda_programmatic_launch,
+               "CUDA backend: let each of a step's kernels begin, and load its weights, while the "
+               "one before it finishes (the logits are the same)");
   std::string canary_record;
   app.add_option("--canary-record", canary_record,
                  "A canary record `bulkhead qualify` made for this model and backend: the worker "

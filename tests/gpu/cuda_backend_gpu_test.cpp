@@ -28,10 +28,11 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 }
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
-                                         int device = 0) {
+                                         int device = 0, bool programmatic = false) {
   CudaBackend::Options options;
   options.cuda_graphs = graphs;
   options.device = device;
+  options.programmatic_launch = programmatic;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto backend = CudaBackend::create(std::move(ckpt), options);
@@ -144,45 +145,67 @@ TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
   expectIdentical(alone, batched, "batched");
 }
 
+// Three sequences prefilled, then decoded together and apart (batch sizes 3 and 1), rows written
+// into registered memory as in a worker. Memory is registered with one backend at a time, as each
+// worker registers its own arena.
+test::Rows decodeThree(CudaBackend& b, uint32_t vocab) {
+  std::vector<float> output(size_t(64) * ((vocab + 15) & ~15u));
+  EXPECT_TRUE(b.registerOutputs(
+                   {reinterpret_cast<std::byte*>(output.data()), output.size() * sizeof(float)})
+                  .ok());
+  test::BackendDriver driver(b);
+  driver.setOutputBuffer(&output);
+  std::vector<test::TestSequence> seqs;
+  std::vector<std::vector<uint32_t>> tokens;
+  for (uint32_t i = 0; i < 3; ++i) {
+    seqs.push_back(driver.newSequence(i + 1, 40));
+    tokens.push_back(randomTokens(40, vocab, 20 + i));
+    driver.step({{&seqs[i], {tokens[i].begin(), tokens[i].begin() + 8}}});
+  }
+  test::Rows rows;
+  for (uint32_t p = 8; p < 40; ++p) {
+    std::vector<test::BackendDriver::Chunk> chunks;
+    for (uint32_t i = 0; i < 3; ++i)
+      if (p % 3 != 0 || i == 0) chunks.push_back({&seqs[i], {tokens[i][p]}});
+    for (const test::Rows& r : driver.step(chunks)) rows.insert(rows.end(), r.begin(), r.end());
+  }
+  EXPECT_TRUE(b.registerOutputs({}).ok());
+  return rows;
+}
+
 TEST_P(CudaBackendModels, GraphsDoNotChangeLogits) {
-  // Three sequences prefilled, then decoded together and apart (batch sizes 3 and 1), rows
-  // written into registered memory as in a worker: with graphs and without.
   auto plain = cudaBackend(checkpoint_, /*graphs=*/false);
   ASSERT_NE(plain, nullptr);
-  // Memory is registered with one backend at a time, as each worker registers its own arena.
-  std::vector<float> output(size_t(64) * ((vocab_ + 15) & ~15u));
-  std::vector<float> plain_output(output.size());
-  auto registered = [&](CudaBackend& b, std::vector<float>& buffer) {
-    return b.registerOutputs(
-        {reinterpret_cast<std::byte*>(buffer.data()), buffer.size() * sizeof(float)});
-  };
-  ASSERT_TRUE(registered(*backend_, output).ok());
-  ASSERT_TRUE(registered(*plain, plain_output).ok());
-  auto run = [&](CudaBackend& b) {
-    test::BackendDriver driver(b);
-    driver.setOutputBuffer(&b == plain.get() ? &plain_output : &output);
-    std::vector<test::TestSequence> seqs;
-    std::vector<std::vector<uint32_t>> tokens;
-    for (uint32_t i = 0; i < 3; ++i) {
-      seqs.push_back(driver.newSequence(i + 1, 40));
-      tokens.push_back(randomTokens(40, vocab_, 20 + i));
-      driver.step({{&seqs[i], {tokens[i].begin(), tokens[i].begin() + 8}}});
-    }
-    test::Rows rows;
-    for (uint32_t p = 8; p < 40; ++p) {
-      std::vector<test::BackendDriver::Chunk> chunks;
-      for (uint32_t i = 0; i < 3; ++i)
-        if (p % 3 != 0 || i == 0) chunks.push_back({&seqs[i], {tokens[i][p]}});
-      for (const test::Rows& r : driver.step(chunks)) rows.insert(rows.end(), r.begin(), r.end());
-    }
-    return rows;
-  };
-  const test::Rows with = run(*backend_), without = run(*plain);
+  const test::Rows with = decodeThree(*backend_, vocab_), without = decodeThree(*plain, vocab_);
   EXPECT_GT(backend_->graphLaunches(), 0u) << "no step ran as a graph";
   EXPECT_EQ(plain->graphLaunches(), 0u);
   expectIdentical(with, without, "graphs");
-  ASSERT_TRUE(backend_->registerOutputs({}).ok());
-  ASSERT_TRUE(plain->registerOutputs({}).ok());
+}
+
+// Every step's checks pass (the driver asserts it) and every row is the same bit for bit when
+// each kernel may begin while the one before it finishes: with graphs, without, and over
+// chunked prefills beside other sequences.
+TEST_P(CudaBackendModels, ProgrammaticLaunchDoesNotChangeLogits) {
+  const test::Rows reference = decodeThree(*backend_, vocab_);
+  for (bool graphs : {true, false}) {
+    auto early = cudaBackend(checkpoint_, graphs, 0, /*programmatic=*/true);
+    ASSERT_NE(early, nullptr);
+    expectIdentical(reference, decodeThree(*early, vocab_),
+                    graphs ? "programmatic, graphs" : "programmatic, no graphs");
+    if (graphs) {
+      EXPECT_GT(early->graphLaunches(), 0u) << "no step ran as a graph";
+    }
+  }
+  auto early = cudaBackend(checkpoint_, true, 0, /*programmatic=*/true);
+  ASSERT_NE(early, nullptr);
+  test::BackendDriver plain_driver(*backend_), early_driver(*early);
+  const auto target = randomTokens(30, vocab_, 2);
+  const std::vector<std::vector<uint32_t>> others = {randomTokens(50, vocab_, 3),
+                                                     randomTokens(9, vocab_, 4)};
+  expectIdentical(plain_driver.runAmongOthers(target, others),
+                  early_driver.runAmongOthers(target, others), "programmatic, batched");
+  expectIdentical(plain_driver.runAlone(1, target, 7), early_driver.runAlone(1, target, 7),
+                  "programmatic, chunks of 7");
 }
 
 TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {

@@ -4,8 +4,8 @@
 # Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
 #   cpu     the CPU backend on that host's cores: step-bench and serve-bench on tiny-v152k (the
 #           broker at GPU speed), serve-bench at concurrency 64 behind 1, 2 and 4 workers
-#   cuda    the GPU tests, bench-engine on qwen2.5-0.5b and qwen2.5-7b, serve-bench through a
-#           broker on both
+#   cuda    the GPU tests, bench-engine on qwen2.5-0.5b and qwen2.5-7b (and with programmatic
+#           launch), serve-bench through a broker on both
 #   start   a 7B worker's start, phase by phase, then chaos with the CUDA backend on the 7B
 #           (worker_kill recovery is the kill-to-serving time)
 set -uo pipefail
@@ -44,6 +44,8 @@ for group in "$@"; do
         m=$(model $shape)
         run "bench-engine-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
           --batch 1,8,32,64
+        run "bench-engine-$shape-programmatic" 120 "$bh" bench-engine --model "$m" \
+          --backend cuda --batch 1,32,64 --no-compare --programmatic-launch on
         run "serve-bench-$shape" 300 "$bh" serve-bench --model "$m" --backend cuda \
           --concurrency 1,32,64 --json "$out/serve-bench-$shape.json"
       done

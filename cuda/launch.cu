@@ -1,0 +1,40 @@
+// Which streams launch a step's kernels programmatically.
+#include "cuda/launch.cuh"
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+namespace bulkhead::cuda {
+namespace {
+
+std::mutex streams_mu;
+std::vector<cudaStream_t>& programmaticStreams() {
+  static std::vector<cudaStream_t> streams;
+  return streams;
+}
+
+}  // namespace
+
+void setProgrammaticLaunch(cudaStream_t stream, bool on) {
+  std::lock_guard lock(streams_mu);
+  auto& streams = programmaticStreams();
+  const auto at = std::find(streams.begin(), streams.end(), stream);
+  if (on && at == streams.end()) streams.push_back(stream);
+  if (!on && at != streams.end()) streams.erase(at);
+}
+
+bool programmaticLaunch(cudaStream_t stream) {
+  std::lock_guard lock(streams_mu);
+  const auto& streams = programmaticStreams();
+  return std::find(streams.begin(), streams.end(), stream) != streams.end();
+}
+
+unsigned addProgrammaticAttribute(cudaStream_t stream, cudaLaunchAttribute* attrs, unsigned count) {
+  if (!programmaticLaunch(stream)) return count;
+  attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[count].val.programmaticStreamSerializationAllowed = 1;
+  return count + 1;
+}
+
+}  // namespace bulkhead::cuda

@@ -1,0 +1,56 @@
+// Kernel launches for a step, optionally programmatic (programmatic dependent launch, sm_90): a
+// kernel launched so may begin while the kernel before it on the stream is finishing, and its
+// launch and the loads that depend on nothing earlier overlap that kernel's tail.
+//
+// The contract every kernel of a step keeps, so that enabling it changes no result: before
+// gridDependencyWait() a thread reads only what no kernel writes during steps (weights, their
+// column sums, rope tables, the step's inputs copied in before its first kernel) and writes
+// nothing; every thread calls it before anything else and before it returns, so a kernel's
+// completion still implies the completion of every kernel before it. After the wait a kernel
+// calls allowDependentLaunch(), so at most one kernel runs ahead of another.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace bulkhead::cuda {
+
+// Returns once the kernel before this one on the stream has completed and its writes are
+// visible (at once when this kernel was not launched programmatically).
+__device__ __forceinline__ void gridDependencyWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel on the stream launch once every block of this one has called it.
+__device__ __forceinline__ void allowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether a step's kernels on `stream` launch programmatically (off for any stream until set).
+void setProgrammaticLaunch(cudaStream_t stream, bool on);
+bool programmaticLaunch(cudaStream_t stream);
+
+// The launch attribute for `stream`, if its launches are programmatic: appends it to `attrs`
+// and returns the new count.
+unsigned addProgrammaticAttribute(cudaStream_t stream, cudaLaunchAttribute* attrs, unsigned count);
+
+// kernel<<<grid, block, 0, stream>>>(args...), programmatic if the stream's launches are.
+template <typename... Params, typename... Args>
+cudaError_t launchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                         Args&&... args) {
+  cudaLaunchAttribute attrs[1];
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = addProgrammaticAttribute(stream, attrs, 0);
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace bulkhead::cuda
