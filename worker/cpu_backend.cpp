@@ -160,21 +160,25 @@ void CpuBackend::account(cpu::WeightMatrix& w, const TensorView& tensor, const s
 }
 
 void CpuBackend::computeAccounts() {
-  // Jobs of at most kRows rows (folds add up in any order), and one job per linear layer's
-  // column sums (a fixed order of additions per column); from the checkpoint's own bytes (the
-  // mapped file), never from the resident copy.
-  constexpr int kRows = 4096;
+  // Jobs of at most kRows rows of folds (they add up in any order) and of at most kColumns
+  // columns of a linear layer's column sums (each column's rows added in one fixed order), from
+  // the checkpoint's own bytes (the mapped file), never from the resident copy.
+  constexpr int kRows = 4096, kColumns = 1024;
   struct Job {
     ReadAccount* account;
-    int first_row = 0, rows = 0;  // rows == 0: the column sums
+    int first_row = 0, rows = 0;  // rows == 0: column sums of columns [first_row, first_row + n)
+    int columns = 0;
     uint64_t fold = 0;
   };
   std::vector<Job> jobs;
   for (ReadAccount& a : accounts_) {
-    const int rows = a.binding->rows;
+    const int rows = a.binding->rows, cols = a.binding->cols;
     if (a.by_row) a.row_expected.assign(size_t(rows), 0);
     for (int j = 0; j < rows; j += kRows) jobs.push_back({&a, j, std::min(kRows, rows - j)});
-    if (a.linear) jobs.push_back({&a, 0, 0});
+    if (!a.linear) continue;
+    a.columns = {std::vector<double>(size_t(cols), 0.0), std::vector<double>(size_t(cols), 0.0)};
+    for (int c = 0; c < cols; c += kColumns)
+      jobs.push_back({&a, c, 0, std::min(kColumns, cols - c)});
   }
   pool_->parallelFor(jobs.size(), [&](size_t i) {
     Job& job = jobs[i];
@@ -182,7 +186,7 @@ void CpuBackend::computeAccounts() {
     cpu::WeightMatrix checkpoint_bytes = *a.binding;
     checkpoint_bytes.data = a.source->data.data();
     if (job.rows == 0) {
-      a.columns = cpu::columnSums(checkpoint_bytes);
+      cpu::columnSumsRange(checkpoint_bytes, job.first_row, job.first_row + job.columns, a.columns);
       return;
     }
     const size_t row_bytes = checkpoint_bytes.rowBytes();

@@ -299,15 +299,22 @@ void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float*
 
 ColumnSums columnSums(const WeightMatrix& w) {
   ColumnSums c{std::vector<double>(size_t(w.cols), 0.0), std::vector<double>(size_t(w.cols), 0.0)};
-  std::vector<float> row(size_t(w.cols));
+  columnSumsRange(w, 0, w.cols, c);
+  return c;
+}
+
+void columnSumsRange(const WeightMatrix& w, int begin, int end, ColumnSums& out) {
+  const size_t n = size_t(end - begin), offset = size_t(begin) * dtypeSize(w.dtype);
+  std::vector<float> row(n);
+  double* sum = out.sum.data() + begin;
+  double* abs_sum = out.abs_sum.data() + begin;
   for (int j = 0; j < w.rows; ++j) {
-    toFloat(w.dtype, w.data + size_t(j) * w.rowBytes(), size_t(w.cols), row.data());
-    for (int k = 0; k < w.cols; ++k) {
-      c.sum[size_t(k)] += row[size_t(k)];
-      c.abs_sum[size_t(k)] += std::fabs(row[size_t(k)]);
+    toFloat(w.dtype, w.data + size_t(j) * w.rowBytes() + offset, n, row.data());
+    for (size_t k = 0; k < n; ++k) {
+      sum[k] += row[k];
+      abs_sum[k] += std::fabs(row[k]);
     }
   }
-  return c;
 }
 
 float dot(const float* a, const float* b, int n) {

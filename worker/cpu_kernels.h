@@ -86,6 +86,9 @@ void matmulCheckedRows(const float* x, int tokens, const WeightMatrix& w, float*
 
 // The column sums of `w` (from these bytes: the checkpoint's), for its arithmetic check.
 ColumnSums columnSums(const WeightMatrix& w);
+// Columns [begin, end) of them into `out` (sized for every column): each column's rows are added
+// in the same order as columnSums, so ranges computed apart give the same sums.
+void columnSumsRange(const WeightMatrix& w, int begin, int end, ColumnSums& out);
 
 // Same reduction order as the rows of matmul, for two float32 vectors.
 float dot(const float* a, const float* b, int n);

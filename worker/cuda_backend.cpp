@@ -3,11 +3,9 @@
 #include "worker/cuda_backend.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
-#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -26,6 +24,7 @@
 #include "cuda/step_checks.cuh"
 #include "shared/checksum.h"
 #include "shared/phase_clock.h"
+#include "shared/work_pool.h"
 #include "worker/staged_upload.h"
 
 namespace bulkhead {
@@ -279,30 +278,45 @@ void CudaBackend::expectFolds() {
     for (Weight* w : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
       role(*w, FoldRole::kProducts);
   }
-  // Every weight once (gigabytes for a large model): on every core.
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < folds_.size();) {
-      FoldRole& f = folds_[i];
-      const TensorView& t = *f.weight->tensor;
-      const size_t row_bytes = size_t(t.shape.back()) * 2, rows = t.data.size() / row_bytes;
-      if (f.folded32()) {
-        f.expected = cuda::productFold(t.data.data(), rows, int(t.shape.back()), 0, f.weight->salt);
-      } else {
-        for (size_t j = 0; j < rows; ++j) {
-          const uint64_t v = foldWeightRow(t.data.data() + j * row_bytes, row_bytes,
-                                           j * weightRowWords(row_bytes), f.weight->salt);
-          if (f.uses == FoldRole::kGathered) f.row_expected.push_back(v);
-          f.expected += v;
-        }
-      }
-      f.words = rows * weightRowWords(row_bytes);
-    }
+  // Every weight once (gigabytes for a large model), in jobs of at most kRows rows on every
+  // core: the folds of row ranges add up (a product's modulo 2^32, as the device adds them).
+  constexpr size_t kRows = 2048;
+  struct Job {
+    FoldRole* role;
+    size_t first_row, rows;
+    uint64_t fold = 0;
   };
-  std::vector<std::thread> team(std::max(1u, std::thread::hardware_concurrency()) - 1);
-  for (std::thread& t : team) t = std::thread(work);
-  work();
-  for (std::thread& t : team) t.join();
+  std::vector<Job> jobs;
+  for (FoldRole& f : folds_) {
+    const TensorView& t = *f.weight->tensor;
+    const size_t row_bytes = size_t(t.shape.back()) * 2, rows = t.data.size() / row_bytes;
+    if (f.uses == FoldRole::kGathered) f.row_expected.assign(rows, 0);
+    f.words = rows * weightRowWords(row_bytes);
+    for (size_t j = 0; j < rows; j += kRows) jobs.push_back({&f, j, std::min(kRows, rows - j)});
+  }
+  WorkPool pool;
+  pool.parallelFor(jobs.size(), [&](size_t i) {
+    Job& job = jobs[i];
+    FoldRole& f = *job.role;
+    const TensorView& t = *f.weight->tensor;
+    const int k = int(t.shape.back());
+    const size_t row_bytes = size_t(k) * 2;
+    const std::byte* first = t.data.data() + job.first_row * row_bytes;
+    if (f.folded32()) {
+      job.fold = cuda::productFold(first, job.rows, k, uint32_t(job.first_row), f.weight->salt);
+      return;
+    }
+    for (size_t j = job.first_row; j < job.first_row + job.rows; ++j) {
+      const uint64_t v = foldWeightRow(t.data.data() + j * row_bytes, row_bytes,
+                                       j * weightRowWords(row_bytes), f.weight->salt);
+      if (f.uses == FoldRole::kGathered) f.row_expected[j] = v;
+      job.fold += v;
+    }
+  });
+  for (const Job& job : jobs) {
+    FoldRole& f = *job.role;
+    f.expected = f.folded32() ? uint32_t(f.expected + job.fold) : f.expected + job.fold;
+  }
 }
 
 Result<uint32_t> CudaBackend::allocateKvCache(const Options& options) {

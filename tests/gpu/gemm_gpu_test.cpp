@@ -154,6 +154,24 @@ TEST(ProductFold, SeesEveryFlippedBitSwappedRowsAndAnotherSalt) {
   EXPECT_NE(fold(77), clean);
 }
 
+// A weight's fold computed over ranges of its rows (as a worker's start spreads it over its cores)
+// adds up, modulo 2^32, to the fold of the whole weight.
+TEST(ProductFold, RangesOfRowsAddUpToTheWhole) {
+  const int rows = 37, k = 72;
+  std::vector<uint8_t> w(size_t(rows) * k * 2);
+  std::mt19937 rng{4};
+  for (auto& b : w) b = uint8_t(rng());
+  const auto* data = reinterpret_cast<const std::byte*>(w.data());
+  const uint32_t whole = cuda::productFold(data, rows, k, 0, 91);
+  for (int range : {1, 5, 16, 36}) {
+    uint32_t sum = 0;
+    for (int r = 0; r < rows; r += range)
+      sum += cuda::productFold(data + size_t(r) * k * 2, size_t(std::min(range, rows - r)), k,
+                               uint32_t(r), 91);
+    EXPECT_EQ(sum, whole) << "ranges of " << range << " rows";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(ModelShapes, GemmGpuTest, testing::ValuesIn(kShapes),
                          [](const testing::TestParamInfo<Shape>& i) {
                            return std::to_string(i.param.n) + "x" + std::to_string(i.param.k);
