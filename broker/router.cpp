@@ -2,6 +2,7 @@
 #include "broker/router.h"
 
 #include <algorithm>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -32,16 +33,18 @@ Router::Router(std::vector<WorkerFactory> factories, ModelLimits model, Schedule
                          .sequence_ids = ids,
                          .hand_off = {},
                          .claim_parked = {},
-                         .crash_looped = {},
+                         .stopped_serving = {},
+                         .any_alive = {},
                          .served_elsewhere = {}};
     if (factories.size() > 1) {
       links.hand_off = [this, i](std::vector<SequencePtr>& s, bool may_park) {
         return handOff(i, s, may_park);
       };
       links.claim_parked = [this](std::vector<SequencePtr>& into) { claimParked(into); };
-      links.crash_looped = [this](const Status& status) {
+      links.stopped_serving = [this](const Status& status) {
         if (!anyAlive()) failParked(status);
       };
+      links.any_alive = [this] { return anyAlive(); };
       links.served_elsewhere = [this, i](std::function<void()> done) {
         for (size_t k = 1; k < schedulers_.size(); ++k) {
           const size_t j = (i + k) % schedulers_.size();
@@ -90,7 +93,8 @@ void Router::servingChanged(size_t i, bool serving) {
 }
 
 bool Router::ready(size_t i) const {
-  return !schedulers_[i]->retired() && schedulers_[i]->workerStatus().state == "ready";
+  return !schedulers_[i]->retired() && !schedulers_[i]->retiring() &&
+         schedulers_[i]->workerStatus().state == "ready";
 }
 
 size_t Router::place() const {
@@ -101,7 +105,7 @@ size_t Router::place() const {
   for (int pass = 0; pass < 2 && best == schedulers_.size(); ++pass) {
     for (size_t i = 0; i < schedulers_.size(); ++i) {
       // First pass: ready workers only; second: any not drained (the request waits for it).
-      if (pass == 0 ? !ready(i) : schedulers_[i]->retired()) continue;
+      if (pass == 0 ? !ready(i) : schedulers_[i]->retired() || schedulers_[i]->retiring()) continue;
       const size_t load = schedulers_[i]->load();
       const uint32_t free = schedulers_[i]->workerStatus().kv_blocks_free;
       if (best == schedulers_.size() || load < best_load ||
@@ -132,17 +136,9 @@ size_t Router::handOff(size_t from, std::vector<SequencePtr>& sequences, bool ma
       peers.push_back(
           {i, schedulers_[i]->load(), schedulers_[i]->workerStatus().kv_blocks_free, {}});
   if (peers.empty()) {
-    if (may_park && anyAlive()) {
-      std::lock_guard lock(parked_mu_);
-      for (SequencePtr& s : sequences) parked_.push_back(std::move(s));
-      sequences.clear();
-      parked_count_.store(parked_.size());
-      spdlog::info("no other worker is ready: {} sequences wait for the first that is",
-                   parked_.size());
-    }
+    if (may_park) park(from, sequences);
     return 0;
   }
-  const size_t moved = sequences.size();
   for (SequencePtr& s : sequences) {
     Peer& p = *std::min_element(peers.begin(), peers.end(), [](const Peer& a, const Peer& b) {
       return a.load != b.load ? a.load < b.load : a.free > b.free;
@@ -151,9 +147,35 @@ size_t Router::handOff(size_t from, std::vector<SequencePtr>& sequences, bool ma
     ++p.load;
   }
   sequences.clear();
-  for (Peer& p : peers)
-    if (!p.taken.empty()) schedulers_[p.index]->adopt(std::move(p.taken));
+  // A peer lost or drained since it read "ready" refuses them: they stay, or wait in the router.
+  size_t moved = 0;
+  for (Peer& p : peers) {
+    const size_t n = p.taken.size();
+    if (n == 0) continue;
+    if (schedulers_[p.index]->adopt(p.taken)) {
+      moved += n;
+    } else {
+      for (SequencePtr& s : p.taken) sequences.push_back(std::move(s));
+    }
+  }
+  if (!sequences.empty() && may_park) park(from, sequences);
   return moved;
+}
+
+void Router::park(size_t from, std::vector<SequencePtr>& sequences) {
+  if (!anyAlive()) return;
+  size_t parked;
+  {
+    std::lock_guard lock(parked_mu_);
+    for (SequencePtr& s : sequences) parked_.push_back(std::move(s));
+    sequences.clear();
+    parked = parked_.size();
+    parked_count_.store(parked);
+  }
+  spdlog::info("no other worker is ready: {} sequences wait for the first that is", parked);
+  // One that became ready since the hand-off looked claims them on its next pass: wake it.
+  for (size_t i = 0; i < schedulers_.size(); ++i)
+    if (i != from && ready(i)) schedulers_[i]->wake();
 }
 
 void Router::claimParked(std::vector<SequencePtr>& into) {
@@ -165,8 +187,11 @@ void Router::claimParked(std::vector<SequencePtr>& into) {
 }
 
 bool Router::anyAlive() const {
-  for (const auto& s : schedulers_)
-    if (!s->retired() && s->workerStatus().state != "failed") return true;
+  for (const auto& s : schedulers_) {
+    if (s->retired() || s->retiring()) continue;
+    const std::string state = s->workerStatus().state;
+    if (state != "failed" && state != "stopped") return true;
+  }
   return false;
 }
 
@@ -195,17 +220,31 @@ Result<Scheduler*> Router::find(const std::string& name) const {
 Result<uint32_t> Router::drain(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (auto& s : schedulers_) s->beginDrain();
+  // Rounds until one finds every worker idle and nothing parked: a worker lost while another's
+  // drain was awaited hands its sequences on, and those must finish too.
   uint32_t finished = 0;
-  for (auto& s : schedulers_) {
-    auto n = s->awaitDrained(deadline);
-    if (!n.ok()) return n.status();
-    finished += *n;
+  while (true) {
+    finished = 0;  // each scheduler counts from beginDrain: the last round's sum is all of it
+    for (auto& s : schedulers_) {
+      auto n = s->awaitDrained(deadline);
+      if (!n.ok()) return n.status();
+      finished += *n;
+    }
+    bool idle = parked_count_.load() == 0;
+    for (auto& s : schedulers_) idle = idle && s->idleNow();
+    if (idle) break;
+    if (std::chrono::steady_clock::now() >= deadline)
+      return Status(Code::kDeadlineExceeded, "drain did not finish in time");
+    // Parked sequences wait for a worker's start (seconds): look again shortly.
+    if (parked_count_.load() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return finished;
 }
 
 Result<uint32_t> Router::drainWorker(const std::string& name, std::chrono::milliseconds timeout) {
   BULKHEAD_ASSIGN_OR_RETURN(Scheduler * target, find(name));
+  // Two drains at once could each count on the other's worker to take their sequences.
+  std::lock_guard drains(drains_mu_);
   bool other_ready = false;
   for (size_t i = 0; i < schedulers_.size(); ++i)
     other_ready |= schedulers_[i].get() != target && ready(i);

@@ -75,6 +75,9 @@ class Router {
   // Moves `sequences` from worker `from` to the ready others, or parks them (SchedulerLinks).
   size_t handOff(size_t from, std::vector<SequencePtr>& sequences, bool may_park);
   void claimParked(std::vector<SequencePtr>& into);
+  // Keeps `sequences` in the router until a worker is ready (while any may still serve), and
+  // wakes those already ready.
+  void park(size_t from, std::vector<SequencePtr>& sequences);
   // Some worker is ready or may become ready (not in a crash loop, not drained).
   bool anyAlive() const;
   // Ends the parked sequences with `status` (none alive, or the broker stopping).
@@ -90,6 +93,7 @@ class Router {
   std::function<void(bool)> serving_callback_;
   // Sequences whose worker went while no other was ready, for the first that is.
   std::mutex parked_mu_;
+  std::mutex drains_mu_;  // one operator's drain of a worker at a time
   std::vector<SequencePtr> parked_;
   std::atomic<size_t> parked_count_{0};
 };

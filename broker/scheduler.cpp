@@ -35,6 +35,10 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
             WorkerSlot::Callbacks{
                 .lost =
                     [this](const std::string&) {
+                      {
+                        std::lock_guard lock(mu_);
+                        accepting_ = false;
+                      }
                       forgetInFlight();
                       queues_.workerLost();
                       if (queues_.empty() && links_.served_elsewhere) {
@@ -44,19 +48,13 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
                       handOff();
                     },
                 .crash_loop = [this](const std::string& why) { onCrashLoop(why); },
-                .fail_waiting =
-                    [this](const std::string& why) {
-                      forgetInFlight();
-                      handOff();
-                      const Status status = unavailable("no healthy worker: " + why);
-                      queues_.failAll(status);
-                      if (links_.crash_looped) links_.crash_looped(status);
-                    },
+                .fail_waiting = [this](const std::string& why) { failWaiting(why); },
                 .serving = [this](bool serving) { setServing(serving); },
                 .recovered =
                     [this] {
                       std::lock_guard lock(mu_);
                       failed_ = false;
+                      accepting_ = !retire_requested_ && !retired_;
                     }}) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 }
@@ -85,6 +83,14 @@ void Scheduler::onCrashLoop(const std::string& why) {
   std::lock_guard lock(mu_);
   failed_ = true;
   failed_why_ = why;
+}
+
+void Scheduler::failWaiting(const std::string& why) {
+  forgetInFlight();
+  handOff();
+  const Status status = unavailable("no healthy worker: " + why);
+  queues_.failAll(status);
+  if (links_.stopped_serving) links_.stopped_serving(status);
 }
 
 Scheduler::~Scheduler() {
@@ -219,6 +225,9 @@ bool Scheduler::serveOnce() {
     return true;
   } else if (retired) {
     handOff();  // a request that raced with the drain
+    // None could take it, and none ever will: every worker is drained or in a crash loop.
+    if (!queues_.empty() && links_.any_alive && !links_.any_alive())
+      queues_.failAll(unavailable("no worker can serve: every worker is drained or failing"));
     queues_.dropCancelled(Clock::now());
     return false;
   }
@@ -226,7 +235,19 @@ bool Scheduler::serveOnce() {
   slot_.checkExited();
   // While this worker is not ready, what waits for it may go to another that is (a worker
   // starting a large model takes seconds).
-  if (slot_.worker() == nullptr) handOff();
+  if (slot_.worker() == nullptr) {
+    handOff();
+    // In a crash loop submissions are refused; what arrived, or was moved here, as the loop began
+    // fails now rather than wait for a start that may never succeed.
+    if (slot_.state() == WorkerState::kFailed && !queues_.empty()) {
+      std::string why;
+      {
+        std::lock_guard lock(mu_);
+        why = failed_why_;
+      }
+      failWaiting(why);
+    }
+  }
   WorkerConnection* worker = slot_.ensure();
   if (worker == nullptr) return false;
   if (links_.claim_parked) {
@@ -291,9 +312,10 @@ void Scheduler::afterNextStep(std::function<void()> done) {
   after_step_.push_back(std::move(done));
 }
 
-void Scheduler::adopt(std::vector<SequencePtr> sequences) {
+bool Scheduler::adopt(std::vector<SequencePtr>& sequences, bool always) {
   {
     std::lock_guard lock(mu_);
+    if (!always && !stopping_ && !accepting_) return false;
     // Once stopping, the loop's last pass may have ended: they end here.
     if (!stopping_) {
       for (auto& s : sequences) adopted_.push_back(std::move(s));
@@ -302,7 +324,16 @@ void Scheduler::adopt(std::vector<SequencePtr> sequences) {
   }
   for (auto& s : sequences)
     s->sink->onFinish(FinishReason::kNone, {}, unavailable("the broker is shutting down"));
+  sequences.clear();
   notify();
+  return true;
+}
+
+bool Scheduler::idleNow() const {
+  std::lock_guard lock(mu_);
+  const SchedulerStats s = board_.stats();
+  return incoming_.empty() && adopted_.empty() && s.requests_running == 0 &&
+         s.requests_waiting == 0;
 }
 
 size_t Scheduler::load() const {

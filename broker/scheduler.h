@@ -93,9 +93,11 @@ struct SchedulerLinks {
   std::function<size_t(std::vector<SequencePtr>& sequences, bool may_park)> hand_off;
   // Appends the sequences parked in the router (this scheduler's worker is ready).
   std::function<void(std::vector<SequencePtr>& into)> claim_parked;
-  // This worker entered a crash loop: parked sequences fail with `status` if no worker can
-  // serve them any more.
-  std::function<void(const Status& status)> crash_looped;
+  // This worker entered a crash loop or was drained: parked sequences fail with `status` if no
+  // worker can serve them any more.
+  std::function<void(const Status& status)> stopped_serving;
+  // Whether any worker may still serve (one not drained and not in a crash loop); null: this one.
+  std::function<bool()> any_alive;
   // When this worker is lost holding no sequence, `done` runs after the next step another ready
   // worker completes: service went on without a pause (the fault injector's recovery).
   std::function<void(std::function<void()> done)> served_elsewhere;
@@ -124,8 +126,14 @@ class Scheduler {
   void beginDrain();
   Result<uint32_t> awaitDrained(std::chrono::steady_clock::time_point deadline);
 
-  // Sequences that move here from another worker (their history is replayed here).
-  void adopt(std::vector<SequencePtr> sequences);
+  // Sequences that move here from another worker (their history is replayed here). Unless
+  // `always`, taken only while this worker serves: false, with `sequences` left as they were,
+  // once it was lost, is starting or is being drained (a peer's view of it was stale).
+  bool adopt(std::vector<SequencePtr>& sequences, bool always = false);
+  // Wakes the scheduling thread (parked sequences wait for it).
+  void wake() { notify(); }
+  // Whether there is nothing to compute or hand over here (a drain's end).
+  bool idleNow() const;
   // Sequences this scheduler holds or was handed and has not started (a placement signal).
   size_t load() const;
   // Runs `done` on the scheduling thread after the next step this worker completes.
@@ -189,6 +197,9 @@ class Scheduler {
   void setServing(bool serving);
   void onFinished(const Status& status);
   void onCrashLoop(const std::string& why);
+  // Everything this scheduler holds fails with UNAVAILABLE (a crash loop), after what another
+  // worker can take went there.
+  void failWaiting(const std::string& why);
   static WorkerSlotOptions slotOptions(const SchedulerOptions& o, const ModelLimits& model);
 
   const ModelLimits model_;
@@ -218,6 +229,10 @@ class Scheduler {
   bool draining_ = false;
   bool restart_requested_ = false;
   bool failed_ = false;  // a crash loop: submissions get UNAVAILABLE
+  // The worker serves: sequences moved from elsewhere are taken (false from its loss or a
+  // drain until a start succeeds).
+  bool accepting_ = false;
+  std::optional<Status> restart_failed_;  // why the last operator restart's start failed
   std::string failed_why_;
   std::pair<uint64_t, uint64_t> last_restart_{0, 0};
   std::function<void(bool)> serving_callback_;

@@ -47,13 +47,15 @@ Result<std::pair<uint64_t, uint64_t>> Scheduler::restartWorker(milliseconds time
   lock.lock();
   const bool done = idle_.wait_for(lock, timeout, [&] { return !restart_requested_ || stopping_; });
   if (!done || restart_requested_) return unavailable("restart did not complete in time");
+  if (restart_failed_) return *restart_failed_;
   return last_restart_;
 }
 
 Result<InjectionOutcome> Scheduler::injectFault(Fault fault, uint64_t random, milliseconds timeout,
                                                 bool keep_armed) {
   auto outcome = injector_.inject(fault, random, timeout, [this] { notify(); });
-  if (outcome.ok() && !outcome->detected && !keep_armed) {
+  // (A drained worker has no process left to disarm, and an operator drained it.)
+  if (outcome.ok() && !outcome->detected && !keep_armed && !retired()) {
     // The fault may still be armed on the worker, waiting for a step that fits it. A fresh
     // worker makes sure it can never fire later and be credited to the next injection.
     spdlog::warn("{} was not detected in time; replacing the worker to disarm it",
@@ -67,6 +69,7 @@ Result<uint32_t> Scheduler::retire(milliseconds timeout) {
   std::unique_lock lock(mu_);
   if (retired_) return 0u;
   retire_requested_ = true;
+  accepting_ = false;  // nothing more moves here
   retire_refused_.reset();
   lock.unlock();
   notify();
@@ -103,9 +106,12 @@ void Scheduler::handleRetire() {
     slot_.shutdown();
     setServing(false);
   }
+  if (left == 0 && links_.stopped_serving)
+    links_.stopped_serving(unavailable("no worker can serve: every worker is drained or failing"));
   std::lock_guard lock(mu_);
   retire_requested_ = false;
   if (left != 0) {
+    accepting_ = slot_.worker() != nullptr;
     retire_refused_ =
         failedPrecondition(links_.worker_name + " keeps serving: no other worker could take " +
                            std::to_string(left) + " of its sequences");
@@ -127,13 +133,20 @@ void Scheduler::handleRestart() {
   const WorkerConnection* old = slot_.worker();
   const uint64_t old_incarnation = old ? old->hello().incarnation : 0;
   slot_.replace("operator", "restart requested by an operator", /*operator_request=*/true);
+  // One start for the operator; if it fails, supervision retries as after any failure (with
+  // backoff, and a crash loop if the starts keep failing), and the operator hears why.
   WorkerConnection* now = slot_.ensure();
+  const std::string why = now == nullptr ? workerStatus().last_failure : std::string();
   std::lock_guard lock(mu_);
+  restart_requested_ = false;
+  restart_failed_.reset();
   if (now != nullptr) {
     last_restart_ = {old_incarnation, now->hello().incarnation};
-    restart_requested_ = false;
-    idle_.notify_all();
+  } else {
+    restart_failed_ = unavailable("the worker was replaced, but the new one did not start (" + why +
+                                  "); it is retried with backoff");
   }
+  idle_.notify_all();
 }
 
 }  // namespace bulkhead

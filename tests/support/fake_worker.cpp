@@ -64,10 +64,15 @@ uint32_t FakeWorkerControl::starts() const {
 
 WorkerFactory FakeWorkerControl::factory(std::shared_ptr<FakeWorkerControl> self) {
   return [self](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
-    bool restart;
+    uint32_t start;
     {
       std::lock_guard lock(self->mu_);
-      restart = ++self->starts_ > 1;
+      start = ++self->starts_;
+    }
+    if (self->on_start) self->on_start(start);
+    const bool restart = start > 1;
+    {
+      std::lock_guard lock(self->mu_);
       if (self->failing_starts_ > 0) {
         --self->failing_starts_;
         return workerFailure(WorkerFailure::Kind::kStartFailed, "scripted start failure");
@@ -76,6 +81,8 @@ WorkerFactory FakeWorkerControl::factory(std::shared_ptr<FakeWorkerControl> self
     // The load time of a real worker, simulated (nothing waits on it but the start itself).
     if (restart && self->restart_delay.count() > 0)
       std::this_thread::sleep_for(self->restart_delay);
+    if (restart && self->restart_gate.valid())
+      (void)self->restart_gate.wait_for(std::chrono::seconds(30));
     return std::unique_ptr<WorkerConnection>(std::make_unique<FakeWorker>(self, incarnation));
   };
 }

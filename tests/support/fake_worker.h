@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -56,9 +57,15 @@ class FakeWorkerControl {
   bool in_step_checks = false;
   // Every start after the first takes this long (a worker loading a large model).
   std::chrono::milliseconds restart_delay{0};
+  // When valid, every start after the first also waits (at most 30 s) until it is ready: a restart
+  // that lasts exactly until the test lets it end. Set before the scheduler starts.
+  std::shared_future<void> restart_gate;
   // Called on the scheduler's thread as each step is sent, before it is computed (a test's hook
   // into the middle of a generation). Set before the scheduler starts.
   std::function<void(std::span<const SequenceStep> batch)> on_step;
+  // Called on the scheduler's thread as start number `start` (from 1) begins, before it fails
+  // or succeeds. Set before the scheduler starts.
+  std::function<void(uint32_t start)> on_start;
 
   // The fault fires on the `after_steps`-th step from now that carries logits rows.
   void scheduleFault(uint32_t after_steps, FakeFault fault);

@@ -255,6 +255,45 @@ TEST_F(SchedulerTest, ACrashLoopFailsRequestsUntilAStartSucceeds) {
   expectAllExact(after, 4);
 }
 
+// Every start fails; the third failure in a row begins the crash loop. A request arriving while
+// that start runs passes submission (the loop has not begun), and must then fail rather than
+// wait for a start that never succeeds.
+TEST_F(SchedulerTest, ARequestArrivingAsTheCrashLoopBeginsFailsInsteadOfWaiting) {
+  control_->failStarts(1000);
+  auto late = std::make_shared<CollectSink>();
+  std::atomic<bool> accepted{false};
+  control_->on_start = [&](uint32_t start) {
+    if (start != 3) return;
+    GenerationRequest r;
+    r.prompt = {1, 2};
+    r.max_tokens = 2;
+    accepted = scheduler_->submit(r, late).ok();
+  };
+  SchedulerOptions o;
+  o.max_consecutive_failures = 3;
+  start(o);
+  ASSERT_TRUE(late->wait()) << "the request waited for a start that never succeeds";
+  EXPECT_TRUE(accepted.load()) << "the request was refused at submission: nothing was tested";
+  EXPECT_EQ(late->status().code(), Code::kUnavailable) << late->status().toString();
+  EXPECT_EQ(scheduler_->workerStatus().state, "failed");
+}
+
+// An operator's restart whose new worker cannot start says so at once (it does not retry
+// without backoff until one starts); supervision then starts one as after any failure.
+TEST_F(SchedulerTest, AnOperatorRestartWhoseNewWorkerFailsToStartSaysWhy) {
+  start();
+  ASSERT_TRUE(waitForState("ready"));
+  expectAllExact(submit(1, 4), 4);
+  control_->failStarts(1);
+  auto restarted = scheduler_->restartWorker(10s);
+  ASSERT_FALSE(restarted.ok());
+  EXPECT_EQ(restarted.status().code(), Code::kUnavailable);
+  EXPECT_NE(restarted.status().message().find("scripted start failure"), std::string::npos)
+      << restarted.status().toString();
+  ASSERT_TRUE(waitForState("ready"));
+  expectAllExact(submit(1, 4), 4);
+}
+
 TEST_F(SchedulerTest, TheCanaryRidesAlongWithClientStepsEveryNSteps) {
   expectCanaryRidesEvery4Steps(/*pipelined=*/false);
 }
