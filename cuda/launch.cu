@@ -9,12 +9,26 @@ namespace bulkhead::cuda {
 namespace {
 
 std::mutex streams_mu;
+
+__global__ void probeKernel() {}
 std::vector<cudaStream_t>& programmaticStreams() {
   static std::vector<cudaStream_t> streams;
   return streams;
 }
 
 }  // namespace
+
+bool programmaticLaunchSupported() {
+  int device = 0, major = 0;
+  cudaFuncAttributes attributes{};
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaFuncGetAttributes(&attributes, probeKernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major >= 9 && attributes.binaryVersion >= 90;
+}
 
 void setProgrammaticLaunch(cudaStream_t stream, bool on) {
   std::lock_guard lock(streams_mu);

@@ -31,6 +31,11 @@ __device__ __forceinline__ void allowDependentLaunch() {
 #endif
 }
 
+// Whether the current device and this build's kernels can launch programmatically: a device of
+// compute capability 9.0 or later running code built for it (built for an older architecture,
+// gridDependencyWait() would compile to nothing and the kernels would race).
+bool programmaticLaunchSupported();
+
 // Whether a step's kernels on `stream` launch programmatically (off for any stream until set).
 void setProgrammaticLaunch(cudaStream_t stream, bool on);
 bool programmaticLaunch(cudaStream_t stream);

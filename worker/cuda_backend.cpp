@@ -374,6 +374,10 @@ Status CudaBackend::load(const Options& options) {
   device_ = options.device;
   BULKHEAD_RETURN_IF_ERROR(onDevice());
   BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
+  if (options.programmatic_launch && !cuda::programmaticLaunchSupported())
+    return unimplemented(
+        "programmatic launch needs a device of compute capability 9.0 or later and kernels built "
+        "for it");
   cuda::setProgrammaticLaunch(d.stream.get(), options.programmatic_launch);
   BULKHEAD_ASSIGN_OR_RETURN(d.scrub_stream, cuda::Stream::create());
   BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
