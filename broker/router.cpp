@@ -222,13 +222,10 @@ Result<uint32_t> Router::drain(std::chrono::milliseconds timeout) {
   for (auto& s : schedulers_) s->beginDrain();
   // Rounds until one finds every worker idle and nothing parked: a worker lost while another's
   // drain was awaited hands its sequences on, and those must finish too.
-  uint32_t finished = 0;
   while (true) {
-    finished = 0;  // each scheduler counts from beginDrain: the last round's sum is all of it
     for (auto& s : schedulers_) {
       auto n = s->awaitDrained(deadline);
       if (!n.ok()) return n.status();
-      finished += *n;
     }
     bool idle = parked_count_.load() == 0;
     for (auto& s : schedulers_) idle = idle && s->idleNow();
@@ -237,6 +234,13 @@ Result<uint32_t> Router::drain(std::chrono::milliseconds timeout) {
       return Status(Code::kDeadlineExceeded, "drain did not finish in time");
     // Parked sequences wait for a worker's start (seconds): look again shortly.
     if (parked_count_.load() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // Each scheduler counts what finished on it since beginDrain; all idle, these are final.
+  uint32_t finished = 0;
+  for (auto& s : schedulers_) {
+    auto n = s->awaitDrained(deadline);
+    if (!n.ok()) return n.status();
+    finished += *n;
   }
   return finished;
 }

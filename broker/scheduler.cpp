@@ -179,11 +179,13 @@ void Scheduler::run() {
       if (!adopted_.empty()) queues_.adopt(std::move(adopted_));
       adopted_.clear();
       held_ = queues_.open() + queues_.waiting().size();
+      queues_empty_ = queues_.empty();
     }
     const bool worked = serveOnce();
     const bool idle = queues_.empty();
     publishCounts();
     std::unique_lock lock(mu_);
+    queues_empty_ = idle;
     if (idle && incoming_.empty()) idle_.notify_all();
     if (worked || !incoming_.empty() || !adopted_.empty() || stopping_) continue;
     lock.unlock();
@@ -331,9 +333,7 @@ bool Scheduler::adopt(std::vector<SequencePtr>& sequences, bool always) {
 
 bool Scheduler::idleNow() const {
   std::lock_guard lock(mu_);
-  const SchedulerStats s = board_.stats();
-  return incoming_.empty() && adopted_.empty() && s.requests_running == 0 &&
-         s.requests_waiting == 0;
+  return incoming_.empty() && adopted_.empty() && queues_empty_;
 }
 
 size_t Scheduler::load() const {

@@ -219,6 +219,9 @@ class Scheduler {
   // What the queues held as the loop last took the incoming requests (load(): it only shrinks
   // until the next pass).
   size_t held_ = 0;
+  // Whether the queues held nothing, as the loop last looked (a drain's end: the board's counts
+  // lag behind the queues).
+  bool queues_empty_ = true;
   bool stopping_ = false;
   // An operator's drain of this worker alone: asked for, then done (the worker stopped), and why
   // it could not be done.

@@ -24,10 +24,10 @@ void Scheduler::beginDrain() {
 
 Result<uint32_t> Scheduler::awaitDrained(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock lock(mu_);
+  // What the loop last saw of its queues, not the board's counts (published after a pass: a
+  // request just taken from `incoming_` would read as none).
   const bool done = idle_.wait_until(lock, deadline, [&] {
-    const SchedulerStats s = board_.stats();
-    return stopping_ || (incoming_.empty() && adopted_.empty() && s.requests_running == 0 &&
-                         s.requests_waiting == 0);
+    return stopping_ || (incoming_.empty() && adopted_.empty() && queues_empty_);
   });
   if (!done) return Status(Code::kDeadlineExceeded, "drain did not finish in time");
   const uint32_t finished = finished_while_draining_;

@@ -32,6 +32,10 @@ class CollectSink final : public TokenSink {
   std::function<void()> on_finish;  // runs on the scheduler thread as the request ends
 
   // Waits (bounded) for the request to end.
+  bool done() const {
+    std::lock_guard lock(mu_);
+    return done_;
+  }
   bool wait() {
     std::unique_lock lock(mu_);
     return cv_.wait_for(lock, std::chrono::seconds(20), [&] { return done_; });

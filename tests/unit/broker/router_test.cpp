@@ -281,6 +281,43 @@ TEST_F(RouterTest, TwoDrainsAtOnceLeaveOneWorkerServingAndLoseNothing) {
   expectServedThroughout();
 }
 
+// The whole broker drains while worker 2 dies once the others are idle: its sequences move to
+// them, and the drain returns only once those have finished too.
+TEST_F(RouterTest, ABrokerDrainWaitsForSequencesMovedDuringIt) {
+  controls_[2]->restart_gate = restart_gate_;
+  // Client steps wait until the drain is about to begin, so that it begins mid-generation.
+  std::atomic<bool> draining{false};
+  auto await_drain = [&] {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (!draining.load() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+  };
+  hooks_[0] = hooks_[1] = [&](std::span<const SequenceStep>) { await_drain(); };
+  std::atomic<int> steps{0};
+  hooks_[2] = [&](std::span<const SequenceStep>) {
+    await_drain();
+    if (++steps != 20) return;  // the step the fault below fails
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    auto idle = [&](size_t i) {
+      const SchedulerStats s = router_->workers()[i].stats;
+      return s.requests_running == 0 && s.requests_waiting == 0;
+    };
+    while (!(idle(0) && idle(1)) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+  };
+  controls_[2]->scheduleFault(
+      20, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  start();
+  auto runs = submit(9, 24);
+  draining = true;
+  const auto drained = router_->drain(20s);
+  ASSERT_TRUE(drained.ok()) << drained.status().toString();
+  for (const Run& r : runs) EXPECT_TRUE(r.sink->done()) << "the drain returned before it finished";
+  expectAllExact(runs, 24);
+  EXPECT_EQ(movedMidGeneration(2, 3).size(), 3u) << "worker 2's sequences moved during the drain";
+  hooks_[0] = hooks_[1] = hooks_[2] = nullptr;
+}
+
 // Every worker dies in the middle of the generations; worker 0 is back in 0.2 s, the others'
 // restarts last until the test ends. Whatever was on workers 1 and 2 waits for the first worker
 // ready (worker 0), not for its own: every request is done while they still start.
