@@ -188,7 +188,8 @@ void Router::claimParked(std::vector<SequencePtr>& into) {
 
 bool Router::anyAlive() const {
   for (const auto& s : schedulers_) {
-    if (s->retired() || s->retiring()) continue;
+    if (s->retired()) continue;
+    // "stopped": a drain is stopping its worker (it is retired once that is done).
     const std::string state = s->workerStatus().state;
     if (state != "failed" && state != "stopped") return true;
   }

@@ -314,10 +314,10 @@ void Scheduler::afterNextStep(std::function<void()> done) {
   after_step_.push_back(std::move(done));
 }
 
-bool Scheduler::adopt(std::vector<SequencePtr>& sequences, bool always) {
+bool Scheduler::adopt(std::vector<SequencePtr>& sequences) {
   {
     std::lock_guard lock(mu_);
-    if (!always && !stopping_ && !accepting_) return false;
+    if (!stopping_ && !accepting_) return false;
     // Once stopping, the loop's last pass may have ended: they end here.
     if (!stopping_) {
       for (auto& s : sequences) adopted_.push_back(std::move(s));

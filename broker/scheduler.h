@@ -126,10 +126,10 @@ class Scheduler {
   void beginDrain();
   Result<uint32_t> awaitDrained(std::chrono::steady_clock::time_point deadline);
 
-  // Sequences that move here from another worker (their history is replayed here). Unless
-  // `always`, taken only while this worker serves: false, with `sequences` left as they were,
-  // once it was lost, is starting or is being drained (a peer's view of it was stale).
-  bool adopt(std::vector<SequencePtr>& sequences, bool always = false);
+  // Sequences that move here from another worker (their history is replayed here), taken only
+  // while this worker serves: false, with `sequences` left as they were, once it was lost, is
+  // starting or is being drained (a peer's view of it was stale).
+  bool adopt(std::vector<SequencePtr>& sequences);
   // Wakes the scheduling thread (parked sequences wait for it).
   void wake() { notify(); }
   // Whether there is nothing to compute or hand over here (a drain's end).
