@@ -333,7 +333,7 @@ bool Scheduler::adopt(std::vector<SequencePtr>& sequences) {
 
 bool Scheduler::idleNow() const {
   std::lock_guard lock(mu_);
-  return incoming_.empty() && adopted_.empty() && queues_empty_;
+  return idleLocked();
 }
 
 size_t Scheduler::load() const {

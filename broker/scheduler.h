@@ -200,6 +200,9 @@ class Scheduler {
   // Everything this scheduler holds fails with UNAVAILABLE (a crash loop), after what another
   // worker can take went there.
   void failWaiting(const std::string& why);
+  // idleNow() with mu_ held: what the loop last saw of its queues, not the board's counts
+  // (published after a pass: a request just taken from `incoming_` would read as none).
+  bool idleLocked() const { return incoming_.empty() && adopted_.empty() && queues_empty_; }
   static WorkerSlotOptions slotOptions(const SchedulerOptions& o, const ModelLimits& model);
 
   const ModelLimits model_;

@@ -24,11 +24,7 @@ void Scheduler::beginDrain() {
 
 Result<uint32_t> Scheduler::awaitDrained(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock lock(mu_);
-  // What the loop last saw of its queues, not the board's counts (published after a pass: a
-  // request just taken from `incoming_` would read as none).
-  const bool done = idle_.wait_until(lock, deadline, [&] {
-    return stopping_ || (incoming_.empty() && adopted_.empty() && queues_empty_);
-  });
+  const bool done = idle_.wait_until(lock, deadline, [&] { return stopping_ || idleLocked(); });
   if (!done) return Status(Code::kDeadlineExceeded, "drain did not finish in time");
   const uint32_t finished = finished_while_draining_;
   const bool was_serving = serving_;

@@ -2,6 +2,7 @@
 #include "cuda/launch.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -9,6 +10,9 @@ namespace bulkhead::cuda {
 namespace {
 
 std::mutex streams_mu;
+// How many streams launch programmatically: while none does (the default), a launch looks no
+// further and takes no lock.
+std::atomic<size_t> programmatic_streams{0};
 
 __global__ void probeKernel() {}
 std::vector<cudaStream_t>& programmaticStreams() {
@@ -36,9 +40,11 @@ void setProgrammaticLaunch(cudaStream_t stream, bool on) {
   const auto at = std::find(streams.begin(), streams.end(), stream);
   if (on && at == streams.end()) streams.push_back(stream);
   if (!on && at != streams.end()) streams.erase(at);
+  programmatic_streams.store(streams.size());
 }
 
 bool programmaticLaunch(cudaStream_t stream) {
+  if (programmatic_streams.load(std::memory_order_relaxed) == 0) return false;
   std::lock_guard lock(streams_mu);
   const auto& streams = programmaticStreams();
   return std::find(streams.begin(), streams.end(), stream) != streams.end();

@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstring>
 
 #include <immintrin.h>
 
@@ -135,6 +136,17 @@ void WorkPool::parallelFor(size_t n, const std::function<void(size_t)>& fn) {
           ++spins % kPausesPerClockRead == 0 && std::chrono::steady_clock::now() >= spin_until;
     }
   }
+}
+
+void copyInPieces(WorkPool& pool, std::span<const ByteCopy> copies, size_t piece_bytes) {
+  piece_bytes = std::max<size_t>(piece_bytes, 1);
+  std::vector<ByteCopy> pieces;
+  for (const ByteCopy& c : copies)
+    for (size_t at = 0; at < c.from.size(); at += piece_bytes)
+      pieces.push_back({c.from.subspan(at, std::min(piece_bytes, c.from.size() - at)), c.to + at});
+  pool.parallelFor(pieces.size(), [&](size_t i) {
+    std::memcpy(pieces[i].to, pieces[i].from.data(), pieces[i].from.size());
+  });
 }
 
 }  // namespace bulkhead

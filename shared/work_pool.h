@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -61,5 +62,14 @@ class WorkPool {
   std::atomic<bool> stop_{false};
   std::vector<std::thread> helpers_;
 };
+
+// Bytes to copy: `from` to `to` (host memory).
+struct ByteCopy {
+  std::span<const std::byte> from;
+  std::byte* to = nullptr;
+};
+// Every copy, cut into pieces of at most `piece_bytes`, spread over `pool` (loading a model
+// copies gigabytes).
+void copyInPieces(WorkPool& pool, std::span<const ByteCopy> copies, size_t piece_bytes);
 
 }  // namespace bulkhead

@@ -61,21 +61,15 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
       (reinterpret_cast<uintptr_t>(b->weight_bytes_.get()) + 63) & ~uintptr_t(63));
   std::map<const TensorView*, std::byte*> where;
   size_t offset = 0;
-  // The copy in pieces over the pool: gigabytes for a large model.
-  constexpr size_t kPiece = size_t(16) << 20;
-  std::vector<std::pair<std::span<const std::byte>, std::byte*>> pieces;
+  std::vector<ByteCopy> copies;
   for (const TensorView* m : used) {
-    for (size_t at = 0; at < m->data.size(); at += kPiece)
-      pieces.emplace_back(m->data.subspan(at, std::min(kPiece, m->data.size() - at)),
-                          base + offset + at);
+    copies.push_back({m->data, base + offset});
     b->slot_tags_.tag(base + offset, uint32_t(b->resident_.size()));
     b->resident_.push_back(base + offset);
     where[m] = base + offset;
     offset += aligned(m->data.size());
   }
-  b->pool_->parallelFor(pieces.size(), [&](size_t i) {
-    std::memcpy(pieces[i].second, pieces[i].first.data(), pieces[i].first.size());
-  });
+  copyInPieces(*b->pool_, copies, size_t(16) << 20);
   auto matrix = [&](const TensorView* m) {
     return cpu::WeightMatrix{m->dtype, where.at(m), int(m->shape[0]), int(m->shape[1])};
   };

@@ -2,8 +2,6 @@
 #include "worker/staged_upload.h"
 
 #include <algorithm>
-#include <cstring>
-#include <utility>
 #include <vector>
 
 #include "cuda/resources.h"
@@ -14,7 +12,6 @@ namespace bulkhead {
 Status uploadStaged(std::span<const Upload> uploads, cudaStream_t stream,
                     const StagingOptions& options) {
   const size_t stage_bytes = std::max<size_t>(options.stage_bytes, 1);
-  const size_t piece_bytes = std::max<size_t>(options.piece_bytes, 1);
   cuda::PinnedMemory stage[2];
   cuda::Event copied[2];
   for (int b = 0; b < 2; ++b) {
@@ -30,17 +27,13 @@ Status uploadStaged(std::span<const Upload> uploads, cudaStream_t stream,
     if (batch.empty()) return okStatus();
     // The buffer's previous copy to the device must be done before the host overwrites it.
     if (in_flight[b]) BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied[b].get()));
-    std::vector<std::pair<std::span<const std::byte>, std::byte*>> pieces;
+    std::vector<ByteCopy> fills;
     std::byte* at = stage[b].get<std::byte>();
     for (const Upload& u : batch) {
-      for (size_t off = 0; off < u.from.size(); off += piece_bytes)
-        pieces.emplace_back(u.from.subspan(off, std::min(piece_bytes, u.from.size() - off)),
-                            at + off);
+      fills.push_back({u.from, at});
       at += u.from.size();
     }
-    pool.parallelFor(pieces.size(), [&](size_t i) {
-      std::memcpy(pieces[i].second, pieces[i].first.data(), pieces[i].first.size());
-    });
+    copyInPieces(pool, fills, options.piece_bytes);
     at = stage[b].get<std::byte>();
     for (const Upload& u : batch) {
       BULKHEAD_CUDA_RETURN_IF_ERROR(
