@@ -4,8 +4,10 @@
 # Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
 #   cpu     the CPU backend on that host's cores: step-bench and serve-bench on tiny-v152k (the
 #           broker at GPU speed), serve-bench at concurrency 64 behind 1, 2 and 4 workers
-#   cuda    the GPU tests, bench-engine on qwen2.5-0.5b and qwen2.5-7b (and with programmatic
-#           launch), serve-bench through a broker on both
+#   tests   the GPU tests
+#   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
+#   serve   serve-bench through a broker with the CUDA backend on both
+#   cuda    tests, engine and serve
 #   start   a 7B worker's start, phase by phase, then chaos with the CUDA backend on the 7B
 #           (worker_kill recovery is the kill-to-serving time)
 set -uo pipefail
@@ -22,8 +24,9 @@ run() {  # run NAME TIMEOUT COMMAND...: output to OUTDIR/NAME.txt, the tables to
   local name=$1 limit=$2
   shift 2
   echo "== $name: $*"
+  local t0=$SECONDS
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
-  echo "rc=$?"
+  echo "rc=$? in $((SECONDS - t0)) s"
   grep -v '^\[\|^20[0-9][0-9]-' "$out/$name.txt" | tail -40
 }
 nproc
@@ -38,18 +41,24 @@ for group in "$@"; do
       run serve-bench-cpu-workers 200 "$bh" serve-bench --model "$m" --concurrency 64 \
         --workers 1,2,4 --json "$out/serve-bench-cpu-workers.json"
       ;;
-    cuda)
-      run gpu-tests 300 "$bundle/gpu_tests"
+    tests) run gpu-tests 300 "$bundle/gpu_tests" ;;
+    engine)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         run "bench-engine-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
           --batch 1,8,32,64
         run "bench-engine-$shape-programmatic" 120 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1,32,64 --no-compare --programmatic-launch on
+      done
+      ;;
+    serve)
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
         run "serve-bench-$shape" 300 "$bh" serve-bench --model "$m" --backend cuda \
           --concurrency 1,32,64 --json "$out/serve-bench-$shape.json"
       done
       ;;
+    cuda) "$0" "$bundle" "$out" tests engine serve ;;
     start)
       m=$(model qwen2.5-7b)
       rm -f /tmp/bulkhead-start.sock
