@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
     g[j] = in ? gate[i] : 0.0f;
     u[j] = in ? up[i] : 0.0f;
   }
-  double sums[4] = {};  // gate, up, the down product's expected and bound
+  // gate and up (sums, then sums of squares), the down product's expected and bound
+  double sums[6] = {};
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int i = first + threadIdx.x + j * kThreads;
@@ -50,18 +51,26 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
     const float of = __bfloat162float(o);
     sums[0] += double(g[j]);
     sums[1] += double(u[j]);
-    sums[2] += double(cs[j]) * of;
-    sums[3] += double(as[j]) * fabsf(of);
+    sums[2] += double(g[j]) * double(g[j]);
+    sums[3] += double(u[j]) * double(u[j]);
+    sums[4] += double(cs[j]) * of;
+    sums[5] += double(as[j]) * fabsf(of);
   }
   if (a.gate_role < 0 && a.up_role < 0 && a.down.role < 0) return;
   warpSums(sums);
   if (threadIdx.x % 32 != 0) return;
   ProductCheck* row = a.checks.products + size_t(r) * a.checks.roles;
-  if (a.gate_role >= 0) atomicAdd(&row[a.gate_role].produced, sums[0]);
-  if (a.up_role >= 0) atomicAdd(&row[a.up_role].produced, sums[1]);
+  if (a.gate_role >= 0) {
+    atomicAdd(&row[a.gate_role].produced, sums[0]);
+    atomicAdd(&row[a.gate_role].produced_sq, sums[2]);
+  }
+  if (a.up_role >= 0) {
+    atomicAdd(&row[a.up_role].produced, sums[1]);
+    atomicAdd(&row[a.up_role].produced_sq, sums[3]);
+  }
   if (a.down.role >= 0) {
-    atomicAdd(&row[a.down.role].expected, sums[2]);
-    atomicAdd(&row[a.down.role].bound, sums[3]);
+    atomicAdd(&row[a.down.role].expected, sums[4]);
+    atomicAdd(&row[a.down.role].bound, sums[5]);
   }
 }
 

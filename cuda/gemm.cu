@@ -101,16 +101,15 @@ __global__ void __launch_bounds__(kThreads)
       a_hi[u] = load16(w_hi + 32 * kb, in_k && row_hi);
     }
   };
-  // The first k blocks' weights (which no kernel writes) load before the wait for the kernel
-  // before, whose output (the tokens) loads after it.
+  // Each round's weights load a round ahead, the first round's (which no kernel writes) before
+  // the wait for the kernel before, whose output (the tokens) loads after it. Loads past the
+  // last k block are predicated off.
+  const int round = lanes * kUnroll;
   int base = rank * kWarps + warp;
-  bool preloaded = base < k_blocks;
-  if (preloaded) loadWeights(base);
+  loadWeights(base);
   gridDependencyWait();
   allowDependentLaunch();
-  for (; base < k_blocks; base += lanes * kUnroll) {
-    if (!preloaded) loadWeights(base);
-    preloaded = false;
+  for (; base < k_blocks; base += round) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kb = base + u * lanes;
@@ -135,6 +134,7 @@ __global__ void __launch_bounds__(kThreads)
         foldMma(fold_acc, a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, key_lo, key_hi);
       }
     }
+    loadWeights(base + round);
   }
 #pragma unroll
   for (int t = 0; t < kGroups; ++t) {

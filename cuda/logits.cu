@@ -15,15 +15,16 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPerBlock = 4096;  // floats of one row per block
 
 __device__ void account(float v, uint32_t index, unsigned long long& sum, unsigned& bad,
-                        double& produced) {
+                        double (&produced)[2]) {
   const uint32_t w = __float_as_uint(v);
   sum += checksumTerm(w, index);
   bad |= unsigned((w & 0x7f800000u) == 0x7f800000u);
-  produced += double(v);
+  produced[0] += double(v);
+  produced[1] += double(v) * double(v);
 }
 
 __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
-  __shared__ double scratch[kWarps];
+  __shared__ double scratch[2 * kWarps];
   __shared__ unsigned long long sum_scratch[kWarps];
   gridDependencyWait();
   allowDependentLaunch();
@@ -33,21 +34,21 @@ __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
   float* dst = a.dst[r];
   unsigned long long sum = 0;
   unsigned bad = 0;
-  double produced[1] = {};  // lm_head's produced sum, one element for blockSums
+  double produced[2] = {};  // lm_head's produced sum and sum of squares
   if (a.aligned && a.vocab % 4 == 0) {
     for (int i = begin + 4 * threadIdx.x; i < end; i += 4 * kThreads) {
       const float4 v = *reinterpret_cast<const float4*>(src + i);
       *reinterpret_cast<float4*>(dst + i) = v;
-      account(v.x, i, sum, bad, produced[0]);
-      account(v.y, i + 1, sum, bad, produced[0]);
-      account(v.z, i + 2, sum, bad, produced[0]);
-      account(v.w, i + 3, sum, bad, produced[0]);
+      account(v.x, i, sum, bad, produced);
+      account(v.y, i + 1, sum, bad, produced);
+      account(v.z, i + 2, sum, bad, produced);
+      account(v.w, i + 3, sum, bad, produced);
     }
   } else {
     for (int i = begin + threadIdx.x; i < end; i += kThreads) {
       const float v = src[i];
       dst[i] = v;
-      account(v, i, sum, bad, produced[0]);
+      account(v, i, sum, bad, produced);
     }
   }
   bad = __syncthreads_or(bad);
@@ -59,9 +60,11 @@ __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
     for (int w = 0; w < kWarps; ++w) total += sum_scratch[w];
     atomicAdd(a.row_sums + r, total);
     if (bad) atomicOr(a.row_nonfinite + r, 1u);
-    if (a.role >= 0)
-      atomicAdd(&a.checks.products[size_t(a.check_row + r) * a.checks.roles + a.role].produced,
-                produced[0]);
+    if (a.role >= 0) {
+      ProductCheck& p = a.checks.products[size_t(a.check_row + r) * a.checks.roles + a.role];
+      atomicAdd(&p.produced, produced[0]);
+      atomicAdd(&p.produced_sq, produced[1]);
+    }
   }
 }
 

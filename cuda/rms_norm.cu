@@ -56,13 +56,14 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
     d[j] = in && delta != nullptr ? delta[i] : make_float2(0.0f, 0.0f);
   }
   float sum = 0.0f;
-  double produced[1] = {0.0};
+  double produced[2] = {};  // the delta product's sum and sum of squares
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int i = threadIdx.x + j * kThreads;
     if (i >= pairs) break;
     if (delta != nullptr) {
       produced[0] += double(d[j].x) + double(d[j].y);
+      produced[1] += double(d[j].x) * double(d[j].x) + double(d[j].y) * double(d[j].y);
       v[j].x = __fadd_rn(v[j].x, d[j].x);
       v[j].y = __fadd_rn(v[j].y, d[j].y);
       row[i] = v[j];
@@ -78,9 +79,11 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   const float inv = 1.0f / sqrtf(total / float(a.hidden) + a.eps);
   if (a.delta_role >= 0) {
     warpSums(produced);
-    if (threadIdx.x % 32 == 0)
-      atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.delta_role].produced,
-                produced[0]);
+    if (threadIdx.x % 32 == 0) {
+      ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.delta_role];
+      atomicAdd(&p.produced, produced[0]);
+      atomicAdd(&p.produced_sq, produced[1]);
+    }
   }
 
   if (out_r < 0) return;  // uniform across the block

@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
     k_at = a.k_cache + slot;
     v_at = a.v_cache + slot;
   }
-  double produced[3] = {};
+  double produced[6] = {};  // the q, k and v products' sums, then their sums of squares
   if (item < q_pairs + k_pairs) {
     const bool is_q = item < q_pairs;
     const int pair = is_q ? item : item - q_pairs, h = pair / half, i = pair % half;
@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
     const __nv_bfloat16* bias = a.bias[is_q ? 0 : 1];
     float x0 = u[e], x1 = u[e + half];
     produced[is_q ? 0 : 1] = double(x0) + double(x1);
+    produced[is_q ? 3 : 4] = double(x0) * double(x0) + double(x1) * double(x1);
     if (bias != nullptr) {
       x0 = __fadd_rn(x0, __bfloat162float(bias[e]));
       x1 = __fadd_rn(x1, __bfloat162float(bias[e + half]));
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
     const int e = item - q_pairs - k_pairs;
     float v = row[q_dim + kv_dim + e];
     produced[2] = double(v);
+    produced[5] = double(v) * double(v);
     if (a.bias[2] != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[2][e]));
     if (v_at != nullptr)
       v_at[size_t(e / a.head_dim) * head_stride + e % a.head_dim] = __float2bfloat16_rn(v);
@@ -80,10 +82,12 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
   if (a.product_role[0] < 0 && a.product_role[1] < 0 && a.product_role[2] < 0) return;
   warpSums(produced);
   if (threadIdx.x % 32 != 0) return;
-  for (int i = 0; i < 3; ++i)
-    if (a.product_role[i] >= 0)
-      atomicAdd(&a.checks.products[size_t(r) * a.checks.roles + a.product_role[i]].produced,
-                produced[i]);
+  for (int i = 0; i < 3; ++i) {
+    if (a.product_role[i] < 0) continue;
+    ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.product_role[i]];
+    atomicAdd(&p.produced, produced[i]);
+    atomicAdd(&p.produced_sq, produced[3 + i]);
+  }
 }
 
 }  // namespace

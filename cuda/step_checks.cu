@@ -8,16 +8,24 @@ namespace bulkhead::cuda {
 namespace {
 
 __global__ void countFailedKernel(const ProductCheck* products, int total, int roles,
-                                  unsigned int* failed, unsigned int* checked) {
+                                  const ProductScale* scales, ProductCounts counts) {
   gridDependencyWait();
   allowDependentLaunch();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const ProductCheck p = products[i];
   if (p.bound == 0.0 && p.expected == 0.0 && p.produced == 0.0) return;  // not computed
-  atomicAdd(checked + i % roles, 1u);
+  const int role = i % roles;
+  atomicAdd(counts.checked + role, 1u);
   // The bound covers rounding; a tiny absolute term covers products of subnormal size.
-  if (!(fabs(p.produced - p.expected) <= p.bound + 1e-30)) atomicAdd(failed + i % roles, 1u);
+  const double off = fabs(p.produced - p.expected);
+  if (!(off <= p.bound + 1e-30)) {
+    atomicAdd(counts.failed + role, 1u);
+    return;
+  }
+  const ProductScale s = scales[role];
+  const double usual = s.spread * (sqrt(p.produced_sq) + fabs(p.produced)) + s.colsum * p.bound;
+  if (off > usual + 1e-30) atomicAdd(counts.strayed + role, 1u);
 }
 
 __global__ void flipKernel(float* y, size_t index) {
@@ -28,13 +36,14 @@ __global__ void flipKernel(float* y, size_t index) {
 }  // namespace
 
 Status launchCountFailedProducts(const ProductCheck* products, int rows, int roles,
-                                 unsigned int* failed, unsigned int* checked, cudaStream_t stream) {
+                                 const ProductScale* scales, ProductCounts counts,
+                                 cudaStream_t stream) {
   const int total = rows * roles;
   if (total <= 0) return okStatus();
   constexpr int kThreads = 256;
   BULKHEAD_CUDA_RETURN_IF_ERROR(
       launchKernel(countFailedKernel, dim3(unsigned((total + kThreads - 1) / kThreads)), kThreads,
-                   stream, products, total, roles, failed, checked));
+                   stream, products, total, roles, scales, counts));
   return okStatus();
 }
 

@@ -15,13 +15,25 @@ namespace bulkhead::cuda {
 
 // One product's check for one token row: produced = the sum of the outputs; expected = the
 // weight's column sums dotted with the input; bound = how far they may differ by float rounding
-// (the column sums of |w| dotted with |input|, times the accumulation bound per unit). Summed in
-// double, by atomic adds in any order, so the check's own rounding is negligible beside the
-// product's.
+// at worst (the column sums of |w| dotted with |input|, times the accumulation bound per unit);
+// produced_sq = the sum of the outputs' squares, the scale of how far they differ by rounding in
+// practice. Summed in double, by atomic adds in any order, so the check's own rounding is
+// negligible beside the product's.
 struct ProductCheck {
   double produced;
   double expected;
   double bound;
+  double produced_sq;
+};
+
+// How far a product's check may differ by rounding in practice, per role (its k): `spread` times
+// (sqrt(produced_sq) + |produced|), plus `colsum` times the bound (the column sums' own rounding
+// to float). A worst-case bound grows with k times the number of outputs and lets a single wrong
+// output of ordinary size through on wide products; this one grows with the accumulation's
+// length times the outputs' magnitude.
+struct ProductScale {
+  double spread = 0;
+  double colsum = 0;
 };
 
 // One weight's folded reads in one step: the sum of foldWordTerm(word, salt, index) over the
@@ -104,11 +116,20 @@ __device__ inline void foldVector(const uint32_t* data, int words, uint32_t salt
 
 #endif
 
-// After a step: for each of `rows` x roles product checks, counts into failed[role] (device
-// memory, zeroed before) those whose |produced - expected| exceeds bound (NaN fails too), and
-// into checked[role] those that had any input at all.
+// Where a step's product checks are counted, per role (device memory, zeroed before): failed,
+// those whose |produced - expected| exceeds bound (NaN fails too); strayed, those within the
+// bound that exceed what rounding does in practice (ProductScale); checked, those that had any
+// input at all.
+struct ProductCounts {
+  unsigned int* failed = nullptr;
+  unsigned int* strayed = nullptr;
+  unsigned int* checked = nullptr;
+};
+
+// After a step: counts the `rows` x roles product checks into `counts`.
 Status launchCountFailedProducts(const ProductCheck* products, int rows, int roles,
-                                 unsigned int* failed, unsigned int* checked, cudaStream_t stream);
+                                 const ProductScale* scales, ProductCounts counts,
+                                 cudaStream_t stream);
 
 // Fault injection (a faulty multiplier): flips the highest exponent bit of y[index].
 Status launchFlipExponentBit(float* y, size_t index, cudaStream_t stream);

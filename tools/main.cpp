@@ -49,8 +49,10 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16";
   auto* make_model = app.add_subcommand("make-model", "Write a random-weight checkpoint");
   make_model
-      ->add_option("--shape", make.shape,
-                   "tiny | tiny-llama | qwen2.5-0.5b | qwen2.5-7b | qwen2.5-14b")
+      ->add_option(
+          "--shape", make.shape,
+          "tiny | tiny-v152k | tiny-llama | qwen2.5-0.5b | qwen2.5-7b | qwen2.5-7b-layer | "
+          "qwen2.5-14b")
       ->required();
   make_model->add_option("--out", make.out_dir, "Output directory")->required();
   make_model->add_option("--seed", make.seed, "Seed (same seed, same bytes)");
@@ -179,7 +181,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
 
   EngineBenchOptions engine_opts;
-  std::string engine_batches = "1,8,32,64", engine_graphs = "on", engine_programmatic = "off";
+  std::string engine_batches = "1,8,32,64", engine_graphs = "on", engine_programmatic = "on";
   auto* engine_bench = app.add_subcommand(
       "bench-engine", "The backend alone, in process: prefill and decode speed per batch size");
   engine_bench->add_option("--model", engine_opts.model_dir, "Checkpoint directory")->required();

@@ -246,6 +246,15 @@ const std::vector<ModelShape>& modelShapes() {
                   .bos = 151643,
                   .eos = 151645};
     v.push_back(q7);
+    // One layer of the 7B with a small vocabulary: its widest products (k up to 18,944) at the
+    // cost of a test.
+    ModelShape q7_layer = q7;
+    q7_layer.name = "qwen2.5-7b-layer";
+    q7_layer.layers = 1;
+    q7_layer.vocab = 1024;
+    q7_layer.bos = 1000;
+    q7_layer.eos = 1001;
+    v.push_back(q7_layer);
     ModelShape q14{.name = "qwen2.5-14b",
                    .architecture = "Qwen2ForCausalLM",
                    .hidden = 5120,

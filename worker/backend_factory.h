@@ -16,7 +16,7 @@ struct BackendOptions {
   bool check_weight_reads = true;
   float attention_scale_factor = 1.0f;    // fault injection (CpuBackend::Options)
   bool cuda_graphs = true;                // the CUDA backend runs decode steps as graphs
-  bool cuda_programmatic_launch = false;  // CudaBackend::Options::programmatic_launch
+  bool cuda_programmatic_launch = true;   // CudaBackend::Options::programmatic_launch
   bool cuda_cublas_products = false;      // CudaBackend::Options::cublas_products
   int cuda_device = 0;                    // the CUDA device ordinal the worker uses
 };

@@ -33,9 +33,10 @@ class CudaBackend final : public Backend {
     bool check_weight_reads = true;
     float attention_scale_factor = 1.0f;  // fault injection, as CpuBackend::Options
     bool cuda_graphs = true;  // decode steps as graphs (the numbers are the same without)
-    // A step's kernels launched programmatically (cuda/launch.cuh): each may begin, and load its
-    // weights, while the one before it finishes. The numbers are the same either way.
-    bool programmatic_launch = false;
+    // A step's kernels launched programmatically (cuda/launch.cuh) where the device and the
+    // build support it: each may begin, and load its weights, while the one before it finishes.
+    // The numbers are the same either way.
+    bool programmatic_launch = true;
     // Every product through cuBLAS (cuda/matmul.cuh) instead of our kernel: a speed reference
     // for bench-engine. cuBLAS cannot fold the words it loads, so the in-step checks are off.
     bool cublas_products = false;
@@ -59,6 +60,11 @@ class CudaBackend final : public Backend {
 
   // Steps that ran as a captured graph (tests and stats).
   uint64_t graphLaunches() const { return graph_launches_; }
+  // Steps computed a second time because a product's check strayed beyond what rounding does in
+  // practice (waitStep), and of those, the ones whose second computation gave the same logits
+  // (rounding after all: the step passed).
+  uint64_t recomputedSteps() const { return recomputed_steps_; }
+  uint64_t straysRepeated() const { return strays_repeated_; }
 
  private:
   // One weight role as the kernels are handed it.
@@ -119,6 +125,10 @@ class CudaBackend final : public Backend {
   // The CUDA device is current per thread: every entry that may run on another thread than the
   // one that loaded the backend (the scrubber's, a fault's) makes this backend's device current.
   Status onDevice() const;
+  // The first product role whose check strayed in the step just waited for; -1 none.
+  int strayedRole() const;
+  // Runs the step just waited for again and judges it by the two (waitStep).
+  Status computeAgain(int strayed, WeightReadVerdict& verdict);
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
@@ -126,6 +136,7 @@ class CudaBackend final : public Backend {
   bool graphs_ = true;
   int device_ = 0;
   uint64_t graph_launches_ = 0;
+  uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;
   SlotTags slot_tags_;
@@ -142,6 +153,7 @@ class CudaBackend final : public Backend {
   struct Pending {
     bool queued = false;
     int tokens = 0;
+    bool aligned = true;  // every logits destination 16-byte aligned
     std::vector<RowOutput> rows;
     std::vector<bool> copied_out;    // rows outside the registered arena: through the fallback
     std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold

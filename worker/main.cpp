@@ -49,6 +49,10 @@ int main(int argc, char** argv) {
                  "Share of one core's time the background weight scrubber may be busy (0: no "
                  "scrubbing)")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--spin-us", options.spin_us,
+                 "After a reply, microseconds to watch the socket awake for the next step before "
+                 "sleeping (-1: 200 on hosts of 4 cores or more, else 0)")
+      ->check(CLI::Range(-1, 100000));
   bool no_in_step_checks = false;
   app.add_flag("--no-in-step-checks", no_in_step_checks,
                "Do not check the weight words each step reads (to measure what the checks cost; "
@@ -60,9 +64,11 @@ int main(int argc, char** argv) {
   bool no_cuda_graphs = false;
   app.add_flag("--no-cuda-graphs", no_cuda_graphs,
                "CUDA backend: launch every step's kernels one by one (the logits are the same)");
-  app.add_flag("--programmatic-launch", backend_options.cuda_programmatic_launch,
-               "CUDA backend: let each of a step's kernels begin, and load its weights, while the "
-               "one before it finishes (the logits are the same)");
+  bool no_programmatic_launch = false;
+  app.add_flag("--no-programmatic-launch", no_programmatic_launch,
+               "CUDA backend: launch each of a step's kernels only once the one before it has "
+               "finished (by default each may begin, and load its weights, while the one before "
+               "it finishes; the logits are the same)");
   std::string canary_record;
   app.add_option("--canary-record", canary_record,
                  "A canary record `bulkhead qualify` made for this model and backend: the worker "
@@ -100,6 +106,7 @@ int main(int argc, char** argv) {
 
   backend_options.check_weight_reads = !no_in_step_checks;
   backend_options.cuda_graphs = !no_cuda_graphs;
+  backend_options.cuda_programmatic_launch = !no_programmatic_launch;
   if (backend_options.attention_scale_factor != 1.0f && !options.enable_fault_injection) {
     spdlog::critical("--perturb-attention needs --enable-fault-injection");
     return 2;

@@ -34,6 +34,11 @@ struct WorkerOptions {
   int ready_fd = -1;  // written to (one byte) and closed once the socket listens
   // Share of one core's time the scrub thread may be busy (0: no scrubbing).
   double scrub_share = kDefaultScrubShare;
+  // After a reply, how long the worker polls its socket for the next step before it sleeps in
+  // poll(2): a sleeping thread woken on another core costs tens of microseconds a step. -1: the
+  // default, 200 us where the host has 4 cores or more, else 0 (spinning would take a core the
+  // broker's sampling needs).
+  int spin_us = -1;
   // systemd's readiness protocol: READY=1 once the model is loaded and the socket listens,
   // WATCHDOG=1 from the serving loop itself (between steps and while idle), STOPPING=1.
   ServiceNotifier notifier;
@@ -54,7 +59,8 @@ class WorkerServer {
   WorkerServer() = default;
   // Waits until `fd` (or the signal descriptor) is readable, sending WATCHDOG=1 when one is due
   // meanwhile; false when a signal arrived.
-  bool awaitInput(int fd);
+  // Waits for input on fd (spinning first when `spin`) or a stop signal: false on the signal.
+  bool awaitInput(int fd, bool spin = false);
   void watchdogIfDue();
   // Serves one connection; true when the worker should stop, an error when it must die.
   Result<bool> serveConnection(int fd);
@@ -78,6 +84,7 @@ class WorkerServer {
   uint64_t weight_digest_ = 0;
   int listen_fd_ = -1;
   std::chrono::steady_clock::time_point last_watchdog_{};
+  std::chrono::microseconds spin_{0};  // WorkerOptions::spin_us, resolved
   int signal_fd_ = -1;
 };
 

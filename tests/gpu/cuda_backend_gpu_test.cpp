@@ -286,19 +286,28 @@ TEST_P(CudaBackendModels, NoCheckFailsOnHealthySteps) {
   const auto verdict = verdictOf(*backend_, randomTokens(200, vocab_, 10), 9);
   EXPECT_TRUE(verdict.failed_tensor.empty()) << verdict.failed_tensor << ": " << verdict.why;
   EXPECT_GT(verdict.words_read, 0u);
+  // No healthy product strayed beyond the usual rounding, so no step was computed twice.
+  EXPECT_EQ(backend_->recomputedSteps(), 0u);
 }
 
 TEST_P(CudaBackendModels, AFaultyMultiplyFailsTheArithmeticCheckOfThatStepOnly) {
+  // The flipped exponent bit makes an output below 2 in magnitude enormous, and one above 2
+  // almost zero: a change of ordinary size, far inside the worst-case bound of a wide product
+  // (qwen2.5-7b-layer), that the usual-rounding check and the second computation must catch.
   const auto tokens = randomTokens(12, vocab_, 11);
-  for (uint64_t selector : {0ull, 3ull, 6ull, 12345ull, 987654321ull}) {
+  for (uint64_t i = 0; i < 40; ++i) {
+    const uint64_t selector = i * 7919 + i * i * 104729;
     auto role = backend_->computeFault(selector);
     ASSERT_TRUE(role.ok());
-    const auto faulty = verdictOf(*backend_, tokens, 20 + selector);
+    const auto faulty = verdictOf(*backend_, tokens, 1000 + 2 * i);
     EXPECT_EQ(faulty.failed_tensor, *role) << "selector " << selector;
     EXPECT_EQ(faulty.failed_check, WeightCheck::kArithmetic) << faulty.why;
-    const auto next = verdictOf(*backend_, tokens, 40 + selector);
+    const auto next = verdictOf(*backend_, tokens, 1001 + 2 * i);
     EXPECT_TRUE(next.failed_tensor.empty()) << next.failed_tensor << ": " << next.why;
   }
+  EXPECT_EQ(backend_->straysRepeated(), 0u);
+  if (GetParam().shape == "qwen2.5-7b-layer")
+    EXPECT_GT(backend_->recomputedSteps(), 0u) << "every fault was beyond the worst-case bound";
 }
 
 TEST_P(CudaBackendModels, AStaleSlotFailsItsSlotTagBeforeComputing) {
@@ -389,7 +398,8 @@ TEST_P(CudaBackendModels, TheSecondDeviceGivesTheSameLogitsAndScrubsFromAnotherT
 INSTANTIATE_TEST_SUITE_P(Models, CudaBackendModels,
                          testing::Values(ModelCase{"fixture_qwen2", ""},
                                          ModelCase{"llama_untied", "tiny-llama"},
-                                         ModelCase{"qwen2_v152k", "tiny-v152k"}),
+                                         ModelCase{"qwen2_v152k", "tiny-v152k"},
+                                         ModelCase{"qwen7b_layer", "qwen2.5-7b-layer"}),
                          [](const testing::TestParamInfo<ModelCase>& info) {
                            return info.param.name;
                          });

@@ -2,8 +2,9 @@
 # On the GPU host, from a bundle made by tools/gpu/bundle.sh: the measurements the open issues
 # still wait for, in groups that each fit one device call (10 minutes). Models are made there.
 # Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
-#   cpu     the CPU backend on that host's cores: step-bench and serve-bench on tiny-v152k (the
-#           broker at GPU speed), serve-bench at concurrency 64 behind 1, 2 and 4 workers
+#   cpu     the CPU backend on that host's cores: step-bench (the worker spinning for the next
+#           step and not) and serve-bench on tiny-v152k (the broker at GPU speed)
+#   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   serve   serve-bench through a broker with the CUDA backend on both
@@ -36,8 +37,13 @@ for group in "$@"; do
     cpu)
       m=$(model tiny-v152k)
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
+      run step-bench-cpu-nospin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
+        --iterations 200 --worker-arg=--spin-us=0
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
+      ;;
+    workers)
+      m=$(model tiny-v152k)
       run serve-bench-cpu-workers 200 "$bh" serve-bench --model "$m" --concurrency 64 \
         --workers 1,2,4 --json "$out/serve-bench-cpu-workers.json"
       ;;
@@ -47,8 +53,8 @@ for group in "$@"; do
         m=$(model $shape)
         run "bench-engine-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
           --batch 1,8,32,64
-        run "bench-engine-$shape-programmatic" 120 "$bh" bench-engine --model "$m" \
-          --backend cuda --batch 1,32,64 --no-compare --programmatic-launch on
+        run "bench-engine-$shape-serial" 120 "$bh" bench-engine --model "$m" \
+          --backend cuda --batch 1,32,64 --no-compare --programmatic-launch off
       done
       ;;
     serve)
