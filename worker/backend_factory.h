@@ -14,11 +14,11 @@ struct BackendOptions {
   unsigned cpu_threads = 0;  // the CPU backend's kernel threads (0: CpuBackend::defaultThreads())
   // Check every step's weight reads (off only to measure what the checks cost).
   bool check_weight_reads = true;
-  float attention_scale_factor = 1.0f;    // fault injection (CpuBackend::Options)
-  bool cuda_graphs = true;                // the CUDA backend runs decode steps as graphs
-  bool cuda_programmatic_launch = true;   // CudaBackend::Options::programmatic_launch
-  bool cuda_cublas_products = false;      // CudaBackend::Options::cublas_products
-  int cuda_device = 0;                    // the CUDA device ordinal the worker uses
+  float attention_scale_factor = 1.0f;   // fault injection (CpuBackend::Options)
+  bool cuda_graphs = true;               // the CUDA backend runs decode steps as graphs
+  bool cuda_programmatic_launch = true;  // CudaBackend::Options::programmatic_launch
+  bool cuda_cublas_products = false;     // CudaBackend::Options::cublas_products
+  int cuda_device = 0;                   // the CUDA device ordinal the worker uses
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

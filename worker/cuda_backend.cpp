@@ -938,11 +938,13 @@ Status CudaBackend::computeAgain(int strayed, WeightReadVerdict& verdict) {
   // A product's check strayed beyond what rounding does in practice, though within its
   // worst-case bound: a wrong output of ordinary size in a wide product, or rare rounding. The
   // same launches round the same way to the bit, and a transient fault does not repeat, so the
-  // step runs again (rewriting its KV entries and rows) and the two runs' logits decide.
+  // step runs again (rewriting its KV entries and rows) and the two runs decide: rounding gives
+  // the same logits and strays in the same products again.
   CudaState& d = *d_;
   const auto* sums = d.resultHost<unsigned long long>(d.res.row_sums);
   const std::vector<unsigned long long> first(sums, sums + pending_.rows.size());
   const auto* counts = d.resultHost<unsigned int>(d.res.strayed);
+  const std::vector<unsigned int> first_strays(counts, counts + product_roles_);
   const unsigned int strays = counts[strayed];
   ++recomputed_steps_;
   BULKHEAD_RETURN_IF_ERROR(
@@ -951,11 +953,15 @@ Status CudaBackend::computeAgain(int strayed, WeightReadVerdict& verdict) {
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(d.done.get()));
   verdict = verdictOfStep();
   if (!verdict.failed_tensor.empty()) return okStatus();
-  if (!std::equal(first.begin(), first.end(), sums)) {
+  const bool same_logits = std::equal(first.begin(), first.end(), sums);
+  if (!same_logits || !std::equal(first_strays.begin(), first_strays.end(), counts)) {
+    // A fault, even one that left this step's logits alone (an output no requested row
+    // depends on): the device computed something wrong.
     verdict.failed_tensor = linear_[size_t(strayed)]->role;
     verdict.failed_check = WeightCheck::kArithmetic;
     verdict.why = "its products strayed beyond rounding (" + std::to_string(strays) +
-                  " output rows) and the step computed again gave other logits";
+                  " output rows) and the step computed again " +
+                  (same_logits ? "did not" : "gave other logits");
     return okStatus();
   }
   if (strays_repeated_++ % 1000 == 0)

@@ -51,8 +51,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--spin-us", options.spin_us,
                  "After a reply, microseconds to watch the socket awake for the next step before "
-                 "sleeping (-1: 200 on hosts of 4 cores or more, else 0)")
-      ->check(CLI::Range(-1, 100000));
+                 "sleeping (0: sleep at once)")
+      ->check(CLI::Range(0, 100000));
   bool no_in_step_checks = false;
   app.add_flag("--no-in-step-checks", no_in_step_checks,
                "Do not check the weight words each step reads (to measure what the checks cost; "

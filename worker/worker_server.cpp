@@ -14,7 +14,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include <capnp/message.h>
@@ -72,9 +71,7 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::create(
     const WorkerOptions& options) {
   std::unique_ptr<WorkerServer> server(new WorkerServer());
   server->options_ = options;
-  server->spin_ = std::chrono::microseconds(
-      options.spin_us >= 0 ? options.spin_us
-                           : (std::thread::hardware_concurrency() >= 4 ? 200 : 0));
+  server->spin_ = std::chrono::microseconds(options.spin_us);
   server->weight_digest_ = checkpoint->weightDigest();
   server->model_identity_ = checkpoint->identity();
   server->checkpoint_ = checkpoint;

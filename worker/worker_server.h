@@ -35,10 +35,9 @@ struct WorkerOptions {
   // Share of one core's time the scrub thread may be busy (0: no scrubbing).
   double scrub_share = kDefaultScrubShare;
   // After a reply, how long the worker polls its socket for the next step before it sleeps in
-  // poll(2): a sleeping thread woken on another core costs tens of microseconds a step. -1: the
-  // default, 200 us where the host has 4 cores or more, else 0 (spinning would take a core the
-  // broker's sampling needs).
-  int spin_us = -1;
+  // poll(2): a sleeping thread woken on another core costs tens of microseconds a step, a
+  // spinning one a core the broker's sampling or the CPU backend may need (0: sleep at once).
+  int spin_us = 0;
   // systemd's readiness protocol: READY=1 once the model is loaded and the socket listens,
   // WATCHDOG=1 from the serving loop itself (between steps and while idle), STOPPING=1.
   ServiceNotifier notifier;

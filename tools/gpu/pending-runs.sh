@@ -37,8 +37,8 @@ for group in "$@"; do
     cpu)
       m=$(model tiny-v152k)
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
-      run step-bench-cpu-nospin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
-        --iterations 200 --worker-arg=--spin-us=0
+      run step-bench-cpu-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
+        --iterations 200 --worker-arg=--spin-us=200
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
       ;;
