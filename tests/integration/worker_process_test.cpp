@@ -30,7 +30,8 @@ constexpr auto kStepTimeout = 10s;
 
 class WorkerProcessTest : public ::testing::Test {
  protected:
-  std::unique_ptr<WorkerClient> spawn(bool fault_injection = true, uint32_t arena_slots = 64) {
+  std::unique_ptr<WorkerClient> spawn(bool fault_injection = true, uint32_t arena_slots = 64,
+                                      std::vector<std::string> more_args = {}) {
     WorkerClient::SpawnOptions o;
     o.worker_path = test::binDir() + "/bulkhead-worker";
     o.model_dir = test::fixtureDir("tiny-qwen2");
@@ -42,6 +43,7 @@ class WorkerProcessTest : public ::testing::Test {
     o.enable_fault_injection = fault_injection;
     o.start_timeout = 30s;
     o.extra_args = {"--log-level", "warn"};
+    o.extra_args.insert(o.extra_args.end(), more_args.begin(), more_args.end());
     auto client = WorkerClient::spawn(o);
     EXPECT_TRUE(client.ok()) << client.error().toString();
     return client.ok() ? std::move(*client) : nullptr;
@@ -423,6 +425,28 @@ TEST_F(WorkerProcessTest, CleanShutdownRemovesSocketAndArena) {
   EXPECT_TRUE(f.ok()) << f.toString();
   EXPECT_FALSE(std::filesystem::exists(arena));
   EXPECT_TRUE(std::filesystem::is_empty(dir_.file("sock")));
+}
+
+// A worker that watches its socket awake after each reply (--spin-us, here long enough that
+// every next step arrives while it does) computes the same rows, and still stops when asked.
+TEST_F(WorkerProcessTest, AWorkerSpinningForItsNextStepGivesTheSameRowsAndStops) {
+  auto plain = spawn();
+  auto spinning = spawn(true, 64, {"--spin-us", "50000"});
+  ASSERT_TRUE(plain && spinning);
+  OneStep s;
+  for (uint32_t i = 0; i < 20; ++i) {
+    s.tokens = {1 + i, 2 + i, 3 + i, 4 + i};
+    SequenceStep seq = s.step(i + 1);
+    auto want = verifiedStep(*plain, {&seq, 1});
+    auto got = verifiedStep(*spinning, {&seq, 1});
+    ASSERT_TRUE(want.ok() && got.ok());
+    ASSERT_EQ(got->rows.size(), 1u);
+    EXPECT_TRUE(std::equal(want->rows[0].payload.begin(), want->rows[0].payload.end(),
+                           got->rows[0].payload.begin(), got->rows[0].payload.end()))
+        << "step " << i;
+  }
+  WorkerFailure f = spinning->shutdown(10s);
+  EXPECT_TRUE(f.ok()) << f.toString();
 }
 
 TEST_F(WorkerProcessTest, KilledWorkersArenaIsRemovedByItsClient) {
