@@ -51,7 +51,7 @@ double boundUnit(int k) {
 // those errors lean one way within an output (|produced| covers what leans alike over all
 // outputs) and fall either way across outputs (sqrt(produced_sq)). kUsualMargin is the room
 // left above that estimate; a step beyond it is computed again (CudaBackend::waitStep), so a
-// margin too small costs time, never a false failure.
+// margin too small costs time (a second computation), not a failure: rounding repeats.
 constexpr double kUsualMargin = 16;
 cuda::ProductScale usualScale(int k) {
   return {kUsualMargin * (double(k) / 16 + 16) * std::ldexp(1.0, -24),
