@@ -71,7 +71,6 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::create(
     const WorkerOptions& options) {
   std::unique_ptr<WorkerServer> server(new WorkerServer());
   server->options_ = options;
-  server->spin_ = std::chrono::microseconds(options.spin_us);
   server->weight_digest_ = checkpoint->weightDigest();
   server->model_identity_ = checkpoint->identity();
   server->checkpoint_ = checkpoint;
@@ -152,10 +151,11 @@ void WorkerServer::watchdogIfDue() {
 }
 
 bool WorkerServer::awaitInput(int fd, bool spin) {
-  if (spin && spin_ > std::chrono::microseconds(0)) {
+  if (spin && options_.spin_us > 0) {
     // The next step usually follows a reply within the broker's sampling time: watch for it
     // awake. A stop signal is seen in poll below once the spin ends.
-    const auto until = std::chrono::steady_clock::now() + spin_;
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(options_.spin_us);
     do {
       char byte;
       if (::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) >= 0 || errno != EAGAIN) return true;

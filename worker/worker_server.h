@@ -83,7 +83,6 @@ class WorkerServer {
   uint64_t weight_digest_ = 0;
   int listen_fd_ = -1;
   std::chrono::steady_clock::time_point last_watchdog_{};
-  std::chrono::microseconds spin_{0};  // WorkerOptions::spin_us, resolved
   int signal_fd_ = -1;
 };
 

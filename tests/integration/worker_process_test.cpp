@@ -427,9 +427,9 @@ TEST_F(WorkerProcessTest, CleanShutdownRemovesSocketAndArena) {
   EXPECT_TRUE(std::filesystem::is_empty(dir_.file("sock")));
 }
 
-// A worker that watches its socket awake after each reply (--spin-us, here long enough that
+// A worker told to watch its socket awake after each reply (--spin-us, here long enough that
 // every next step arrives while it does) computes the same rows, and still stops when asked.
-TEST_F(WorkerProcessTest, AWorkerSpinningForItsNextStepGivesTheSameRowsAndStops) {
+TEST_F(WorkerProcessTest, AWorkerGivenSpinUsGivesTheSameRowsAndStops) {
   auto plain = spawn();
   auto spinning = spawn(true, 64, {"--spin-us", "50000"});
   ASSERT_TRUE(plain && spinning);
