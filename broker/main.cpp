@@ -113,6 +113,13 @@ int main(int argc, char** argv) {
                  "Workers re-verify their weights in the background, busy at most this share of "
                  "one core (0: no scrubbing)")
       ->check(CLI::Range(0.0, 1.0));
+  int64_t reply_spin_us = defaultReplySpin().count();
+  app.add_option(
+         "--reply-spin-us", reply_spin_us,
+         "Watch awake for a step's reply this long either side of when it is due (the "
+         "last step's time), so it is read without a scheduler wake-up (0: sleep; default 50 "
+         "on hosts of 8 cores or more)")
+      ->check(CLI::Range(int64_t(0), int64_t(10'000)));
   app.add_flag("--enable-fault-injection", fault_injection,
                "Start workers that accept fault injection (tests and chaos runs only)");
   unsigned sampling_threads = 0;
@@ -251,12 +258,14 @@ int main(int argc, char** argv) {
       mine.extra_args.push_back(std::to_string(i));
     }
     factories.push_back(
-        [mine, i](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+        [mine, i,
+         reply_spin_us](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
           WorkerClient::SpawnOptions o = mine;
           // Unique across this broker's workers and across brokers on the host.
           o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32) ^ (uint64_t(i) << 24);
           auto client = WorkerClient::spawn(o);
           if (!client.ok()) return client.error();
+          (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us));
           return std::unique_ptr<WorkerConnection>(std::move(*client));
         });
   }
@@ -265,10 +274,11 @@ int main(int argc, char** argv) {
     // kills it) waits for systemd's next one. Never the incarnation just replaced.
     auto replaced = std::make_shared<uint64_t>(0);
     factories.push_back([path, replaced, timeout = std::chrono::seconds(attach_timeout_s),
-                         stopping = stopping.get(),
-                         alive](uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+                         stopping = stopping.get(), alive, reply_spin_us](
+                            uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
       auto client = WorkerClient::attach(path, *replaced, timeout, stopping, alive);
       if (!client.ok()) return client.error();
+      (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us));
       *replaced = (*client)->hello().incarnation;
       return std::unique_ptr<WorkerConnection>(std::move(*client));
     });

@@ -301,32 +301,51 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
   const float* src = in->logits.data() + base;
   float* dst = buf->values.data() + base;
   const bool copy = in->config != nullptr;  // verification alone reads nothing twice
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // index * 0x9e3779b1 for the 8 lanes, advanced by addition (the same bits as the multiply).
+  const uint32_t golden = 0x9e3779b1u;
+  __m256i keyed = _mm256_mullo_epi32(
+      _mm256_add_epi32(_mm256_set1_epi32(int(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+      _mm256_set1_epi32(int(golden)));
+  const __m256i keyed_step = _mm256_set1_epi32(int(8 * golden));
   const __m256i exponent = _mm256_set1_epi32(0x7f800000);
   const __m256i low32 = _mm256_set1_epi64x(0xffffffffll);
   __m256i sum = _mm256_setzero_si256(), bad = _mm256_setzero_si256();
   __m256 best = _mm256_set1_ps(-INFINITY);
-  // The one read of shared memory: copy, checksum terms, finiteness and max together.
-  for (uint32_t i = 0; i < len; i += 8) {
-    const uint32_t valid = std::min(8u, len - i);
-    const __m256i mask = laneMask(valid);
-    const __m256 v = loadLanes(src + i, valid);
-    if (copy) storeLanes(dst + i, v, valid);
+  // The one read of shared memory: copy, checksum terms, finiteness and max together. Whole
+  // vectors first, then the chunk's tail under a lane mask.
+  auto take = [&](__m256 v, const __m256i* mask) {
     const __m256i w = _mm256_castps_si256(v);
-    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(int(base + i)), lane);
-    __m256i t = _mm256_mullo_epi32(
-        _mm256_xor_si256(w, _mm256_mullo_epi32(index, _mm256_set1_epi32(int(0x9e3779b1u)))),
-        _mm256_set1_epi32(int(0x85ebca77u)));
+    __m256i t = _mm256_mullo_epi32(_mm256_xor_si256(w, keyed), _mm256_set1_epi32(int(0x85ebca77u)));
+    keyed = _mm256_add_epi32(keyed, keyed_step);
     t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 13));
     t = _mm256_mullo_epi32(t, _mm256_set1_epi32(int(0xc2b2ae3du)));
     t = _mm256_xor_si256(t, _mm256_srli_epi32(t, 16));
-    t = _mm256_and_si256(t, mask);
+    if (mask != nullptr) {
+      t = _mm256_and_si256(t, *mask);
+      v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(*mask));
+    }
     sum = _mm256_add_epi64(sum, _mm256_and_si256(t, low32));
     sum = _mm256_add_epi64(sum, _mm256_srli_epi64(t, 32));
-    bad = _mm256_or_si256(
-        bad, _mm256_cmpeq_epi32(_mm256_and_si256(w, exponent), exponent));  // masked lanes are 0
-    best = _mm256_max_ps(best,
-                         _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(mask)));
+    // (Masked-off lanes load as 0, which is finite.)
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(w, exponent), exponent));
+    best = _mm256_max_ps(best, v);
+  };
+  const uint32_t whole = len / 8 * 8;
+  if (copy) {
+    for (uint32_t i = 0; i < whole; i += 8) {
+      const __m256 v = _mm256_loadu_ps(src + i);
+      _mm256_storeu_ps(dst + i, v);
+      take(v, nullptr);
+    }
+  } else {
+    for (uint32_t i = 0; i < whole; i += 8) take(_mm256_loadu_ps(src + i), nullptr);
+  }
+  if (whole < len) {
+    const uint32_t valid = len - whole;
+    const __m256i mask = laneMask(valid);
+    const __m256 v = loadLanes(src + whole, valid);
+    if (copy) storeLanes(dst + whole, v, valid);
+    take(v, &mask);
   }
   s.checksum = sum64(sum);
   s.non_finite = !_mm256_testz_si256(bad, bad);

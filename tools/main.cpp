@@ -163,6 +163,11 @@ int main(int argc, char** argv) {
   step_bench->add_option("--sampling-threads", step_opts.sampling_threads,
                          "Threads verifying and sampling rows (0: one per core)");
   step_bench
+      ->add_option("--reply-spin-us", step_opts.reply_spin_us,
+                   "Watch awake for a step's reply this long either side of when it is due, as "
+                   "the broker's option of that name")
+      ->check(CLI::Range(int64_t(0), int64_t(10'000)));
+  step_bench
       ->add_option("--worker-arg", step_opts.worker_args,
                    "An argument passed on to the worker (repeatable; e.g. "
                    "--worker-arg=--cpu-threads=8)")

@@ -29,6 +29,7 @@ Result<std::unique_ptr<WorkerClient>> spawnBenchWorker(const StepBenchOptions& o
   spawn.extra_args.insert(spawn.extra_args.end(), o.worker_args.begin(), o.worker_args.end());
   auto client = WorkerClient::spawn(spawn);
   if (!client.ok()) return client.error().toStatus();
+  (*client)->setReplySpin(std::chrono::microseconds(o.reply_spin_us));
   return std::move(*client);
 }
 

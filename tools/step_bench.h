@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "broker/worker_client.h"
 #include "shared/status.h"
 
 namespace bulkhead {
@@ -18,9 +19,10 @@ struct StepBenchOptions {
   uint32_t iterations = 200;
   // The worker's background weight scrubbing (its share of one core); it competes with compute.
   double scrub_share = 0.0;
-  unsigned sampling_threads = 0;         // 0: one per core, as the broker
-  bool in_step_checks = true;            // the worker checks each step's weight reads
-  std::vector<std::string> worker_args;  // passed on to the worker
+  unsigned sampling_threads = 0;                       // 0: one per core, as the broker
+  int64_t reply_spin_us = defaultReplySpin().count();  // WorkerClient::setReplySpin, as the broker
+  bool in_step_checks = true;                          // the worker checks each step's weight reads
+  std::vector<std::string> worker_args;                // passed on to the worker
   std::string json_path;
 };
 

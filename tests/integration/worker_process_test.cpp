@@ -449,6 +449,35 @@ TEST_F(WorkerProcessTest, AWorkerGivenSpinUsGivesTheSameRowsAndStops) {
   EXPECT_TRUE(f.ok()) << f.toString();
 }
 
+TEST_F(WorkerProcessTest, AClientWatchingForRepliesAwakeReadsThemWhileAwakeWithTheSameRows) {
+  auto plain = spawn();
+  auto watching = spawn();
+  ASSERT_TRUE(plain && watching);
+  // Far longer than a step of the tiny model: every reply comes while the client watches.
+  watching->setReplySpin(std::chrono::microseconds(2'000'000));
+  OneStep s;
+  for (uint32_t i = 0; i < 10; ++i) {
+    s.tokens = {1 + i, 2 + i, 3 + i, 4 + i};
+    SequenceStep seq = s.step(i + 1);
+    auto want = verifiedStep(*plain, {&seq, 1});
+    auto got = verifiedStep(*watching, {&seq, 1});
+    ASSERT_TRUE(want.ok() && got.ok());
+    ASSERT_EQ(got->rows.size(), 1u);
+    EXPECT_TRUE(std::equal(want->rows[0].payload.begin(), want->rows[0].payload.end(),
+                           got->rows[0].payload.begin(), got->rows[0].payload.end()))
+        << "step " << i;
+  }
+  EXPECT_EQ(watching->repliesSeenAwake(), 10u);
+  EXPECT_EQ(plain->repliesSeenAwake(), 0u);
+  // A worker that dies while the client watches is reported as such, not waited out.
+  watching->kill(SIGKILL);
+  OneStep last;
+  SequenceStep seq = last.step(100);
+  auto lost = watching->step(100, {&seq, 1}, 30s);
+  ASSERT_FALSE(lost.ok());
+  EXPECT_EQ(lost.error().kind, WorkerFailure::Kind::kExited) << lost.error().toString();
+}
+
 TEST_F(WorkerProcessTest, KilledWorkersArenaIsRemovedByItsClient) {
   std::string arena;
   {

@@ -2,8 +2,9 @@
 # On the GPU host, from a bundle made by tools/gpu/bundle.sh: the measurements the open issues
 # still wait for, in groups that each fit one device call (10 minutes). Models are made there.
 # Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
-#   cpu     the CPU backend on that host's cores: step-bench (the worker spinning for the next
-#           step and not) and serve-bench on tiny-v152k (the broker at GPU speed)
+#   cpu     the CPU backend on that host's cores: step-bench (defaults, the broker not watching
+#           for replies awake, the worker spinning for the next step) and serve-bench on
+#           tiny-v152k (defaults; 4 sampling threads) (the broker at GPU speed)
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
@@ -36,11 +37,16 @@ for group in "$@"; do
   case $group in
     cpu)
       m=$(model tiny-v152k)
+      lscpu | grep -E "^Model name|^Socket|^Core|^Thread|^NUMA node\(s\)|^L3"
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
+      run step-bench-cpu-no-reply-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
+        --iterations 200 --reply-spin-us 0
       run step-bench-cpu-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
         --iterations 200 --worker-arg=--spin-us=200
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
+      run serve-bench-cpu-sampling4 200 "$bh" serve-bench --model "$m" --concurrency 32,64 \
+        --broker-arg=--sampling-threads=4 --json "$out/serve-bench-cpu-sampling4.json"
       ;;
     workers)
       m=$(model tiny-v152k)
