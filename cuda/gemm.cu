@@ -58,12 +58,15 @@ __device__ __forceinline__ uint32_t foldKeys(int g, int first) {
   return keys;
 }
 
-// kGroups groups of 8 tokens per block; kUnroll k blocks loaded together.
-template <int kGroups, int kUnroll>
+// kGroups groups of 8 tokens per block; kUnroll k blocks loaded together. kPipelined: two sets of
+// registers, so that one round's loads are in flight while the round before multiplies (the sums
+// are the same: only when the loads are issued changes).
+template <int kGroups, int kUnroll, bool kPipelined>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits) {
   constexpr int kOutputs = 16 * 8 * kGroups;
+  constexpr int kSets = kPipelined ? 2 : 1;
   __shared__ float partial[kWarps][16][8 * kGroups];
   __shared__ float block_sum[kOutputs];
   __shared__ unsigned long long fold_scratch[kWarps];
@@ -91,40 +94,46 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
   uint32_t fold_acc[4] = {};
   float acc[kGroups][4] = {};
-  uint4 a_lo[kUnroll], a_hi[kUnroll], b[kUnroll][kGroups];
-  auto loadWeights = [&](int base) {
+  uint4 a_lo[kSets][kUnroll], a_hi[kSets][kUnroll], b[kSets][kUnroll][kGroups];
+  auto inK = [&](int kb) { return kb < k_blocks && 32 * kb + 8 * c < k; };
+  auto loadWeights = [&](int set, int base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kb = base + u * lanes;
-      const bool in_k = kb < k_blocks && 32 * kb + 8 * c < k;
-      a_lo[u] = load16(w_lo + 32 * kb, in_k && row_lo);
-      a_hi[u] = load16(w_hi + 32 * kb, in_k && row_hi);
+      a_lo[set][u] = load16(w_lo + 32 * kb, inK(kb) && row_lo);
+      a_hi[set][u] = load16(w_hi + 32 * kb, inK(kb) && row_hi);
     }
   };
-  // One round: the tokens' k blocks, the multiplies, the fold (the weights already loaded).
-  auto multiply = [&](int base) {
+  auto loadTokens = [&](int set, int base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kb = base + u * lanes;
-      const bool in_k = kb < k_blocks && 32 * kb + 8 * c < k;
 #pragma unroll
-      for (int t = 0; t < kGroups; ++t) b[u][t] = load16(x_row[t] + 32 * kb, in_k && token[t]);
+      for (int t = 0; t < kGroups; ++t)
+        b[set][u][t] = load16(x_row[t] + 32 * kb, inK(kb) && token[t]);
     }
+  };
+  // One round's multiplies and fold (its weights already loaded; its tokens too unless asked to
+  // load them first).
+  auto multiply = [&](int set, int base, bool load_tokens) {
+    if (load_tokens) loadTokens(set, base);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (base + u * lanes >= k_blocks) break;  // the same for the whole warp
 #pragma unroll
       for (int t = 0; t < kGroups; ++t) {
-        mma(acc[t], a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, b[u][t].x, b[u][t].y);
-        mma(acc[t], a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, b[u][t].z, b[u][t].w);
+        const uint4 &lo = a_lo[set][u], &hi = a_hi[set][u], &tok = b[set][u][t];
+        mma(acc[t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
+        mma(acc[t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
       }
     }
     if (folding) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (base + u * lanes >= k_blocks) break;  // the same for the whole warp
-        foldMma(fold_acc, a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, key_lo, key_hi);
-        foldMma(fold_acc, a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, key_lo, key_hi);
+        const uint4 &lo = a_lo[set][u], &hi = a_hi[set][u];
+        foldMma(fold_acc, lo.x, hi.x, lo.y, hi.y, key_lo, key_hi);
+        foldMma(fold_acc, lo.z, hi.z, lo.w, hi.w, key_lo, key_hi);
       }
     }
   };
@@ -133,16 +142,32 @@ __global__ void __launch_bounds__(kThreads)
   // loop keeps one shape (the compiler schedules its loads together).
   const int round = lanes * kUnroll;
   int base = rank * kWarps + warp;
-  if (base < k_blocks) loadWeights(base);
+  if (base < k_blocks) loadWeights(0, base);
   gridDependencyWait();
   allowDependentLaunch();
-  if (base < k_blocks) {
-    multiply(base);
-    base += round;
-  }
-  for (; base < k_blocks; base += round) {
-    loadWeights(base);
-    multiply(base);
+  if constexpr (!kPipelined) {
+    if (base < k_blocks) {
+      multiply(0, base, true);
+      base += round;
+    }
+    for (; base < k_blocks; base += round) {
+      loadWeights(0, base);
+      multiply(0, base, true);
+    }
+  } else {
+    loadTokens(0, base);
+    // Set 1 loads while set 0 multiplies, then the other way round.
+    while (base < k_blocks) {
+      loadWeights(1, base + round);
+      loadTokens(1, base + round);
+      multiply(0, base, false);
+      base += round;
+      if (base >= k_blocks) break;
+      loadWeights(0, base + round);
+      loadTokens(0, base + round);
+      multiply(1, base, false);
+      base += round;
+    }
   }
 #pragma unroll
   for (int t = 0; t < kGroups; ++t) {
@@ -203,7 +228,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int kGroups, int kUnroll>
+template <int kGroups, int kUnroll, bool kPipelined = false>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold) {
   cudaLaunchConfig_t config = {};
@@ -222,8 +247,8 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   }
   config.attrs = attrs;
   config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
-  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll>, x, m, w, n, k, y, ldy, fold,
-                            splits);
+  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined>, x, m, w, n, k, y,
+                            ldy, fold, splits);
 }
 
 }  // namespace
@@ -257,7 +282,7 @@ int gemmSplits(int n, int k) {
 }
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
-                  int ldy, cudaStream_t stream, const GemmFold& fold) {
+                  int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule) {
   if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || ldy < n || uintptr_t(x) % 16 != 0 ||
       uintptr_t(w) % 16 != 0)
     return invalidArgument("product of " + std::to_string(m) + "x" + std::to_string(k) + " by " +
@@ -273,7 +298,16 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                              " is not a multiple of 16");
   const int splits = gemmSplits(n, k);
   cudaError_t launched;
-  if (m <= 8)
+  if (schedule == GemmSchedule::kPipelined) {
+    if (m <= 8)
+      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    else if (m <= 16)
+      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    else if (m <= 32)
+      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    else
+      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+  } else if (m <= 8)
     launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold);
   else if (m <= 16)
     launched = launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold);

@@ -59,9 +59,17 @@ struct GemmFold {
 // than 32 k blocks a block.
 int gemmSplits(int n, int k);
 
+// When a warp issues its loads. Both give every output the same sequence of operations (the same
+// bits); a step always uses kInUse, and `bulkhead bench-gemm` measures the others against it.
+enum class GemmSchedule {
+  kInUse,      // a round's loads, then its multiplies
+  kPipelined,  // the next round's loads in flight while a round multiplies (half the unroll)
+};
+
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
 // `ldy` apart. Device memory, asynchronous on `stream`.
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
-                  int ldy, cudaStream_t stream, const GemmFold& fold = {});
+                  int ldy, cudaStream_t stream, const GemmFold& fold = {},
+                  GemmSchedule schedule = GemmSchedule::kInUse);
 
 }  // namespace bulkhead::cuda

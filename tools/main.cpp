@@ -10,6 +10,7 @@
 #include "tools/chaos.h"
 #include "tools/commands.h"
 #include "tools/engine_bench.h"
+#include "tools/gemm_bench.h"
 #include "tools/make_model.h"
 #include "tools/qualify.h"
 #include "tools/remote.h"
@@ -205,6 +206,16 @@ int main(int argc, char** argv) {
                          "Skip the runs without in-step checks and through cuBLAS");
   engine_bench->add_option("--json", engine_opts.json_path, "Also write the results as JSON");
 
+  GemmBenchOptions gemm_opts;
+  std::string gemm_rows = "1,8,32,64";
+  auto* gemm_bench = app.add_subcommand(
+      "bench-gemm", "A model shape's products alone on the GPU: each schedule of ours and cuBLAS");
+  gemm_bench->add_option("--shape", gemm_opts.shape, "A make-model shape (e.g. qwen2.5-7b)");
+  gemm_bench->add_option("--rows", gemm_rows, "Comma-separated row counts");
+  gemm_bench->add_option("--launches", gemm_opts.launches, "Timed launches per cell")
+      ->check(CLI::Range(1u, 100000u));
+  gemm_bench->add_option("--json", gemm_opts.json_path, "Also write the results as JSON");
+
   SampleBenchOptions sample_opts;
   std::string sample_rows = "1,8,32,64";
   auto* sample_bench = app.add_subcommand(
@@ -354,6 +365,13 @@ int main(int argc, char** argv) {
     engine_opts.compare = !engine_alone;
     Status s = runEngineBench(engine_opts);
     if (!s.ok()) return fail("bench-engine", s);
+  } else if (*gemm_bench) {
+    auto parsed = parseTokenList(gemm_rows);
+    if (!parsed.ok() || parsed->empty())
+      return fail("bench-gemm", invalidArgument("--rows: expected e.g. 1,8,32,64"));
+    gemm_opts.rows = *parsed;
+    Status s = runGemmBench(gemm_opts);
+    if (!s.ok()) return fail("bench-gemm", s);
   } else if (*sample_bench) {
     auto parsed = parseTokenList(sample_rows);
     if (!parsed.ok() || parsed->empty())

@@ -40,9 +40,9 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   for (auto& v : x) v = __float2bfloat16(input(rng));
   test::DeviceBuffer<__nv_bfloat16> dw(w), dx(x);
   test::DeviceBuffer<float> dy(size_t(kMaxRows) * n);
-  auto product = [&](int m) {
+  auto product = [&](int m, cuda::GemmSchedule schedule = cuda::GemmSchedule::kInUse) {
     EXPECT_EQ(cudaMemset(dy.p, 0xff, size_t(kMaxRows) * n * 4), cudaSuccess);
-    const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr);
+    const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, {}, schedule);
     EXPECT_TRUE(s.ok()) << s.toString();
     return dy.read(0, size_t(m) * n);
   };
@@ -56,13 +56,16 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   for (int m = 1; m <= 64; ++m)
     if (!big || m <= 3 || m == 8 || m == 9 || m == 17 || m == 33 || m == 64) counts.push_back(m);
   for (int m : {65, 130}) counts.push_back(m);
-  for (int m : counts) {
-    const std::vector<float> part = product(m);
-    for (int r = 0; r < m; ++r)
-      ASSERT_EQ(std::memcmp(part.data() + size_t(r) * n, all.data() + size_t(r) * n, size_t(n) * 4),
-                0)
-          << "row " << r << " of " << m << " differs from the same row of " << kMaxRows
-          << " (shape " << n << "x" << k << ")";
+  // Every schedule gives the same bits.
+  for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+    for (int m : counts) {
+      const std::vector<float> part = product(m, schedule);
+      for (int r = 0; r < m; ++r)
+        ASSERT_EQ(
+            std::memcmp(part.data() + size_t(r) * n, all.data() + size_t(r) * n, size_t(n) * 4), 0)
+            << "row " << r << " of " << m << " differs from the same row of " << kMaxRows
+            << " (shape " << n << "x" << k << ", schedule " << int(schedule) << ")";
+    }
   }
 
   // cuBLAS (no workspace), the reference: the same sums in another order.
@@ -113,15 +116,19 @@ TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
   const uint32_t want[2] = {
       cuda::productFold(bytes, size_t(split), k, 0, fold.salt[0]),
       cuda::productFold(bytes + size_t(split) * k * 2, size_t(n - split), k, 0, fold.salt[1])};
-  for (int m : {1, 7, 9, 33, 64, 130}) {
-    ASSERT_EQ(cudaMemset(accounts.p, 0, 3 * sizeof(cuda::FoldAccount)), cudaSuccess);
-    const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, fold);
-    ASSERT_TRUE(s.ok()) << s.toString();
-    const std::vector<cuda::FoldAccount> got = accounts.read();
-    for (int i = 0; i < fold.weights; ++i) {
-      const uint64_t rows = uint64_t(i == 0 ? split : n - split);
-      EXPECT_EQ(uint32_t(got[size_t(i)].sum), want[i]) << "weight " << i << ", " << m << " rows";
-      EXPECT_EQ(got[size_t(i)].words, rows * uint64_t(k / 2)) << "weight " << i << ", " << m;
+  for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+    for (int m : {1, 7, 9, 33, 64, 130}) {
+      ASSERT_EQ(cudaMemset(accounts.p, 0, 3 * sizeof(cuda::FoldAccount)), cudaSuccess);
+      const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, fold, schedule);
+      ASSERT_TRUE(s.ok()) << s.toString();
+      const std::vector<cuda::FoldAccount> got = accounts.read();
+      for (int i = 0; i < fold.weights; ++i) {
+        const uint64_t rows = uint64_t(i == 0 ? split : n - split);
+        EXPECT_EQ(uint32_t(got[size_t(i)].sum), want[i])
+            << "weight " << i << ", " << m << " rows, schedule " << int(schedule);
+        EXPECT_EQ(got[size_t(i)].words, rows * uint64_t(k / 2))
+            << "weight " << i << ", " << m << " rows, schedule " << int(schedule);
+      }
     }
   }
   // One bit of one word, low in a mantissa, where the arithmetic check cannot see it.

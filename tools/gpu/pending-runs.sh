@@ -7,6 +7,7 @@
 #           tiny-v152k (defaults; 4 sampling threads) (the broker at GPU speed)
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
+#   gemm    the product's GPU tests, then bench-gemm (each schedule and cuBLAS) on both shapes
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   serve   serve-bench through a broker with the CUDA backend on both
 #   cuda    tests, engine and serve
@@ -54,6 +55,12 @@ for group in "$@"; do
         --workers 1,2,4 --json "$out/serve-bench-cpu-workers.json"
       ;;
     tests) run gpu-tests 300 "$bundle/gpu_tests" ;;
+    gemm)
+      run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        run "bench-gemm-$shape" 120 "$bh" bench-gemm --shape $shape --json "$out/bench-gemm-$shape.json"
+      done
+      ;;
     engine)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)

@@ -1,0 +1,176 @@
+// bench-gemm: see gemm_bench.h.
+#include "tools/gemm_bench.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "tools/json_report.h"
+#include "tools/make_model.h"
+#ifdef BULKHEAD_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/gemm.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/matmul.cuh"
+#endif
+
+namespace bulkhead {
+
+#ifndef BULKHEAD_HAVE_CUDA
+Status runGemmBench(const GemmBenchOptions&) {
+  return failedPrecondition("bench-gemm needs a build with the CUDA backend");
+}
+#else
+namespace {
+
+struct Product {
+  const char* name;
+  int n, k;
+};
+
+std::vector<Product> productsOf(const ModelShape& s) {
+  const int head_dim = s.hidden / s.heads;
+  return {{"qkv", s.hidden + 2 * s.kv_heads * head_dim, s.hidden},
+          {"o", s.hidden, s.hidden},
+          {"gate_up", 2 * s.intermediate, s.hidden},
+          {"down", s.hidden, s.intermediate},
+          {"lm_head", s.vocab, s.hidden}};
+}
+
+Status cudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return okStatus();
+  return internalError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+#define BENCH_CUDA(call) BULKHEAD_RETURN_IF_ERROR(cudaStatus((call), #call))
+
+// Device memory freed on scope exit.
+struct DeviceBuffer {
+  void* p = nullptr;
+  ~DeviceBuffer() {
+    if (p != nullptr) (void)cudaFree(p);
+  }
+};
+
+enum class Path { kInUse, kPipelined, kCublas };
+constexpr Path kPaths[] = {Path::kInUse, Path::kPipelined, Path::kCublas};
+const char* pathName(Path p) {
+  return p == Path::kInUse ? "in_use" : p == Path::kPipelined ? "pipelined" : "cublas";
+}
+
+// Microseconds a launch, `launches` launches over `copies` copies of the weight in one graph.
+Result<double> timeLaunches(Path path, const Product& p, int m, const __nv_bfloat16* x,
+                            const __nv_bfloat16* w, int copies, float* y, cudaStream_t stream,
+                            const cuda::Matmul& cublas, uint32_t launches) {
+  const size_t weight_elems = size_t(p.n) * size_t(p.k);
+  auto enqueue = [&](uint32_t count) -> Status {
+    for (uint32_t i = 0; i < count; ++i) {
+      const __nv_bfloat16* wi = w + weight_elems * (i % uint32_t(copies));
+      if (path == Path::kCublas) {
+        BULKHEAD_RETURN_IF_ERROR(cublas.run(x, m, wi, p.n, p.k, y, false));
+      } else {
+        BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
+            x, m, wi, p.n, p.k, y, p.n, stream, {},
+            path == Path::kInUse ? cuda::GemmSchedule::kInUse : cuda::GemmSchedule::kPipelined));
+      }
+    }
+    return okStatus();
+  };
+  cudaGraph_t graph = nullptr;
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  Status captured = enqueue(launches);
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  BULKHEAD_RETURN_IF_ERROR(captured);
+  BENCH_CUDA(ended);
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  (void)cudaGraphDestroy(graph);
+  BENCH_CUDA(instantiated);
+  cudaEvent_t begin = nullptr, end = nullptr;
+  BENCH_CUDA(cudaEventCreate(&begin));
+  BENCH_CUDA(cudaEventCreate(&end));
+  float best_ms = 0;
+  Status timed = [&]() -> Status {
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));  // untimed
+    for (int rep = 0; rep < 3; ++rep) {
+      BENCH_CUDA(cudaEventRecord(begin, stream));
+      BENCH_CUDA(cudaGraphLaunch(exec, stream));
+      BENCH_CUDA(cudaEventRecord(end, stream));
+      BENCH_CUDA(cudaEventSynchronize(end));
+      float ms = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&ms, begin, end));
+      best_ms = rep == 0 ? ms : std::min(best_ms, ms);
+    }
+    return okStatus();
+  }();
+  (void)cudaEventDestroy(begin);
+  (void)cudaEventDestroy(end);
+  (void)cudaGraphExecDestroy(exec);
+  BULKHEAD_RETURN_IF_ERROR(timed);
+  return 1000.0 * best_ms / launches;
+}
+
+}  // namespace
+
+Status runGemmBench(const GemmBenchOptions& o) {
+  const auto& shapes = modelShapes();
+  auto shape = std::find_if(shapes.begin(), shapes.end(),
+                            [&](const ModelShape& s) { return s.name == o.shape; });
+  if (shape == shapes.end()) return invalidArgument("unknown shape " + o.shape);
+  if (o.rows.empty() || o.launches == 0) return invalidArgument("no rows or no launches");
+  const int max_m = int(*std::max_element(o.rows.begin(), o.rows.end()));
+  cudaStream_t stream = nullptr;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const bool programmatic = cuda::programmaticLaunchSupported();
+  cuda::setProgrammaticLaunch(stream, programmatic);
+  auto cublas = cuda::Matmul::create(stream);
+  if (!cublas.ok()) return cublas.status();
+  std::printf(
+      "bench-gemm: %s products, %u launches a cell in one graph, programmatic launch %s; "
+      "us a launch and weight GB/s\n",
+      o.shape.c_str(), o.launches, programmatic ? "on" : "off");
+  std::printf("%-8s %7s %6s %4s", "product", "n", "k", "m");
+  for (Path p : kPaths) std::printf(" %12s %8s", pathName(p), "GB/s");
+  std::printf(" %10s\n", "best/cublas");
+  nlohmann::json report = {
+      {"shape", o.shape}, {"launches", o.launches}, {"results", nlohmann::json::array()}};
+  for (const Product& p : productsOf(*shape)) {
+    const size_t weight_bytes = size_t(p.n) * size_t(p.k) * 2;
+    // Enough copies that the L2 cache (50 MB on an H200) holds none of them between uses.
+    const int copies = int(std::max<size_t>(2, (size_t(256) << 20) / weight_bytes + 1));
+    DeviceBuffer w, x, y;
+    BENCH_CUDA(cudaMalloc(&w.p, weight_bytes * size_t(copies)));
+    BENCH_CUDA(cudaMalloc(&x.p, size_t(max_m) * size_t(p.k) * 2));
+    BENCH_CUDA(cudaMalloc(&y.p, size_t(max_m) * size_t(p.n) * 4));
+    // Small finite values: 0x3c3c is about 0.0115 in bf16.
+    BENCH_CUDA(cudaMemsetAsync(w.p, 0x3c, weight_bytes * size_t(copies), stream));
+    BENCH_CUDA(cudaMemsetAsync(x.p, 0x3c, size_t(max_m) * size_t(p.k) * 2, stream));
+    for (uint32_t m : o.rows) {
+      std::printf("%-8s %7d %6d %4u", p.name, p.n, p.k, m);
+      nlohmann::json row = {{"product", p.name}, {"n", p.n}, {"k", p.k}, {"m", m}};
+      double best_ours = 0, cublas_us = 0;
+      for (Path path : kPaths) {
+        BULKHEAD_ASSIGN_OR_RETURN(
+            const double us, timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
+                                          static_cast<const __nv_bfloat16*>(w.p), copies,
+                                          static_cast<float*>(y.p), stream, **cublas, o.launches));
+        const double gbs = double(weight_bytes) / us / 1e3;
+        std::printf(" %12.2f %8.0f", us, gbs);
+        row[std::string(pathName(path)) + "_us"] = us;
+        if (path == Path::kCublas)
+          cublas_us = us;
+        else
+          best_ours = best_ours == 0 ? us : std::min(best_ours, us);
+      }
+      std::printf(" %9.1f%%\n", 100.0 * cublas_us / best_ours);
+      report["results"].push_back(row);
+    }
+  }
+  (void)cudaStreamDestroy(stream);
+  return writeJsonReport(o.json_path, report);
+}
+#endif
+
+}  // namespace bulkhead

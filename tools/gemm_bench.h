@@ -1,0 +1,26 @@
+// bench-gemm: a model's products alone, on the device: for each product of a decoder layer (fused
+// q/k/v, o, fused gate/up, down) and the lm_head, at each row count, the time a launch takes and
+// the weight bandwidth it reaches, for each schedule of our product and for cuBLAS (workspace 0).
+// Launches cycle over enough copies of the weight that none is read from the L2 cache, and run as
+// a step runs them: back to back in one CUDA graph, programmatic where the device allows.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shared/status.h"
+
+namespace bulkhead {
+
+struct GemmBenchOptions {
+  std::string shape = "qwen2.5-7b";  // a make-model shape
+  std::vector<uint32_t> rows = {1, 8, 32, 64};
+  uint32_t launches = 200;  // timed launches per cell, in one graph
+  std::string json_path;
+};
+
+// Prints the table to stdout; writes JSON when asked.
+Status runGemmBench(const GemmBenchOptions& options);
+
+}  // namespace bulkhead
