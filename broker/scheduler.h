@@ -25,6 +25,7 @@
 #include "broker/fault_injection.h"
 #include "broker/row_sampling.h"
 #include "broker/sequence_queues.h"
+#include "broker/step_costs.h"
 #include "broker/worker_slot.h"
 #include "shared/work_pool.h"
 
@@ -185,6 +186,9 @@ class Scheduler {
   bool stepOnce(WorkerConnection& worker);
   bool sendStep(WorkerConnection& worker, size_t depth);
   void completeStep(WorkerConnection& worker);
+  // Records a completed step's costs and decides whether the next steps go two at a time.
+  void choosePipelining(const WorkerConnection& worker, const InFlightStep& step, double compute_ms,
+                        double trip_ms, double sample_ms);
   // Takes every step in flight (before anything but a step is sent to the worker).
   void drainSteps();
   // The worker is gone (or every sequence requeued): its steps in flight never come back.
@@ -258,6 +262,7 @@ class Scheduler {
   std::optional<std::chrono::steady_clock::time_point> last_reply_;
   std::deque<InFlightStep> in_flight_;  // oldest first
   bool pipelining_ = false;             // see SchedulerOptions::pipeline_sample_share
+  StepCosts step_costs_;                // decode steps by row count: whether halves pay
 };
 
 }  // namespace bulkhead

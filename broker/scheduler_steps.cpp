@@ -127,15 +127,8 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   const double compute_ms = double(reply->compute_micros) / 1000.0;
   board_.addStepTimes(msBetween(step.sent, step_done), compute_ms, sample_ms, step.batch.size());
   if (in_flight_.empty()) last_reply_ = step_done;
-  // Two steps in flight pay when sampling takes a fair share of compute: each half's rows are
-  // then sampled while the worker computes the other half
-  // (SchedulerOptions::pipeline_sample_share).
-  const double share = options_.pipeline_sample_share *
-                       (worker.hello().compute_grows_with_rows ? kLinearCostShareFactor : 1.0);
-  if (share >= 0) {
-    if (sample_ms >= share * compute_ms) pipelining_ = true;
-    if (sample_ms < 0.5 * share * compute_ms) pipelining_ = false;
-  }
+  choosePipelining(worker, step, compute_ms, msBetween(step.sent, step_done) - compute_ms,
+                   sample_ms);
   if (!bad.ok()) {
     handleStepFailure(bad, step.batch);
     return;
@@ -164,6 +157,28 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   const size_t generated = queues_.accept(step.batch, step.chunks, step.step_id, chosen, step_done);
   board_.update([&](SchedulerStats& s, WorkerStatus&) { s.tokens_generated += generated; });
   applyScrub(reply->scrub, wait_for_scrub);
+}
+
+void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightStep& step,
+                                 double compute_ms, double trip_ms, double sample_ms) {
+  const bool decode_only =
+      !step.ride && std::all_of(step.chunks.begin(), step.chunks.end(),
+                                [](const PlannedChunk& c) { return c.chunk == 1 && c.wants_row; });
+  if (decode_only) step_costs_.record(uint32_t(step.chunks.size()), compute_ms, trip_ms, sample_ms);
+  if (options_.pipeline_sample_share < 0) return;
+  // Once steps of both sizes have been seen, what they cost decides.
+  const size_t running = queues_.running().size();
+  if (std::optional<bool> pays = step_costs_.halvesPay(uint32_t(running)); pays) {
+    pipelining_ = *pays;
+    return;
+  }
+  // Until then: two steps in flight pay when sampling takes a fair share of compute, each half's
+  // rows then sampled while the worker computes the other half
+  // (SchedulerOptions::pipeline_sample_share).
+  const double share = options_.pipeline_sample_share *
+                       (worker.hello().compute_grows_with_rows ? kLinearCostShareFactor : 1.0);
+  if (sample_ms >= share * compute_ms) pipelining_ = true;
+  if (sample_ms < 0.5 * share * compute_ms) pipelining_ = false;
 }
 
 void Scheduler::drainSteps() {

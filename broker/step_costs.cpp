@@ -1,0 +1,40 @@
+// StepCosts: a moving average per row count.
+#include "broker/step_costs.h"
+
+#include <algorithm>
+
+namespace bulkhead {
+namespace {
+// Weight of the newest step in each average: recent enough to follow a host whose load changes,
+// smooth enough that one slow step does not flip the choice.
+constexpr double kNewest = 0.2;
+}  // namespace
+
+void StepCosts::record(uint32_t rows, double compute_ms, double trip_ms, double sample_ms) {
+  if (rows == 0) return;
+  if (by_rows_.size() <= rows) by_rows_.resize(rows + 1);
+  Cost& c = by_rows_[rows];
+  const double w = c.seen == 0 ? 1.0 : kNewest;
+  c.compute_ms += w * (compute_ms - c.compute_ms);
+  c.trip_ms += w * (trip_ms - c.trip_ms);
+  c.sample_ms += w * (sample_ms - c.sample_ms);
+  ++c.seen;
+}
+
+const StepCosts::Cost* StepCosts::at(uint32_t rows) const {
+  return rows < by_rows_.size() && by_rows_[rows].seen > 0 ? &by_rows_[rows] : nullptr;
+}
+
+std::optional<bool> StepCosts::halvesPay(uint32_t rows) const {
+  if (rows < 2) return std::nullopt;
+  const Cost* whole = at(rows);
+  const Cost* half = at((rows + 1) / 2);
+  if (whole == nullptr || half == nullptr) return std::nullopt;
+  // One at a time, the worker waits out each step's trip and sampling; in halves each half's
+  // sampling runs while the worker computes the other, so the slower of the two sets the pace.
+  const double one_at_a_time = whole->compute_ms + whole->trip_ms + whole->sample_ms;
+  const double halves = 2 * std::max(half->compute_ms, half->sample_ms);
+  return halves < one_at_a_time;
+}
+
+}  // namespace bulkhead

@@ -1,0 +1,72 @@
+// StepCosts: the choice between one step at a time and two halves, from observed costs.
+#include "broker/step_costs.h"
+
+#include <gtest/gtest.h>
+
+namespace bulkhead {
+namespace {
+
+TEST(StepCostsTest, NoChoiceUntilBothSizesWereSeen) {
+  StepCosts costs;
+  EXPECT_FALSE(costs.halvesPay(64).has_value());
+  costs.record(64, 8.0, 0.1, 1.0);
+  EXPECT_FALSE(costs.halvesPay(64).has_value()) << "the half size was never seen";
+  costs.record(32, 4.0, 0.1, 0.5);
+  EXPECT_TRUE(costs.halvesPay(64).has_value());
+  EXPECT_FALSE(costs.halvesPay(1).has_value()) << "one row cannot be halved";
+  EXPECT_FALSE(costs.halvesPay(0).has_value());
+}
+
+TEST(StepCostsTest, HalvesPayWhenTheyCostNoMoreComputeThanTheSamplingTheyHide) {
+  StepCosts costs;
+  // A GPU: a step costs about the same at 32 and 64 rows; sampling is cheap.
+  costs.record(64, 4.2, 0.1, 0.6);
+  costs.record(32, 3.8, 0.1, 0.3);
+  EXPECT_FALSE(*costs.halvesPay(64)) << "7.6 ms of halves against 4.9 ms at once";
+  // Compute that grows with the rows: halves lose nothing, the overlap wins.
+  StepCosts linear;
+  linear.record(64, 8.0, 0.1, 2.0);
+  linear.record(32, 4.0, 0.1, 1.0);
+  EXPECT_TRUE(*linear.halvesPay(64)) << "8 ms of halves against 10.1 ms at once";
+  // A CPU host where halves cost 25% more compute: cheap sampling does not pay for it, costly
+  // sampling does.
+  StepCosts greedy, top_p;
+  greedy.record(64, 8.2, 0.1, 0.8);
+  greedy.record(32, 5.1, 0.1, 0.4);
+  EXPECT_FALSE(*greedy.halvesPay(64));
+  top_p.record(64, 8.2, 0.1, 3.5);
+  top_p.record(32, 5.1, 0.1, 1.8);
+  EXPECT_TRUE(*top_p.halvesPay(64));
+  // Sampling slower than the other half's compute sets the pace of the halves.
+  StepCosts slow_sampling;
+  slow_sampling.record(64, 2.0, 0.1, 6.0);
+  slow_sampling.record(32, 1.0, 0.1, 3.1);
+  EXPECT_TRUE(*slow_sampling.halvesPay(64)) << "6.2 ms of halves against 8.1 ms";
+  slow_sampling.record(32, 1.0, 0.1, 3.1);
+  EXPECT_TRUE(*slow_sampling.halvesPay(64));
+}
+
+TEST(StepCostsTest, AnOddCountIsHalvedWithTheLargerHalfFirst) {
+  StepCosts costs;
+  costs.record(33, 10.0, 0.0, 0.0);
+  costs.record(16, 1.0, 0.0, 0.0);
+  EXPECT_FALSE(costs.halvesPay(33).has_value()) << "the halves of 33 are 17 and 16";
+  costs.record(17, 1.0, 0.0, 0.0);
+  EXPECT_TRUE(*costs.halvesPay(33));
+}
+
+TEST(StepCostsTest, RecentStepsOutweighOldOnes) {
+  StepCosts costs;
+  costs.record(64, 8.0, 0.0, 0.0);
+  costs.record(32, 3.0, 0.0, 0.0);
+  EXPECT_TRUE(*costs.halvesPay(64));
+  // The host got busier: half steps now cost 6 ms. One slow step does not flip the choice ...
+  costs.record(32, 6.0, 0.0, 0.0);
+  EXPECT_TRUE(*costs.halvesPay(64));
+  // ... a run of them does.
+  for (int i = 0; i < 10; ++i) costs.record(32, 6.0, 0.0, 0.0);
+  EXPECT_FALSE(*costs.halvesPay(64));
+}
+
+}  // namespace
+}  // namespace bulkhead
