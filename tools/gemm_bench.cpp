@@ -54,26 +54,61 @@ struct DeviceBuffer {
   }
 };
 
-enum class Path { kInUse, kPipelined, kCublas };
-constexpr Path kPaths[] = {Path::kInUse, Path::kPipelined, Path::kCublas};
+// Our schedules with the fold of the weight words a step's checks add, and without; cuBLAS.
+enum class Path { kInUse, kInUseFolding, kPipelined, kPipelinedFolding, kCublas };
+constexpr Path kPaths[] = {Path::kInUse, Path::kInUseFolding, Path::kPipelined,
+                           Path::kPipelinedFolding, Path::kCublas};
 const char* pathName(Path p) {
-  return p == Path::kInUse ? "in_use" : p == Path::kPipelined ? "pipelined" : "cublas";
+  switch (p) {
+    case Path::kInUse:
+      return "in_use";
+    case Path::kInUseFolding:
+      return "+fold";
+    case Path::kPipelined:
+      return "pipelined";
+    case Path::kPipelinedFolding:
+      return "+fold";
+    case Path::kCublas:
+      return "cublas";
+  }
+  return "";
+}
+
+const char* jsonName(Path p) {
+  switch (p) {
+    case Path::kInUseFolding:
+      return "in_use_folding";
+    case Path::kPipelinedFolding:
+      return "pipelined_folding";
+    default:
+      return pathName(p);
+  }
 }
 
 // Microseconds a launch, `launches` launches over `copies` copies of the weight in one graph.
 Result<double> timeLaunches(Path path, const Product& p, int m, const __nv_bfloat16* x,
                             const __nv_bfloat16* w, int copies, float* y, cudaStream_t stream,
-                            const cuda::Matmul& cublas, uint32_t launches) {
+                            const cuda::Matmul& cublas, cuda::FoldAccount* account,
+                            uint32_t launches) {
   const size_t weight_elems = size_t(p.n) * size_t(p.k);
+  cuda::GemmFold fold;
+  if (path == Path::kInUseFolding || path == Path::kPipelinedFolding) {
+    fold.weights = 1;
+    fold.account[0] = account;
+    fold.salt[0] = 0x2545f491u;
+    fold.row_end[0] = p.n;
+  }
+  const cuda::GemmSchedule schedule = path == Path::kInUse || path == Path::kInUseFolding
+                                          ? cuda::GemmSchedule::kInUse
+                                          : cuda::GemmSchedule::kPipelined;
   auto enqueue = [&](uint32_t count) -> Status {
     for (uint32_t i = 0; i < count; ++i) {
       const __nv_bfloat16* wi = w + weight_elems * (i % uint32_t(copies));
       if (path == Path::kCublas) {
         BULKHEAD_RETURN_IF_ERROR(cublas.run(x, m, wi, p.n, p.k, y, false));
       } else {
-        BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
-            x, m, wi, p.n, p.k, y, p.n, stream, {},
-            path == Path::kInUse ? cuda::GemmSchedule::kInUse : cuda::GemmSchedule::kPipelined));
+        BULKHEAD_RETURN_IF_ERROR(
+            cuda::launchGemm(x, m, wi, p.n, p.k, y, p.n, stream, fold, schedule));
       }
     }
     return okStatus();
@@ -140,7 +175,8 @@ Status runGemmBench(const GemmBenchOptions& o) {
     const size_t weight_bytes = size_t(p.n) * size_t(p.k) * 2;
     // Enough copies that the L2 cache (50 MB on an H200) holds none of them between uses.
     const int copies = int(std::max<size_t>(2, (size_t(256) << 20) / weight_bytes + 1));
-    DeviceBuffer w, x, y;
+    DeviceBuffer w, x, y, account;
+    BENCH_CUDA(cudaMalloc(&account.p, sizeof(cuda::FoldAccount)));
     BENCH_CUDA(cudaMalloc(&w.p, weight_bytes * size_t(copies)));
     BENCH_CUDA(cudaMalloc(&x.p, size_t(max_m) * size_t(p.k) * 2));
     BENCH_CUDA(cudaMalloc(&y.p, size_t(max_m) * size_t(p.n) * 4));
@@ -153,12 +189,13 @@ Status runGemmBench(const GemmBenchOptions& o) {
       double best_ours = 0, cublas_us = 0;
       for (Path path : kPaths) {
         BULKHEAD_ASSIGN_OR_RETURN(
-            const double us, timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
-                                          static_cast<const __nv_bfloat16*>(w.p), copies,
-                                          static_cast<float*>(y.p), stream, **cublas, o.launches));
+            const double us,
+            timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
+                         static_cast<const __nv_bfloat16*>(w.p), copies, static_cast<float*>(y.p),
+                         stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), o.launches));
         const double gbs = double(weight_bytes) / us / 1e3;
         std::printf(" %12.2f %8.0f", us, gbs);
-        row[std::string(pathName(path)) + "_us"] = us;
+        row[std::string(jsonName(path)) + "_us"] = us;
         if (path == Path::kCublas)
           cublas_us = us;
         else
