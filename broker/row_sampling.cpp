@@ -180,6 +180,7 @@ struct RowSampler::RowWork {
   uint32_t n = 0, chunks = 0;
 
   Buffers* buf = nullptr;
+  bool wide_vectors = true;
   std::vector<ChunkStats> stats;
   uint32_t top_n = 0;
   std::vector<std::pair<float, uint32_t>> top;  // per chunk, top_n each, best first
@@ -295,18 +296,100 @@ void RowSampler::RowWork::prepare() {
   buf->touched.clear();
 }
 
+namespace {
+
+constexpr uint32_t kGolden = 0x9e3779b1u;  // the checksum's index key (mix.h checksumTerm)
+
+// The read pass's sums over whole vectors of 16 (AVX-512, where the processor has it): the same
+// checksum terms, finiteness and max as the 8-lane loop, which they continue (integer sums and a
+// max do not depend on the grouping).
+struct ReadTotals {
+  uint64_t checksum = 0;
+  bool non_finite = false;
+  float max = -INFINITY;
+};
+
+__attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, float* dst,
+                                                           uint32_t count, uint32_t base,
+                                                           bool copy) {
+  __m512i keyed = _mm512_mullo_epi32(
+      _mm512_add_epi32(_mm512_set1_epi32(int(base)),
+                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+      _mm512_set1_epi32(int(kGolden)));
+  const __m512i keyed_step = _mm512_set1_epi32(int(16 * kGolden));
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
+  __m512i sum = _mm512_setzero_si512();
+  __mmask16 bad = 0;
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (uint32_t i = 0; i < 16 * count; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    if (copy) _mm512_storeu_ps(dst + i, v);
+    const __m512i w = _mm512_castps_si512(v);
+    __m512i t = _mm512_mullo_epi32(_mm512_xor_si512(w, keyed), _mm512_set1_epi32(int(0x85ebca77u)));
+    keyed = _mm512_add_epi32(keyed, keyed_step);
+    t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 13));
+    t = _mm512_mullo_epi32(t, _mm512_set1_epi32(int(0xc2b2ae3du)));
+    t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 16));
+    sum = _mm512_add_epi64(sum, _mm512_and_si512(t, low32));
+    sum = _mm512_add_epi64(sum, _mm512_srli_epi64(t, 32));
+    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(w, exponent), exponent);
+    best = _mm512_max_ps(best, v);
+  }
+  ReadTotals totals;
+  totals.checksum = uint64_t(_mm512_reduce_add_epi64(sum));
+  totals.non_finite = bad != 0;
+  totals.max = _mm512_reduce_max_ps(best);
+  return totals;
+}
+
+// mass4 over eight weights, then mass8Sum over sixteen.
+__attribute__((target("avx512f"))) inline __m512i mass8(__m256 e) {
+  const __m512d d = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(e), _mm512_set1_pd(0x1p40)),
+                                  _mm512_set1_pd(0x1p52));
+  return _mm512_sub_epi64(_mm512_castpd_si512(d), _mm512_set1_epi64(0x4330000000000000ll));
+}
+
+__attribute__((target("avx512f"))) inline __m512i mass16Sum(__m512 e) {
+  return _mm512_add_epi64(mass8(_mm512_castps512_ps256(e)),
+                          mass8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+}
+
+// The weights pass over whole vectors of 16: e = exp((x - m) * scale) stored, and their mass.
+__attribute__((target("avx512f"))) uint64_t weightsSixteens(const float* src, float* dst,
+                                                            uint32_t count, float m, float scale) {
+  const __m512 vm = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale);
+  __m512i mass = _mm512_setzero_si512();
+  for (uint32_t i = 0; i < 16 * count; i += 16) {
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(src + i), vm), vscale));
+    _mm512_storeu_ps(dst + i, e);
+    mass = _mm512_add_epi64(mass, mass16Sum(e));
+  }
+  return uint64_t(_mm512_reduce_add_epi64(mass));
+}
+
+const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
+
+}  // namespace
+
 void RowSampler::RowWork::readChunk(uint32_t c) {
   ChunkStats& s = stats[c];
-  const uint32_t base = begin(c), len = size(c);
-  const float* src = in->logits.data() + base;
-  float* dst = buf->values.data() + base;
+  const uint32_t len = size(c);
   const bool copy = in->config != nullptr;  // verification alone reads nothing twice
-  // index * 0x9e3779b1 for the 8 lanes, advanced by addition (the same bits as the multiply).
-  const uint32_t golden = 0x9e3779b1u;
-  __m256i keyed = _mm256_mullo_epi32(
-      _mm256_add_epi32(_mm256_set1_epi32(int(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-      _mm256_set1_epi32(int(golden)));
-  const __m256i keyed_step = _mm256_set1_epi32(int(8 * golden));
+  const uint32_t base = begin(c);
+  float* dst = buf->values.data() + base;
+  ReadTotals wide;
+  const uint32_t sixteens = wide_vectors && kHaveAvx512 ? len / 16 : 0;
+  if (sixteens > 0) wide = readSixteens(in->logits.data() + base, dst, sixteens, base, copy);
+  // The 8-lane loop takes what the 16-lane one left.
+  const uint32_t done = 16 * sixteens, rest = len - done;
+  const float* src8 = in->logits.data() + base + done;
+  float* dst8 = dst + done;
+  // index * kGolden for the 8 lanes, advanced by addition (the same bits as the multiply).
+  __m256i keyed = _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(int(base + done)),
+                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                     _mm256_set1_epi32(int(kGolden)));
+  const __m256i keyed_step = _mm256_set1_epi32(int(8 * kGolden));
   const __m256i exponent = _mm256_set1_epi32(0x7f800000);
   const __m256i low32 = _mm256_set1_epi64x(0xffffffffll);
   __m256i sum = _mm256_setzero_si256(), bad = _mm256_setzero_si256();
@@ -330,27 +413,27 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
     bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(w, exponent), exponent));
     best = _mm256_max_ps(best, v);
   };
-  const uint32_t whole = len / 8 * 8;
+  const uint32_t whole = rest / 8 * 8;
   if (copy) {
     for (uint32_t i = 0; i < whole; i += 8) {
-      const __m256 v = _mm256_loadu_ps(src + i);
-      _mm256_storeu_ps(dst + i, v);
+      const __m256 v = _mm256_loadu_ps(src8 + i);
+      _mm256_storeu_ps(dst8 + i, v);
       take(v, nullptr);
     }
   } else {
-    for (uint32_t i = 0; i < whole; i += 8) take(_mm256_loadu_ps(src + i), nullptr);
+    for (uint32_t i = 0; i < whole; i += 8) take(_mm256_loadu_ps(src8 + i), nullptr);
   }
-  if (whole < len) {
-    const uint32_t valid = len - whole;
+  if (whole < rest) {
+    const uint32_t valid = rest - whole;
     const __m256i mask = laneMask(valid);
-    const __m256 v = loadLanes(src + whole, valid);
-    if (copy) storeLanes(dst + whole, v, valid);
+    const __m256 v = loadLanes(src8 + whole, valid);
+    if (copy) storeLanes(dst8 + whole, v, valid);
     take(v, &mask);
   }
-  s.checksum = sum64(sum);
-  s.non_finite = !_mm256_testz_si256(bad, bad);
+  s.checksum = sum64(sum) + wide.checksum;
+  s.non_finite = !_mm256_testz_si256(bad, bad) || wide.non_finite;
   if (s.non_finite || in->config == nullptr) return;
-  s.raw_arg = firstEqual(dst, len, maxOf(best));
+  s.raw_arg = firstEqual(dst, len, std::max(maxOf(best), wide.max));
   s.raw_max = dst[s.raw_arg];
   s.raw_arg += base;
 
@@ -411,14 +494,17 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
   float* dst = buf->weights.data() + base;
   const __m256 m = _mm256_set1_ps(amax), scale = _mm256_set1_ps(inv_t);
   __m256i mass = _mm256_setzero_si256();
-  for (uint32_t i = 0; i < len; i += 8) {
+  // Whole vectors of 16 first where the processor has them, then 8 lanes for the rest.
+  const uint32_t done = wide_vectors && kHaveAvx512 ? len / 16 * 16 : 0;
+  const uint64_t wide_mass = done > 0 ? weightsSixteens(src, dst, done / 16, amax, inv_t) : 0;
+  for (uint32_t i = done; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);
     const __m256 x = _mm256_mul_ps(_mm256_sub_ps(loadLanes(src + i, valid), m), scale);
     const __m256 e = _mm256_and_ps(exp8(x), _mm256_castsi256_ps(laneMask(valid)));
     storeLanes(dst + i, e, valid);
     mass = _mm256_add_epi64(mass, mass8Sum(e));
   }
-  s.mass = sum64(mass);
+  s.mass = sum64(mass) + wide_mass;
   if (radix && !reject) histogramChunk(c);
 }
 
@@ -781,11 +867,15 @@ void RowSampler::RowWork::combine() {
   }
 }
 
-RowSampler::RowSampler(WorkPool& pool) : pool_(pool) {}
+RowSampler::RowSampler(WorkPool& pool, bool wide_vectors)
+    : pool_(pool), wide_vectors_(wide_vectors) {}
 RowSampler::~RowSampler() = default;
 
 void RowSampler::verifyAndSample(std::span<const RowToSample> rows, std::span<SampledRow> out) {
-  while (work_.size() < rows.size()) work_.push_back(std::make_unique<RowWork>());
+  while (work_.size() < rows.size()) {
+    work_.push_back(std::make_unique<RowWork>());
+    work_.back()->wide_vectors = wide_vectors_;
+  }
   const size_t sets = std::min<size_t>(rows.size(), pool_.threads());
   while (buffers_.size() < sets) buffers_.push_back(std::make_unique<Buffers>());
   for (size_t r = 0; r < rows.size(); ++r) {
