@@ -29,8 +29,16 @@ constexpr uint64_t kClosed = 0xffffffffu;
 
 WorkPool::WorkPool(unsigned threads) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  participants_.store(threads);
   helpers_.reserve(threads - 1);
-  for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this] { helperLoop(); });
+  for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this, i] { helperLoop(i); });
+}
+
+void WorkPool::setParticipants(unsigned n) {
+  const unsigned all = unsigned(helpers_.size()) + 1;
+  participants_.store(n == 0 ? all : std::min(n, all));
+  { std::lock_guard lock(mu_); }  // a helper between its predicate check and its wait sees it
+  resized_.notify_all();
 }
 
 WorkPool::~WorkPool() {
@@ -39,6 +47,7 @@ WorkPool::~WorkPool() {
     stop_.store(true);
   }
   wake_.notify_all();
+  resized_.notify_all();
   for (std::thread& t : helpers_) t.join();
 }
 
@@ -61,7 +70,7 @@ uint64_t WorkPool::drain() {
   }
 }
 
-void WorkPool::helperLoop() {
+void WorkPool::helperLoop(unsigned index) {
   // Asynchronous signals go to the threads that wait for them (a worker's signalfd, the broker's
   // main thread), never to a helper, whichever thread created the pool and whenever.
   sigset_t all;
@@ -69,6 +78,13 @@ void WorkPool::helperLoop() {
   pthread_sigmask(SIG_BLOCK, &all, nullptr);
   uint64_t seen = state_.load(std::memory_order_acquire);
   while (true) {
+    if (index >= participants_.load(std::memory_order_acquire)) {
+      std::unique_lock lock(mu_);
+      resized_.wait(lock, [&] { return stop_.load() || index < participants_.load(); });
+      if (stop_.load()) return;
+      seen = state_.load(std::memory_order_acquire);
+      continue;
+    }
     const auto spin_until = std::chrono::steady_clock::now() + kSpinFor;
     int spins = 0;
     uint64_t now;
@@ -91,6 +107,7 @@ void WorkPool::helperLoop() {
       if (stop_.load()) return;
     }
     if (stop_.load(std::memory_order_relaxed)) return;
+    if (index >= participants_.load(std::memory_order_acquire)) continue;  // left out meanwhile
     // Wait for the next change after the state in which nothing was left to claim.
     seen = drain();
   }
@@ -104,7 +121,7 @@ void WorkPool::keepWarm(bool warm) {
 
 void WorkPool::parallelFor(size_t n, const std::function<void(size_t)>& fn) {
   if (n == 0) return;
-  if (helpers_.empty() || n == 1) {
+  if (threads() == 1 || n == 1) {
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }

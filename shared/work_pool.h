@@ -26,7 +26,13 @@ class WorkPool {
   WorkPool(const WorkPool&) = delete;
   WorkPool& operator=(const WorkPool&) = delete;
 
-  unsigned threads() const { return unsigned(helpers_.size()) + 1; }
+  // The parallelism of parallelFor now: setParticipants' limit, at most the pool's threads.
+  unsigned threads() const { return participants_.load(std::memory_order_relaxed); }
+
+  // Lets only `n` threads (the caller included) take part in bursts from now on, 0: every
+  // thread; the others sleep until the limit rises. For a process that shares the host's cores
+  // with one that needs most of them (the broker beside a CPU worker).
+  void setParticipants(unsigned n);
 
   // Runs fn(0) .. fn(n - 1), each exactly once, on the helpers and the calling thread; returns
   // when all have finished. Calls from several threads take turns; parallelFor must not be
@@ -40,7 +46,7 @@ class WorkPool {
   void keepWarm(bool warm);
 
  private:
-  void helperLoop();
+  void helperLoop(unsigned index);  // index 1 .. threads - 1
   // Claims and runs indices of the current burst until none is left; returns the state in which
   // it found nothing left to claim.
   uint64_t drain();
@@ -61,6 +67,8 @@ class WorkPool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   std::vector<std::thread> helpers_;
+  std::atomic<unsigned> participants_{1};
+  std::condition_variable resized_;  // helpers left out of bursts wait here
 };
 
 // Bytes to copy: `from` to `to` (host memory).

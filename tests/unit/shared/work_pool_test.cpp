@@ -7,6 +7,8 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -86,6 +88,41 @@ TEST(WorkPool, WarmPoolRunsBurstsAndCoolsAgain) {
     }
   }
   pool.keepWarm(true);  // destroyed while warm: the destructor still joins every helper
+}
+
+// A pool limited to some of its threads runs bursts on no more than that many, and on all of
+// them again once the limit is lifted.
+TEST(WorkPool, ALimitOnParticipantsHoldsAndLifts) {
+  WorkPool pool(4);
+  auto threadsUsed = [&] {
+    std::mutex mu;
+    std::set<std::thread::id> ids;
+    pool.parallelFor(4000, [&](size_t) {
+      // Long enough per index that every participant gets some.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      std::lock_guard lock(mu);
+      ids.insert(std::this_thread::get_id());
+    });
+    return ids.size();
+  };
+  pool.setParticipants(2);
+  EXPECT_EQ(pool.threads(), 2u);
+  for (int burst = 0; burst < 5; ++burst) {
+    EXPECT_LE(threadsUsed(), 2u);
+    expectEachIndexOnce(pool, 1000);
+  }
+  pool.setParticipants(1);
+  EXPECT_EQ(threadsUsed(), 1u) << "one participant: the caller alone";
+  pool.setParticipants(0);
+  EXPECT_EQ(pool.threads(), 4u);
+  expectEachIndexOnce(pool, 1000);
+  size_t most = 0;
+  for (int burst = 0; burst < 20 && most < 3; ++burst) most = std::max(most, threadsUsed());
+  EXPECT_GE(most, 3u) << "helpers left out before take part again";
+  pool.setParticipants(99);
+  EXPECT_EQ(pool.threads(), 4u) << "at most the pool's threads";
 }
 
 }  // namespace
