@@ -124,7 +124,8 @@ int main(int argc, char** argv) {
                "Start workers that accept fault injection (tests and chaos runs only)");
   unsigned sampling_threads = 0;
   app.add_option("--sampling-threads", sampling_threads,
-                 "Threads that verify and sample logits rows (0: one per core)");
+                 "Threads that verify and sample logits rows (0: one per core, or the quarter of "
+                 "the cores a CPU worker leaves free beside it on a host of 8 or more)");
   std::vector<std::string> worker_args;
   app.add_option("--worker-arg", worker_args,
                  "A flag passed on to every worker the broker starts (repeatable; e.g. "
@@ -237,6 +238,9 @@ int main(int argc, char** argv) {
   spawn.waiting = alive;
   // Verification and sampling of logits rows, spread over the host's cores.
   WorkPool pool(sampling_threads);
+  // A CPU worker leaves a quarter of a large host's cores free (CpuBackend::defaultThreads).
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (sampling_threads == 0 && cores >= 8) options.cpu_worker_sampling_threads = cores / 4;
   // Set on SIGTERM before the scheduler stops: an attach still waiting for a worker gives up.
   auto stopping = std::make_unique<std::atomic<bool>>(false);
   // (A config file's workers-from="" names no socket.)

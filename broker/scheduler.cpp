@@ -24,6 +24,7 @@ Scheduler::Scheduler(WorkerFactory factory, ModelLimits model, SchedulerOptions 
     : model_(std::move(model)),
       options_(std::move(options)),
       links_(std::move(links)),
+      pool_(pool),
       sampler_(pool),
       canaries_(links_.canaries
                     ? links_.canaries
@@ -262,6 +263,8 @@ bool Scheduler::serveOnce() {
     queues_.resetBlocks(worker->hello().kv_block_count, worker->hello().kv_block_size,
                         slot_.reservedBlocks());
     blocks_incarnation_ = worker->hello().incarnation;
+    if (options_.cpu_worker_sampling_threads > 0 && worker->hello().backend == "cpu")
+      pool_.setParticipants(options_.cpu_worker_sampling_threads);
   }
   if (slot_.faultPending()) {
     drainSteps();

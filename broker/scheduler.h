@@ -63,6 +63,10 @@ struct SchedulerOptions {
   // its rows (the CPU: two half steps cost one whole) gets a quarter of this share. Negative:
   // always one at a time.
   double pipeline_sample_share = 0.4;
+  // Beside a CPU worker (which computes on all but a quarter of the host's cores by default), rows
+  // are verified and sampled on this many threads only (WorkPool::setParticipants), so sampling
+  // does not take cores from the worker's step. 0: the pool as it was made.
+  unsigned cpu_worker_sampling_threads = 0;
   // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
   std::chrono::milliseconds heartbeat_interval{2'000};
   std::filesystem::path state_dir;  // canary records; empty: kept in memory only
@@ -212,6 +216,7 @@ class Scheduler {
   const ModelLimits model_;
   const SchedulerOptions options_;
   const SchedulerLinks links_;
+  WorkPool& pool_;      // verification and sampling (shared with the other workers' schedulers)
   RowSampler sampler_;  // the scheduler thread's; scratch kept between steps
   StatsBoard board_;
   std::shared_ptr<CanaryStore> canaries_;

@@ -92,7 +92,7 @@ FakeWorker::FakeWorker(std::shared_ptr<FakeWorkerControl> control, uint64_t inca
   const FakeWorkerControl& c = *control_;
   hello_.pid = 1;
   hello_.incarnation = incarnation;
-  hello_.backend = "fake";
+  hello_.backend = c.backend;
   hello_.vocab_size = c.vocab;
   hello_.max_context = 4096;
   hello_.kv_block_size = c.block_size;

@@ -12,6 +12,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "broker/canary.h"
@@ -50,6 +51,7 @@ struct FakeFault {
 class FakeWorkerControl {
  public:
   uint32_t vocab = 64, block_size = 4, blocks = 256, max_step_tokens = 64, arena_slots = 64;
+  std::string backend = "fake";  // what Hello says the worker computes on
   // StepDone vouches for steps up to (this step - lag); 0: every step at once.
   uint64_t scrub_lag = 0;
   // The worker says it checks every step's weight reads: its tokens need no scrubber's word, and

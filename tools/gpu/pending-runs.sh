@@ -4,8 +4,8 @@
 # Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
 #   cpu     the CPU backend on that host's cores (the broker at GPU speed): sample-bench (all
 #           cores; 4 threads), step-bench (defaults; the broker not watching for replies awake;
-#           the worker spinning for the next step) and serve-bench on tiny-v152k (defaults; 4
-#           sampling threads)
+#           the worker spinning for the next step) and serve-bench on tiny-v152k (defaults: a
+#           quarter of the cores sample; all of them)
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then bench-gemm (each schedule and cuBLAS) on both shapes
@@ -51,8 +51,8 @@ for group in "$@"; do
         --iterations 200 --worker-arg=--spin-us=200
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
-      run serve-bench-cpu-sampling4 200 "$bh" serve-bench --model "$m" --concurrency 32,64 \
-        --broker-arg=--sampling-threads=4 --json "$out/serve-bench-cpu-sampling4.json"
+      run serve-bench-cpu-sampling-all 200 "$bh" serve-bench --model "$m" --concurrency 32,64 \
+        --broker-arg=--sampling-threads=$(nproc) --json "$out/serve-bench-cpu-sampling-all.json"
       ;;
     workers)
       m=$(model tiny-v152k)

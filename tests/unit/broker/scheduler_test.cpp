@@ -116,6 +116,32 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
 // Two steps in flight (a worker with in-step checks, pipelining forced on): each half of the
 // sequences is computed while the other's rows are sampled, with the same tokens as one step at a
 // time.
+// Beside a CPU worker the rows are sampled on the threads it leaves free; beside another worker on
+// every thread of the pool.
+TEST_F(SchedulerTest, BesideACpuWorkerSamplingKeepsToTheThreadsLeftFree) {
+  WorkPool pool(4);
+  for (const std::string backend : {"cpu", "cuda"}) {
+    pool.setParticipants(0);
+    auto control = std::make_shared<test::FakeWorkerControl>();
+    control->backend = backend;
+    SchedulerOptions o;
+    o.cpu_worker_sampling_threads = 2;
+    o.canary_interval = 0ms;
+    o.canary_reference = test::fakeReference();
+    Scheduler scheduler(control->factory(control), ModelLimits{control->vocab, 4096, {}}, o, pool);
+    scheduler.start();
+    auto sink = std::make_shared<CollectSink>();
+    GenerationRequest r;
+    r.prompt = {3, 5, 7};
+    r.max_tokens = 8;
+    ASSERT_TRUE(scheduler.submit(r, sink).ok());
+    ASSERT_TRUE(sink->wait());
+    EXPECT_EQ(sink->tokens(), expectedGreedy(r.prompt, 8, control->vocab));
+    EXPECT_EQ(pool.threads(), backend == "cpu" ? 2u : 4u) << backend;
+    scheduler.stop();
+  }
+}
+
 TEST_F(SchedulerTest, TwoStepsInFlightGiveTheSameTokens) {
   control_->in_step_checks = true;
   SchedulerOptions o;
