@@ -60,8 +60,9 @@ struct SchedulerOptions {
   // one at a time below half of it). Halving a GPU batch costs compute (the weights are read once
   // a step, whatever its rows): on the H200 two 32-row 0.5B steps took 25% longer than one of 64,
   // so below ~40% the halves lose more than the overlap wins. A worker whose compute grows with
-  // its rows (the CPU: two half steps cost one whole) gets a quarter of this share. Negative:
-  // always one at a time.
+  // its rows (the CPU: two half steps cost one whole) gets a quarter of this share. Once decode
+  // steps of the whole and the half size have been seen, their measured costs decide instead
+  // (StepCosts). Negative: always one at a time; 0: always two.
   double pipeline_sample_share = 0.4;
   // Beside a CPU worker (which computes on all but a quarter of the host's cores by default), rows
   // are verified and sampled on this many threads only (WorkPool::setParticipants), so sampling

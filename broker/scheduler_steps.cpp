@@ -165,7 +165,10 @@ void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightS
       !step.ride && std::all_of(step.chunks.begin(), step.chunks.end(),
                                 [](const PlannedChunk& c) { return c.chunk == 1 && c.wants_row; });
   if (decode_only) step_costs_.record(uint32_t(step.chunks.size()), compute_ms, trip_ms, sample_ms);
-  if (options_.pipeline_sample_share < 0) return;
+  if (options_.pipeline_sample_share <= 0) {  // fixed: one at a time, or two throughout
+    pipelining_ = options_.pipeline_sample_share == 0;
+    return;
+  }
   // Once steps of both sizes have been seen, what they cost decides.
   const size_t running = queues_.running().size();
   if (std::optional<bool> pays = step_costs_.halvesPay(uint32_t(running)); pays) {
