@@ -181,6 +181,8 @@ struct RowSampler::RowWork {
 
   Buffers* buf = nullptr;
   bool wide_vectors = true;
+  // Greedy with no logprobs and no penalties: sampled from the read pass alone, without a copy.
+  bool plain_greedy = false;
   std::vector<ChunkStats> stats;
   uint32_t top_n = 0;
   std::vector<std::pair<float, uint32_t>> top;  // per chunk, top_n each, best first
@@ -272,9 +274,12 @@ void RowSampler::RowWork::prepare() {
     top_count.assign(chunks, 0);
   }
   stage = Stage::kRead;
+  plain_greedy = false;
   if (c == nullptr) return;
   const bool repetition = c->repetition_penalty != 1.0f;
-  if (!repetition && c->presence_penalty == 0.0f && c->frequency_penalty == 0.0f) return;
+  const bool penalised = repetition || c->presence_penalty != 0.0f || c->frequency_penalty != 0.0f;
+  plain_greedy = !(c->temperature > 0.0f) && !lse && !penalised;
+  if (!penalised) return;
   if (buf->marks.size() < n) buf->marks.resize(n, 0);
   // marks: bit 0 = repeated, bits 1.. = times generated.
   auto mark = [&](uint32_t t, uint32_t add) {
@@ -307,11 +312,14 @@ struct ReadTotals {
   uint64_t checksum = 0;
   bool non_finite = false;
   float max = -INFINITY;
+  uint32_t arg = 0;  // with `track`: the first index of the max, from base
 };
 
+// With `track` each lane keeps the first index of its largest value, for rows sampled greedily
+// without a copy (the index comes from the values verified, not from a second read).
 __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, float* dst,
-                                                           uint32_t count, uint32_t base,
-                                                           bool copy) {
+                                                           uint32_t count, uint32_t base, bool copy,
+                                                           bool track) {
   __m512i keyed = _mm512_mullo_epi32(
       _mm512_add_epi32(_mm512_set1_epi32(int(base)),
                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
@@ -322,6 +330,8 @@ __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, flo
   __m512i sum = _mm512_setzero_si512();
   __mmask16 bad = 0;
   __m512 best = _mm512_set1_ps(-INFINITY);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i index = lane, best_index = lane;
   for (uint32_t i = 0; i < 16 * count; i += 16) {
     const __m512 v = _mm512_loadu_ps(src + i);
     if (copy) _mm512_storeu_ps(dst + i, v);
@@ -334,12 +344,24 @@ __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, flo
     sum = _mm512_add_epi64(sum, _mm512_and_si512(t, low32));
     sum = _mm512_add_epi64(sum, _mm512_srli_epi64(t, 32));
     bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(w, exponent), exponent);
-    best = _mm512_max_ps(best, v);
+    if (track) {
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, larger, v);
+      best_index = _mm512_mask_mov_epi32(best_index, larger, index);
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+    } else {
+      best = _mm512_max_ps(best, v);
+    }
   }
   ReadTotals totals;
   totals.checksum = uint64_t(_mm512_reduce_add_epi64(sum));
   totals.non_finite = bad != 0;
   totals.max = _mm512_reduce_max_ps(best);
+  if (track) {
+    // The lowest index among the lanes holding the max.
+    const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(totals.max), _CMP_EQ_OQ);
+    totals.arg = uint32_t(_mm512_mask_reduce_min_epu32(at_max, best_index));
+  }
   return totals;
 }
 
@@ -402,12 +424,15 @@ const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
 void RowSampler::RowWork::readChunk(uint32_t c) {
   ChunkStats& s = stats[c];
   const uint32_t len = size(c);
-  const bool copy = in->config != nullptr;  // verification alone reads nothing twice
+  // Verification alone reads nothing twice; nor does a plain greedy row, whose argmax is kept as
+  // it is read.
+  const bool copy = in->config != nullptr && !plain_greedy;
+  const bool track = plain_greedy;
   const uint32_t base = begin(c);
   float* dst = buf->values.data() + base;
   ReadTotals wide;
   const uint32_t sixteens = wide_vectors && kHaveAvx512 ? len / 16 : 0;
-  if (sixteens > 0) wide = readSixteens(in->logits.data() + base, dst, sixteens, base, copy);
+  if (sixteens > 0) wide = readSixteens(in->logits.data() + base, dst, sixteens, base, copy, track);
   // The 8-lane loop takes what the 16-lane one left.
   const uint32_t done = 16 * sixteens, rest = len - done;
   const float* src8 = in->logits.data() + base + done;
@@ -421,6 +446,7 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
   const __m256i low32 = _mm256_set1_epi64x(0xffffffffll);
   __m256i sum = _mm256_setzero_si256(), bad = _mm256_setzero_si256();
   __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), best_index = index;
   // The one read of shared memory: copy, checksum terms, finiteness and max together. Whole
   // vectors first, then the chunk's tail under a lane mask.
   auto take = [&](__m256 v, const __m256i* mask) {
@@ -438,7 +464,15 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
     sum = _mm256_add_epi64(sum, _mm256_srli_epi64(t, 32));
     // (Masked-off lanes load as 0, which is finite.)
     bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(w, exponent), exponent));
-    best = _mm256_max_ps(best, v);
+    if (track) {
+      const __m256 larger = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+      best = _mm256_blendv_ps(best, v, larger);
+      best_index = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(best_index), _mm256_castsi256_ps(index), larger));
+      index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+    } else {
+      best = _mm256_max_ps(best, v);
+    }
   };
   const uint32_t whole = rest / 8 * 8;
   if (copy) {
@@ -460,6 +494,23 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
   s.checksum = sum64(sum) + wide.checksum;
   s.non_finite = !_mm256_testz_si256(bad, bad) || wide.non_finite;
   if (s.non_finite || in->config == nullptr) return;
+  if (track) {
+    // The first index of the max: the 16-lane part's (lower indices) unless the rest's is larger.
+    const float rest_max = maxOf(best);
+    alignas(32) float values[8];
+    alignas(32) uint32_t indices[8];
+    _mm256_store_ps(values, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), best_index);
+    uint32_t rest_arg = UINT32_MAX;
+    for (int l = 0; l < 8; ++l)
+      if (values[l] == rest_max) rest_arg = std::min(rest_arg, indices[l]);
+    const bool wide_wins = sixteens > 0 && (rest == 0 || !(rest_max > wide.max));
+    s.raw_max = wide_wins ? wide.max : rest_max;
+    s.raw_arg = base + (wide_wins ? wide.arg : done + rest_arg);
+    s.adj_max = s.raw_max;
+    s.adj_arg = s.raw_arg;
+    return;
+  }
   s.raw_arg = firstEqual(dst, len, std::max(maxOf(best), wide.max));
   s.raw_max = dst[s.raw_arg];
   s.raw_arg += base;

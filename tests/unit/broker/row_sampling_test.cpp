@@ -410,6 +410,37 @@ TEST(VerifyAndSample, GreedyIsTheFirstArgmax) {
   }
 }
 
+// Greedy without logprobs or penalties keeps its argmax as it reads (no copy of the row): the
+// first index of the max wherever the copies of the max sit (a chunk's 16-lane part, its 8-lane
+// rest, its masked tail, later chunks), with 16 lanes and with 8.
+TEST(VerifyAndSample, PlainGreedyIsTheFirstArgmaxWhereverItsTiesSit) {
+  SamplingConfig plain;
+  plain.logprobs = false;
+  const uint32_t n = 4096 + 4096 + 13;  // two whole chunks and a short one
+  const std::vector<std::vector<uint32_t>> placements = {
+      {5},       {4089},       {4095},     {4100, 4107}, {8191},    {8192, 8203},
+      {8204, 3}, {4092, 4093}, {17, 4095}, {8204},       {0, 8204}, {4088, 16, 4096}};
+  for (unsigned threads : {1u, 2u}) {
+    WorkPool pool(threads);
+    RowSampler wide(pool, true), narrow(pool, false);
+    for (const auto& at : placements) {
+      std::vector<float> logits = syntheticRow(at[0], n, 3.0f);
+      for (uint32_t i : at) logits[i] = 9.0f;
+      const uint32_t want =
+          uint32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      for (RowSampler* sampler : {&wide, &narrow}) {
+        const RowToSample row = rowOf(logits, &plain);
+        SampledRow got;
+        sampler->verifyAndSample(std::span(&row, 1), std::span(&got, 1));
+        EXPECT_EQ(got.failed, IntegrityCheck::kNone);
+        EXPECT_EQ(got.choice.token, want)
+            << "max first at " << at[0] << ", " << threads << " threads, "
+            << (sampler == &wide ? "16" : "8") << " lanes";
+      }
+    }
+  }
+}
+
 TEST(VerifyAndSample, TopLogprobsAreTheLargestRawLogitsWithTiesByLowerId) {
   WorkPool pool(2);
   const auto logits = syntheticRow(3, 9000, 4.0f, 40);
