@@ -262,14 +262,15 @@ int main(int argc, char** argv) {
       mine.extra_args.push_back(std::to_string(i));
     }
     factories.push_back(
-        [mine, i,
-         reply_spin_us](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
+        [mine, i, reply_spin_us,
+         pool = &pool](uint64_t incarnation) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
           WorkerClient::SpawnOptions o = mine;
           // Unique across this broker's workers and across brokers on the host.
           o.incarnation = incarnation ^ (uint64_t(::getpid()) << 32) ^ (uint64_t(i) << 24);
           auto client = WorkerClient::spawn(o);
           if (!client.ok()) return client.error();
-          (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us));
+          (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us),
+                                  [pool] { pool->keepWarm(true); });
           return std::unique_ptr<WorkerConnection>(std::move(*client));
         });
   }
@@ -278,11 +279,12 @@ int main(int argc, char** argv) {
     // kills it) waits for systemd's next one. Never the incarnation just replaced.
     auto replaced = std::make_shared<uint64_t>(0);
     factories.push_back([path, replaced, timeout = std::chrono::seconds(attach_timeout_s),
-                         stopping = stopping.get(), alive, reply_spin_us](
+                         stopping = stopping.get(), alive, reply_spin_us, pool = &pool](
                             uint64_t) -> WorkerResult<std::unique_ptr<WorkerConnection>> {
       auto client = WorkerClient::attach(path, *replaced, timeout, stopping, alive);
       if (!client.ok()) return client.error();
-      (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us));
+      (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us),
+                              [pool] { pool->keepWarm(true); });
       *replaced = (*client)->hello().incarnation;
       return std::unique_ptr<WorkerConnection>(std::move(*client));
     });

@@ -123,6 +123,7 @@ void Scheduler::completeStep(WorkerConnection& worker) {
 
   std::vector<SampledRow> sampled;
   WorkerFailure bad = sampleRows(step.batch, step.chunks, *reply, step.ride, step.step_id, sampled);
+  pool_.keepWarm(false);  // warmed by the reply watch (WorkerClient::setReplySpin)
   const double sample_ms = msBetween(step_done, Clock::now());
   const double compute_ms = double(reply->compute_micros) / 1000.0;
   board_.addStepTimes(msBetween(step.sent, step_done), compute_ms, sample_ms, step.batch.size());

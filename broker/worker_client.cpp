@@ -396,8 +396,12 @@ void WorkerClient::watchForReply(SteadyTime start) {
     const timespec sleep = {time_t(nanos / 1'000'000'000), long(nanos % 1'000'000'000)};
     pollfd fd = {fd_, POLLIN, 0};
     // Ready early (a reply, the connection closing) or an error: the read that follows handles it.
-    if (::ppoll(&fd, 1, &sleep, nullptr) != 0) return;
+    const int ready = ::ppoll(&fd, 1, &sleep, nullptr);
+    if (reply_waking_) reply_waking_();
+    if (ready != 0) return;
     now = SteadyTime::clock::now();
+  } else if (reply_waking_) {
+    reply_waking_();
   }
   const SteadyTime until = std::max(now, due) + reply_spin_;
   do {

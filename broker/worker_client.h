@@ -86,7 +86,12 @@ class WorkerClient final : public WorkerConnection {
   // How long to watch awake for a step's reply around the time it is due (the last step's wait):
   // the thread sleeps until `spin` before then and polls the socket without sleeping until `spin`
   // after, so the reply is read without a scheduler wake-up. 0: sleep in poll throughout.
-  void setReplySpin(std::chrono::microseconds spin) { reply_spin_ = spin; }
+  // `waking` runs as the thread turns from sleeping to watching: the caller warms what the reply
+  // will need next (the broker: its sampling pool, cooled again once the rows are sampled).
+  void setReplySpin(std::chrono::microseconds spin, std::function<void()> waking = {}) {
+    reply_spin_ = spin;
+    reply_waking_ = std::move(waking);
+  }
   // Step replies that arrived while the thread watched awake for them.
   uint64_t repliesSeenAwake() const { return replies_seen_awake_; }
   // Sends a signal to a spawned worker (supervision and fault tests).
@@ -136,6 +141,7 @@ class WorkerClient final : public WorkerConnection {
   std::deque<SentStep> in_flight_;
   SteadyTime last_step_reply_;  // when the last step's reply was read
   std::chrono::microseconds reply_spin_{0};
+  std::function<void()> reply_waking_;
   SteadyTime::duration last_step_wait_{0};  // the last step's, from its start to its reply
   uint64_t replies_seen_awake_ = 0;
   // Corruption reports that arrived with a reply whose rows failed verification.

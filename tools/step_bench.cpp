@@ -29,7 +29,6 @@ Result<std::unique_ptr<WorkerClient>> spawnBenchWorker(const StepBenchOptions& o
   spawn.extra_args.insert(spawn.extra_args.end(), o.worker_args.begin(), o.worker_args.end());
   auto client = WorkerClient::spawn(spawn);
   if (!client.ok()) return client.error().toStatus();
-  (*client)->setReplySpin(std::chrono::microseconds(o.reply_spin_us));
   return std::move(*client);
 }
 
@@ -80,6 +79,9 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
   WorkPool pool(o.sampling_threads);
   RowSampler sampler(pool);
+  // As the broker: watch for replies awake around when they are due, warming the pool then.
+  (*client)->setReplySpin(std::chrono::microseconds(o.reply_spin_us),
+                          [&pool] { pool.keepWarm(true); });
   std::printf(
       "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g, "
       "%u sampling threads, in-step weight checks %s\n",
@@ -120,6 +122,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
                         .position = it + 1});
       sampled.resize(jobs.size());
       sampler.verifyAndSample(jobs, sampled);
+      pool.keepWarm(false);
       const double us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
               .count();

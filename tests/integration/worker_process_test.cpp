@@ -454,7 +454,8 @@ TEST_F(WorkerProcessTest, AClientWatchingForRepliesAwakeReadsThemWhileAwakeWithT
   auto watching = spawn();
   ASSERT_TRUE(plain && watching);
   // Far longer than a step of the tiny model: every reply comes while the client watches.
-  watching->setReplySpin(std::chrono::microseconds(2'000'000));
+  int wakings = 0;
+  watching->setReplySpin(std::chrono::microseconds(2'000'000), [&] { ++wakings; });
   OneStep s;
   for (uint32_t i = 0; i < 10; ++i) {
     s.tokens = {1 + i, 2 + i, 3 + i, 4 + i};
@@ -468,6 +469,7 @@ TEST_F(WorkerProcessTest, AClientWatchingForRepliesAwakeReadsThemWhileAwakeWithT
         << "step " << i;
   }
   EXPECT_EQ(watching->repliesSeenAwake(), 10u);
+  EXPECT_EQ(wakings, 10) << "what the reply needs is warmed once a step";
   EXPECT_EQ(plain->repliesSeenAwake(), 0u);
   // A worker that dies while the client watches is reported as such, not waited out.
   watching->kill(SIGKILL);
