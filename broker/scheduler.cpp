@@ -263,8 +263,9 @@ bool Scheduler::serveOnce() {
     queues_.resetBlocks(worker->hello().kv_block_count, worker->hello().kv_block_size,
                         slot_.reservedBlocks());
     blocks_incarnation_ = worker->hello().incarnation;
-    if (options_.cpu_worker_sampling_threads > 0 && worker->hello().backend == "cpu")
-      pool_.setParticipants(options_.cpu_worker_sampling_threads);
+    beside_cpu_worker_ =
+        options_.cpu_worker_sampling_threads > 0 && worker->hello().backend == "cpu";
+    pool_.setSpinners(beside_cpu_worker_ ? options_.cpu_worker_sampling_threads : 0);
   }
   if (slot_.faultPending()) {
     drainSteps();
@@ -302,13 +303,17 @@ void Scheduler::handOff(bool may_park) {
     s->migration = migration;
     marked.push_back(s.get());
   }
+  // Counted before they leave: a moved sequence may finish on another worker before the hand-off
+  // returns, and whoever sees it finished must see it counted. Those that stay are taken back.
+  const size_t offered = moving.size();
+  board_.update([&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences += offered; });
   const size_t moved = links_.hand_off(moving, may_park);
+  board_.update(
+      [&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences -= offered - moved; });
   for (auto& s : moving)  // stays here
     if (std::find(marked.begin(), marked.end(), s.get()) != marked.end()) s->migration.reset();
-  if (moved != 0) {
+  if (moved != 0)
     spdlog::info("{} sequences moved from {} to other workers", moved, links_.worker_name);
-    board_.update([&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences += moved; });
-  }
   queues_.adopt(std::move(moving));
 }
 

@@ -65,8 +65,10 @@ struct SchedulerOptions {
   // (StepCosts). Negative: always one at a time; 0: always two.
   double pipeline_sample_share = 0.4;
   // Beside a CPU worker (which computes on all but a quarter of the host's cores by default), rows
-  // are verified and sampled on this many threads only (WorkPool::setParticipants), so sampling
-  // does not take cores from the worker's step. 0: the pool as it was made.
+  // sampled while the worker computes another step are sampled on this many threads only, and
+  // only they spin while the pool is kept warm (WorkPool::setParticipants, setSpinners), so
+  // sampling takes no cores from the worker's step; while the worker waits, every thread samples.
+  // 0: the pool as it was made.
   unsigned cpu_worker_sampling_threads = 0;
   // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
   std::chrono::milliseconds heartbeat_interval{2'000};
@@ -269,6 +271,7 @@ class Scheduler {
   std::deque<InFlightStep> in_flight_;  // oldest first
   bool pipelining_ = false;             // see SchedulerOptions::pipeline_sample_share
   StepCosts step_costs_;                // decode steps by row count: whether halves pay
+  bool beside_cpu_worker_ = false;      // see SchedulerOptions::cpu_worker_sampling_threads
 };
 
 }  // namespace bulkhead

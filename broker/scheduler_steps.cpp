@@ -122,6 +122,8 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   }
 
   std::vector<SampledRow> sampled;
+  if (beside_cpu_worker_)  // the worker computing the step in flight keeps its cores
+    pool_.setParticipants(in_flight_.empty() ? 0 : options_.cpu_worker_sampling_threads);
   WorkerFailure bad = sampleRows(step.batch, step.chunks, *reply, step.ride, step.step_id, sampled);
   pool_.keepWarm(false);  // warmed by the reply watch (WorkerClient::setReplySpin)
   const double sample_ms = msBetween(step_done, Clock::now());

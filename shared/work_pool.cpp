@@ -34,6 +34,13 @@ WorkPool::WorkPool(unsigned threads) {
   for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this, i] { helperLoop(i); });
 }
 
+void WorkPool::setSpinners(unsigned n) {
+  spinners_.store(n == 0 ? unsigned(helpers_.size()) + 1 : n);
+  { std::lock_guard lock(mu_); }  // a sleeper re-checks which side it sleeps on
+  wake_.notify_all();
+  cold_wake_.notify_all();
+}
+
 void WorkPool::setParticipants(unsigned n) {
   const unsigned all = unsigned(helpers_.size()) + 1;
   participants_.store(n == 0 ? all : std::min(n, all));
@@ -47,6 +54,7 @@ WorkPool::~WorkPool() {
     stop_.store(true);
   }
   wake_.notify_all();
+  cold_wake_.notify_all();
   resized_.notify_all();
   for (std::thread& t : helpers_) t.join();
 }
@@ -91,7 +99,7 @@ void WorkPool::helperLoop(unsigned index) {
     while ((now = state_.load(std::memory_order_acquire)) == seen &&
            !stop_.load(std::memory_order_relaxed)) {
       _mm_pause();
-      if (++spins % kPausesPerClockRead == 0 && !warm_.load(std::memory_order_relaxed) &&
+      if (++spins % kPausesPerClockRead == 0 && !warmFor(index) &&
           std::chrono::steady_clock::now() >= spin_until)
         break;
     }
@@ -100,8 +108,11 @@ void WorkPool::helperLoop(unsigned index) {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       // seq_cst on both sides: either the caller sees this sleeper, or this re-check sees the
       // caller's new state.
-      wake_.wait(lock, [&] {
-        return stop_.load() || warm_.load() || state_.load(std::memory_order_seq_cst) != seen;
+      // A helper that may not spin sleeps apart, so warming the pool does not wake it.
+      const bool spinner = index < spinners_.load();
+      (spinner ? wake_ : cold_wake_).wait(lock, [&] {
+        return stop_.load() || warmFor(index) || state_.load(std::memory_order_seq_cst) != seen ||
+               spinner != (index < spinners_.load());
       });
       sleepers_.fetch_sub(1, std::memory_order_relaxed);
       if (stop_.load()) return;
@@ -138,6 +149,7 @@ void WorkPool::parallelFor(size_t n, const std::function<void(size_t)>& fn) {
   if (sleepers_.load(std::memory_order_seq_cst) > 0) {
     { std::lock_guard lock(mu_); }
     wake_.notify_all();
+    cold_wake_.notify_all();
   }
   drain();
   const auto spin_until = std::chrono::steady_clock::now() + kSpinFor;

@@ -5,6 +5,7 @@
 // model step) never waits for a thread to wake.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -44,6 +45,13 @@ class WorkPool {
   // that between runs the cores belong to whatever else the host runs (on a CPU-backend host:
   // the broker sampling the step's rows).
   void keepWarm(bool warm);
+  // Only the first `n` threads (the caller counted) spin while warm, 0: all of them. The others
+  // sleep between bursts as in a cool pool, so a warm pool keeps no more cores busy than a
+  // process beside a CPU worker may use.
+  void setSpinners(unsigned n);
+  unsigned spinners() const {
+    return std::min(spinners_.load(std::memory_order_relaxed), unsigned(helpers_.size()) + 1);
+  }
 
  private:
   void helperLoop(unsigned index);  // index 1 .. threads - 1
@@ -68,7 +76,13 @@ class WorkPool {
   std::atomic<bool> stop_{false};
   std::vector<std::thread> helpers_;
   std::atomic<unsigned> participants_{1};
-  std::condition_variable resized_;  // helpers left out of bursts wait here
+  std::atomic<unsigned> spinners_{~0u};
+  bool warmFor(unsigned index) const {
+    return warm_.load(std::memory_order_relaxed) &&
+           index < spinners_.load(std::memory_order_relaxed);
+  }
+  std::condition_variable resized_;    // helpers left out of bursts wait here
+  std::condition_variable cold_wake_;  // idle helpers that may not spin while warm wait here
 };
 
 // Bytes to copy: `from` to `to` (host memory).

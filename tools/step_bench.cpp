@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -79,7 +80,11 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
   WorkPool pool(o.sampling_threads);
   RowSampler sampler(pool);
-  // As the broker: watch for replies awake around when they are due, warming the pool then.
+  // As the broker: beside a CPU worker only the quarter of a large host's cores it leaves free spin
+  // while the pool is warm (SchedulerOptions::cpu_worker_sampling_threads); watch for replies
+  // awake around when they are due, warming the pool then.
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (o.sampling_threads == 0 && hello.backend == "cpu" && cores >= 8) pool.setSpinners(cores / 4);
   (*client)->setReplySpin(std::chrono::microseconds(o.reply_spin_us),
                           [&pool] { pool.keepWarm(true); });
   std::printf(

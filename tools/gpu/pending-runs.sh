@@ -2,10 +2,9 @@
 # On the GPU host, from a bundle made by tools/gpu/bundle.sh: the measurements the open issues
 # still wait for, in groups that each fit one device call (10 minutes). Models are made there.
 # Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
-#   cpu     the CPU backend on that host's cores (the broker at GPU speed): sample-bench (all
-#           cores; 4 threads), step-bench (defaults; the broker not watching for replies awake;
-#           the worker spinning for the next step) and serve-bench on tiny-v152k (defaults: a
-#           quarter of the cores sample; all of them)
+#   cpu     the CPU backend on that host's cores (the broker at GPU speed): sample-bench,
+#           step-bench (defaults; the broker not watching for replies awake) and serve-bench on
+#           tiny-v152k
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then bench-gemm (each schedule and cuBLAS) on both shapes
@@ -40,19 +39,12 @@ for group in "$@"; do
     cpu)
       m=$(model tiny-v152k)
       lscpu | grep -E "^Model name|^Socket|^Core|^Thread|^NUMA node\(s\)|^L3"
-      for threads in 0 4; do
-        run "sample-bench-$threads" 60 "$bh" sample-bench --vocab 152064 --rows 1,32,64 \
-          --threads $threads --iterations 100
-      done
+      run sample-bench 60 "$bh" sample-bench --vocab 152064 --rows 1,32,64 --iterations 100
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
       run step-bench-cpu-no-reply-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
         --iterations 200 --reply-spin-us 0
-      run step-bench-cpu-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
-        --iterations 200 --worker-arg=--spin-us=200
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
-      run serve-bench-cpu-sampling-all 200 "$bh" serve-bench --model "$m" --concurrency 32,64 \
-        --broker-arg=--sampling-threads=$(nproc) --json "$out/serve-bench-cpu-sampling-all.json"
       ;;
     workers)
       m=$(model tiny-v152k)

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "support/collect_sink.h"
@@ -116,29 +117,43 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
 // Two steps in flight (a worker with in-step checks, pipelining forced on): each half of the
 // sequences is computed while the other's rows are sampled, with the same tokens as one step at a
 // time.
-// Beside a CPU worker the rows are sampled on the threads it leaves free; beside another worker on
-// every thread of the pool.
+// Beside a CPU worker, rows sampled while it computes the other step in flight are sampled on the
+// threads it leaves free, and only those spin; beside another worker every thread does both.
 TEST_F(SchedulerTest, BesideACpuWorkerSamplingKeepsToTheThreadsLeftFree) {
   WorkPool pool(4);
   for (const std::string backend : {"cpu", "cuda"}) {
     pool.setParticipants(0);
     auto control = std::make_shared<test::FakeWorkerControl>();
     control->backend = backend;
+    control->in_step_checks = true;   // two steps in flight
+    std::set<unsigned> sending_with;  // the pool's threads as each step is sent
+    control->on_step = [&](std::span<const SequenceStep>) { sending_with.insert(pool.threads()); };
     SchedulerOptions o;
+    o.pipeline_sample_share = 0;
     o.cpu_worker_sampling_threads = 2;
     o.canary_interval = 0ms;
     o.canary_reference = test::fakeReference();
     Scheduler scheduler(control->factory(control), ModelLimits{control->vocab, 4096, {}}, o, pool);
+    // Four requests submitted before the loop starts: two halves of two from the first step.
+    std::vector<std::shared_ptr<CollectSink>> sinks;
+    std::vector<GenerationRequest> requests(4);
+    for (uint32_t i = 0; i < 4; ++i) {
+      requests[i].prompt = {3 + i, 5, 7};
+      requests[i].max_tokens = 8;
+      sinks.push_back(std::make_shared<CollectSink>());
+      ASSERT_TRUE(scheduler.submit(requests[i], sinks.back()).ok());
+    }
     scheduler.start();
-    auto sink = std::make_shared<CollectSink>();
-    GenerationRequest r;
-    r.prompt = {3, 5, 7};
-    r.max_tokens = 8;
-    ASSERT_TRUE(scheduler.submit(r, sink).ok());
-    ASSERT_TRUE(sink->wait());
-    EXPECT_EQ(sink->tokens(), expectedGreedy(r.prompt, 8, control->vocab));
-    EXPECT_EQ(pool.threads(), backend == "cpu" ? 2u : 4u) << backend;
+    for (uint32_t i = 0; i < 4; ++i) {
+      ASSERT_TRUE(sinks[i]->wait());
+      EXPECT_EQ(sinks[i]->tokens(), expectedGreedy(requests[i].prompt, 8, control->vocab));
+    }
     scheduler.stop();
+    EXPECT_EQ(pool.spinners(), backend == "cpu" ? 2u : 4u) << backend;
+    if (backend == "cpu")
+      EXPECT_TRUE(sending_with.count(2)) << "never limited while a step was in flight";
+    else
+      EXPECT_EQ(sending_with, std::set<unsigned>{4}) << backend;
   }
 }
 

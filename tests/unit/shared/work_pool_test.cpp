@@ -3,6 +3,7 @@
 #include "shared/work_pool.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <chrono>
@@ -123,6 +124,31 @@ TEST(WorkPool, ALimitOnParticipantsHoldsAndLifts) {
   EXPECT_GE(most, 3u) << "helpers left out before take part again";
   pool.setParticipants(99);
   EXPECT_EQ(pool.threads(), 4u) << "at most the pool's threads";
+}
+
+// A warm pool keeps only its spinners busy: measured as the process's CPU time over a while.
+TEST(WorkPool, AWarmPoolSpinsOnlyItsSpinners) {
+  auto cpuMillis = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 +
+           double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
+  };
+  WorkPool pool(3);
+  expectEachIndexOnce(pool, 100);
+  auto warmFor = [&](std::chrono::milliseconds wall) {
+    const double before = cpuMillis();
+    pool.keepWarm(true);
+    std::this_thread::sleep_for(wall);  // a measurement window, not synchronisation
+    pool.keepWarm(false);
+    const double used = cpuMillis() - before;
+    expectEachIndexOnce(pool, 100);  // and it still runs bursts
+    return used;
+  };
+  pool.setSpinners(1);  // the caller alone: no helper spins
+  EXPECT_LT(warmFor(std::chrono::milliseconds(300)), 45.0);
+  pool.setSpinners(0);  // every helper spins while warm
+  EXPECT_GT(warmFor(std::chrono::milliseconds(300)), 90.0);
 }
 
 }  // namespace
