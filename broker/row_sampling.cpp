@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 
+#include "broker/row_sampling_avx512.h"
 #include "broker/vector_exp.h"
 #include "shared/checksum.h"
 #include "shared/mix.h"
@@ -303,120 +304,6 @@ void RowSampler::RowWork::prepare() {
 
 namespace {
 
-constexpr uint32_t kGolden = 0x9e3779b1u;  // the checksum's index key (mix.h checksumTerm)
-
-// The read pass's sums over whole vectors of 16 (AVX-512, where the processor has it): the same
-// checksum terms, finiteness and max as the 8-lane loop, which they continue (integer sums and a
-// max do not depend on the grouping).
-struct ReadTotals {
-  uint64_t checksum = 0;
-  bool non_finite = false;
-  float max = -INFINITY;
-  uint32_t arg = 0;  // with `track`: the first index of the max, from base
-};
-
-// With `track` each lane keeps the first index of its largest value, for rows sampled greedily
-// without a copy (the index comes from the values verified, not from a second read).
-__attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, float* dst,
-                                                           uint32_t count, uint32_t base, bool copy,
-                                                           bool track) {
-  __m512i keyed = _mm512_mullo_epi32(
-      _mm512_add_epi32(_mm512_set1_epi32(int(base)),
-                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-      _mm512_set1_epi32(int(kGolden)));
-  const __m512i keyed_step = _mm512_set1_epi32(int(16 * kGolden));
-  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
-  const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
-  __m512i sum = _mm512_setzero_si512();
-  __mmask16 bad = 0;
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i index = lane, best_index = lane;
-  for (uint32_t i = 0; i < 16 * count; i += 16) {
-    const __m512 v = _mm512_loadu_ps(src + i);
-    if (copy) _mm512_storeu_ps(dst + i, v);
-    const __m512i w = _mm512_castps_si512(v);
-    __m512i t = _mm512_mullo_epi32(_mm512_xor_si512(w, keyed), _mm512_set1_epi32(int(0x85ebca77u)));
-    keyed = _mm512_add_epi32(keyed, keyed_step);
-    t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 13));
-    t = _mm512_mullo_epi32(t, _mm512_set1_epi32(int(0xc2b2ae3du)));
-    t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 16));
-    sum = _mm512_add_epi64(sum, _mm512_and_si512(t, low32));
-    sum = _mm512_add_epi64(sum, _mm512_srli_epi64(t, 32));
-    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(w, exponent), exponent);
-    if (track) {
-      const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-      best = _mm512_mask_mov_ps(best, larger, v);
-      best_index = _mm512_mask_mov_epi32(best_index, larger, index);
-      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
-    } else {
-      best = _mm512_max_ps(best, v);
-    }
-  }
-  ReadTotals totals;
-  totals.checksum = uint64_t(_mm512_reduce_add_epi64(sum));
-  totals.non_finite = bad != 0;
-  totals.max = _mm512_reduce_max_ps(best);
-  if (track) {
-    // The lowest index among the lanes holding the max.
-    const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(totals.max), _CMP_EQ_OQ);
-    totals.arg = uint32_t(_mm512_mask_reduce_min_epu32(at_max, best_index));
-  }
-  return totals;
-}
-
-// mass4 over eight weights, then mass8Sum over sixteen.
-__attribute__((target("avx512f"))) inline __m512i mass8(__m256 e) {
-  const __m512d d = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(e), _mm512_set1_pd(0x1p40)),
-                                  _mm512_set1_pd(0x1p52));
-  return _mm512_sub_epi64(_mm512_castpd_si512(d), _mm512_set1_epi64(0x4330000000000000ll));
-}
-
-__attribute__((target("avx512f"))) inline __m512i mass16Sum(__m512 e) {
-  return _mm512_add_epi64(mass8(_mm512_castps512_ps256(e)),
-                          mass8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
-}
-
-// The weights pass over whole vectors of 16: e = exp((x - m) * scale) stored, and their mass.
-__attribute__((target("avx512f"))) uint64_t weightsSixteens(const float* src, float* dst,
-                                                            uint32_t count, float m, float scale) {
-  const __m512 vm = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale);
-  __m512i mass = _mm512_setzero_si512();
-  for (uint32_t i = 0; i < 16 * count; i += 16) {
-    const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(src + i), vm), vscale));
-    _mm512_storeu_ps(dst + i, e);
-    mass = _mm512_add_epi64(mass, mass16Sum(e));
-  }
-  return uint64_t(_mm512_reduce_add_epi64(mass));
-}
-
-// The kept pass over whole vectors of 16 from id `base`: the count and mass of the weights w kept
-// ({key > cut_key} + {key == cut_key and id <= cut_id}).
-struct KeptTotals {
-  uint64_t mass = 0;
-  uint32_t count = 0;
-};
-
-__attribute__((target("avx512f"))) KeptTotals keptSixteens(const float* w, uint32_t count,
-                                                           uint32_t base, uint32_t cut_key,
-                                                           uint32_t cut_id) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i key = _mm512_set1_epi32(int(cut_key)), id_cut = _mm512_set1_epi32(int(cut_id));
-  __m512i mass = _mm512_setzero_si512();
-  KeptTotals totals;
-  for (uint32_t i = 0; i < 16 * count; i += 16) {
-    const __m512 e = _mm512_loadu_ps(w + i);
-    const __m512i k = _mm512_castps_si512(e);
-    const __m512i id = _mm512_add_epi32(_mm512_set1_epi32(int(base + i)), lane);
-    const __mmask16 kept = _mm512_cmpgt_epi32_mask(k, key) |
-                           (_mm512_cmpeq_epi32_mask(k, key) & ~_mm512_cmpgt_epi32_mask(id, id_cut));
-    totals.count += uint32_t(__builtin_popcount(unsigned(kept)));
-    mass = _mm512_add_epi64(mass, mass16Sum(_mm512_maskz_mov_ps(kept, e)));
-  }
-  totals.mass = uint64_t(_mm512_reduce_add_epi64(mass));
-  return totals;
-}
-
 const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
 
 }  // namespace
@@ -430,9 +317,10 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
   const bool track = plain_greedy;
   const uint32_t base = begin(c);
   float* dst = buf->values.data() + base;
-  ReadTotals wide;
+  avx512::ReadTotals wide;
   const uint32_t sixteens = wide_vectors && kHaveAvx512 ? len / 16 : 0;
-  if (sixteens > 0) wide = readSixteens(in->logits.data() + base, dst, sixteens, base, copy, track);
+  if (sixteens > 0)
+    wide = avx512::readSixteens(in->logits.data() + base, dst, sixteens, base, copy, track);
   // The 8-lane loop takes what the 16-lane one left.
   const uint32_t done = 16 * sixteens, rest = len - done;
   const float* src8 = in->logits.data() + base + done;
@@ -440,8 +328,8 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
   // index * kGolden for the 8 lanes, advanced by addition (the same bits as the multiply).
   __m256i keyed = _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(int(base + done)),
                                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                     _mm256_set1_epi32(int(kGolden)));
-  const __m256i keyed_step = _mm256_set1_epi32(int(8 * kGolden));
+                                     _mm256_set1_epi32(int(avx512::kGolden)));
+  const __m256i keyed_step = _mm256_set1_epi32(int(8 * avx512::kGolden));
   const __m256i exponent = _mm256_set1_epi32(0x7f800000);
   const __m256i low32 = _mm256_set1_epi64x(0xffffffffll);
   __m256i sum = _mm256_setzero_si256(), bad = _mm256_setzero_si256();
@@ -574,7 +462,8 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
   __m256i mass = _mm256_setzero_si256();
   // Whole vectors of 16 first where the processor has them, then 8 lanes for the rest.
   const uint32_t done = wide_vectors && kHaveAvx512 ? len / 16 * 16 : 0;
-  const uint64_t wide_mass = done > 0 ? weightsSixteens(src, dst, done / 16, amax, inv_t) : 0;
+  const uint64_t wide_mass =
+      done > 0 ? avx512::weightsSixteens(src, dst, done / 16, amax, inv_t) : 0;
   for (uint32_t i = done; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);
     const __m256 x = _mm256_mul_ps(_mm256_sub_ps(loadLanes(src + i, valid), m), scale);
@@ -662,8 +551,8 @@ void RowSampler::RowWork::keptChunk(uint32_t c) {
   __m256i mass = _mm256_setzero_si256();
   // Whole vectors of 16 first where the processor has them, then 8 lanes for the rest.
   const uint32_t done = wide_vectors && kHaveAvx512 ? len / 16 * 16 : 0;
-  const KeptTotals wide =
-      done > 0 ? keptSixteens(w, done / 16, base, cut_key, cut_id) : KeptTotals{};
+  const avx512::KeptTotals wide =
+      done > 0 ? avx512::keptSixteens(w, done / 16, base, cut_key, cut_id) : avx512::KeptTotals{};
   uint32_t count = wide.count;
   for (uint32_t i = done; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);

@@ -117,6 +117,7 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   const auto step_done = Clock::now();
   board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.steps; });
   if (!reply.ok()) {
+    pool_.keepWarm(false);  // warmed by the reply watch for rows that did not come
     handleStepFailure(reply.error(), step.batch);
     return;
   }

@@ -38,35 +38,6 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(underflow, result);
 }
 
-// exp8 over sixteen floats (AVX-512, for processors that have it): the same operations per lane,
-// so the same result bits.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  const __m512 kHi = _mm512_set1_ps(88.7f);
-  const __m512 kLo = _mm512_set1_ps(-87.33f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, kLo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, kLo), kHi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
-  const __m512i ni = _mm512_cvtps_epi32(n);
-  const __m512i half = _mm512_srai_epi32(ni, 1);
-  const __m512 s1 =
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
-  const __m512 s2 = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
-  const __m512 result = _mm512_mul_ps(_mm512_mul_ps(y, s1), s2);
-  return _mm512_maskz_mov_ps(_knot_mask16(underflow), result);
-}
-
 // One value through the same eight-lane code.
 inline float exp1(float x) {
   return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x)));

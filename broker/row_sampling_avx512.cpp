@@ -1,0 +1,131 @@
+// The AVX-512 passes of the row sampler: see row_sampling_avx512.h.
+#include "broker/row_sampling_avx512.h"
+
+#include <immintrin.h>
+
+namespace bulkhead::avx512 {
+namespace {
+
+// exp8 (vector_exp.h) over sixteen floats: the same operations per lane, so the same result bits.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  const __m512 kHi = _mm512_set1_ps(88.7f);
+  const __m512 kLo = _mm512_set1_ps(-87.33f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, kLo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, kLo), kHi);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+  const __m512i ni = _mm512_cvtps_epi32(n);
+  const __m512i half = _mm512_srai_epi32(ni, 1);
+  const __m512 s1 =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
+  const __m512 s2 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
+  const __m512 result = _mm512_mul_ps(_mm512_mul_ps(y, s1), s2);
+  return _mm512_maskz_mov_ps(_knot_mask16(underflow), result);
+}
+
+// mass4 over eight weights, then mass8Sum over sixteen.
+__attribute__((target("avx512f"))) inline __m512i mass8(__m256 e) {
+  const __m512d d = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(e), _mm512_set1_pd(0x1p40)),
+                                  _mm512_set1_pd(0x1p52));
+  return _mm512_sub_epi64(_mm512_castpd_si512(d), _mm512_set1_epi64(0x4330000000000000ll));
+}
+
+__attribute__((target("avx512f"))) inline __m512i mass16Sum(__m512 e) {
+  return _mm512_add_epi64(mass8(_mm512_castps512_ps256(e)),
+                          mass8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+}
+
+}  // namespace
+
+__attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, float* dst,
+                                                           uint32_t count, uint32_t base, bool copy,
+                                                           bool track) {
+  __m512i keyed = _mm512_mullo_epi32(
+      _mm512_add_epi32(_mm512_set1_epi32(int(base)),
+                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+      _mm512_set1_epi32(int(kGolden)));
+  const __m512i keyed_step = _mm512_set1_epi32(int(16 * kGolden));
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
+  __m512i sum = _mm512_setzero_si512();
+  __mmask16 bad = 0;
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i index = lane, best_index = lane;
+  for (uint32_t i = 0; i < 16 * count; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    if (copy) _mm512_storeu_ps(dst + i, v);
+    const __m512i w = _mm512_castps_si512(v);
+    __m512i t = _mm512_mullo_epi32(_mm512_xor_si512(w, keyed), _mm512_set1_epi32(int(0x85ebca77u)));
+    keyed = _mm512_add_epi32(keyed, keyed_step);
+    t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 13));
+    t = _mm512_mullo_epi32(t, _mm512_set1_epi32(int(0xc2b2ae3du)));
+    t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 16));
+    sum = _mm512_add_epi64(sum, _mm512_and_si512(t, low32));
+    sum = _mm512_add_epi64(sum, _mm512_srli_epi64(t, 32));
+    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(w, exponent), exponent);
+    if (track) {
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, larger, v);
+      best_index = _mm512_mask_mov_epi32(best_index, larger, index);
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+    } else {
+      best = _mm512_max_ps(best, v);
+    }
+  }
+  ReadTotals totals;
+  totals.checksum = uint64_t(_mm512_reduce_add_epi64(sum));
+  totals.non_finite = bad != 0;
+  totals.max = _mm512_reduce_max_ps(best);
+  if (track) {
+    // The lowest index among the lanes holding the max.
+    const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(totals.max), _CMP_EQ_OQ);
+    totals.arg = uint32_t(_mm512_mask_reduce_min_epu32(at_max, best_index));
+  }
+  return totals;
+}
+
+__attribute__((target("avx512f"))) uint64_t weightsSixteens(const float* src, float* dst,
+                                                            uint32_t count, float m, float scale) {
+  const __m512 vm = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale);
+  __m512i mass = _mm512_setzero_si512();
+  for (uint32_t i = 0; i < 16 * count; i += 16) {
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(src + i), vm), vscale));
+    _mm512_storeu_ps(dst + i, e);
+    mass = _mm512_add_epi64(mass, mass16Sum(e));
+  }
+  return uint64_t(_mm512_reduce_add_epi64(mass));
+}
+
+__attribute__((target("avx512f"))) KeptTotals keptSixteens(const float* w, uint32_t count,
+                                                           uint32_t base, uint32_t cut_key,
+                                                           uint32_t cut_id) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i key = _mm512_set1_epi32(int(cut_key)), id_cut = _mm512_set1_epi32(int(cut_id));
+  __m512i mass = _mm512_setzero_si512();
+  KeptTotals totals;
+  for (uint32_t i = 0; i < 16 * count; i += 16) {
+    const __m512 e = _mm512_loadu_ps(w + i);
+    const __m512i k = _mm512_castps_si512(e);
+    const __m512i id = _mm512_add_epi32(_mm512_set1_epi32(int(base + i)), lane);
+    const __mmask16 kept = _mm512_cmpgt_epi32_mask(k, key) |
+                           (_mm512_cmpeq_epi32_mask(k, key) & ~_mm512_cmpgt_epi32_mask(id, id_cut));
+    totals.count += uint32_t(__builtin_popcount(unsigned(kept)));
+    mass = _mm512_add_epi64(mass, mass16Sum(_mm512_maskz_mov_ps(kept, e)));
+  }
+  totals.mass = uint64_t(_mm512_reduce_add_epi64(mass));
+  return totals;
+}
+
+}  // namespace bulkhead::avx512
