@@ -270,7 +270,7 @@ int main(int argc, char** argv) {
           auto client = WorkerClient::spawn(o);
           if (!client.ok()) return client.error();
           (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us),
-                                  [pool] { pool->keepWarm(true); });
+                                  [pool](bool warm) { pool->keepWarm(warm); });
           return std::unique_ptr<WorkerConnection>(std::move(*client));
         });
   }
@@ -284,7 +284,7 @@ int main(int argc, char** argv) {
       auto client = WorkerClient::attach(path, *replaced, timeout, stopping, alive);
       if (!client.ok()) return client.error();
       (*client)->setReplySpin(std::chrono::microseconds(reply_spin_us),
-                              [pool] { pool->keepWarm(true); });
+                              [pool](bool warm) { pool->keepWarm(warm); });
       *replaced = (*client)->hello().incarnation;
       return std::unique_ptr<WorkerConnection>(std::move(*client));
     });

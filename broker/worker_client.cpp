@@ -397,11 +397,11 @@ void WorkerClient::watchForReply(SteadyTime start) {
     pollfd fd = {fd_, POLLIN, 0};
     // Ready early (a reply, the connection closing) or an error: the read that follows handles it.
     const int ready = ::ppoll(&fd, 1, &sleep, nullptr);
-    if (reply_waking_) reply_waking_();
+    if (reply_waking_) reply_waking_(true);
     if (ready != 0) return;
     now = SteadyTime::clock::now();
   } else if (reply_waking_) {
-    reply_waking_();
+    reply_waking_(true);
   }
   const SteadyTime until = std::max(now, due) + reply_spin_;
   do {
@@ -414,6 +414,7 @@ void WorkerClient::watchForReply(SteadyTime start) {
     if (n == 0 || errno != EAGAIN) return;  // closed or failed: the read that follows says so
     for (int i = 0; i < 16; ++i) _mm_pause();
   } while (SteadyTime::clock::now() < until);
+  if (reply_waking_) reply_waking_(false);  // back to sleep until the reply comes
 }
 
 WorkerResult<StepReply> WorkerClient::awaitStep() {

@@ -86,9 +86,11 @@ class WorkerClient final : public WorkerConnection {
   // How long to watch awake for a step's reply around the time it is due (the last step's wait):
   // the thread sleeps until `spin` before then and polls the socket without sleeping until `spin`
   // after, so the reply is read without a scheduler wake-up. 0: sleep in poll throughout.
-  // `waking` runs as the thread turns from sleeping to watching: the caller warms what the reply
-  // will need next (the broker: its sampling pool, cooled again once the rows are sampled).
-  void setReplySpin(std::chrono::microseconds spin, std::function<void()> waking = {}) {
+  // `waking(true)` runs as the thread turns from sleeping to watching: the caller warms what the
+  // reply will need next (the broker: its sampling pool, cooled again once the rows are sampled);
+  // `waking(false)` when the watch ends without the reply (a step longer than the last), as the
+  // thread goes back to sleep.
+  void setReplySpin(std::chrono::microseconds spin, std::function<void(bool)> waking = {}) {
     reply_spin_ = spin;
     reply_waking_ = std::move(waking);
   }
@@ -141,7 +143,7 @@ class WorkerClient final : public WorkerConnection {
   std::deque<SentStep> in_flight_;
   SteadyTime last_step_reply_;  // when the last step's reply was read
   std::chrono::microseconds reply_spin_{0};
-  std::function<void()> reply_waking_;
+  std::function<void(bool)> reply_waking_;
   SteadyTime::duration last_step_wait_{0};  // the last step's, from its start to its reply
   uint64_t replies_seen_awake_ = 0;
   // Corruption reports that arrived with a reply whose rows failed verification.

@@ -86,7 +86,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   const unsigned cores = std::thread::hardware_concurrency();
   if (o.sampling_threads == 0 && hello.backend == "cpu" && cores >= 8) pool.setSpinners(cores / 4);
   (*client)->setReplySpin(std::chrono::microseconds(o.reply_spin_us),
-                          [&pool] { pool.keepWarm(true); });
+                          [&pool](bool warm) { pool.keepWarm(warm); });
   std::printf(
       "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g, "
       "%u sampling threads, in-step weight checks %s\n",

@@ -454,8 +454,9 @@ TEST_F(WorkerProcessTest, AClientWatchingForRepliesAwakeReadsThemWhileAwakeWithT
   auto watching = spawn();
   ASSERT_TRUE(plain && watching);
   // Far longer than a step of the tiny model: every reply comes while the client watches.
-  int wakings = 0;
-  watching->setReplySpin(std::chrono::microseconds(2'000'000), [&] { ++wakings; });
+  int wakings = 0, cooled = 0;
+  watching->setReplySpin(std::chrono::microseconds(2'000'000),
+                         [&](bool warm) { ++(warm ? wakings : cooled); });
   OneStep s;
   for (uint32_t i = 0; i < 10; ++i) {
     s.tokens = {1 + i, 2 + i, 3 + i, 4 + i};
@@ -470,6 +471,19 @@ TEST_F(WorkerProcessTest, AClientWatchingForRepliesAwakeReadsThemWhileAwakeWithT
   }
   EXPECT_EQ(watching->repliesSeenAwake(), 10u);
   EXPECT_EQ(wakings, 10) << "what the reply needs is warmed once a step";
+  EXPECT_EQ(cooled, 0) << "every reply came while the client watched";
+  // A watch far shorter than a step ends before the reply: what it warmed is cooled again. (A
+  // new client's first step is due at once: it watches from the start, for 1 us.)
+  auto fresh = spawn();
+  ASSERT_TRUE(fresh);
+  int brief_wakings = 0, brief_cooled = 0;
+  fresh->setReplySpin(std::chrono::microseconds(1),
+                      [&](bool warm) { ++(warm ? brief_wakings : brief_cooled); });
+  s.tokens = {9, 8, 7, 6};
+  SequenceStep brief = s.step(50);
+  ASSERT_TRUE(verifiedStep(*fresh, {&brief, 1}).ok());
+  EXPECT_EQ(brief_wakings, 1);
+  EXPECT_EQ(brief_cooled, 1) << "a watch that ended without the reply left the pool warm";
   EXPECT_EQ(plain->repliesSeenAwake(), 0u);
   // A worker that dies while the client watches is reported as such, not waited out.
   watching->kill(SIGKILL);
