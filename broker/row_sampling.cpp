@@ -838,6 +838,10 @@ void RowSampler::RowWork::combine() {
   }
 }
 
+bool RowSampler::sixteenLanes() {
+  return kHaveAvx512;
+}
+
 RowSampler::RowSampler(WorkPool& pool, bool wide_vectors)
     : pool_(pool), wide_vectors_(wide_vectors) {}
 RowSampler::~RowSampler() = default;

@@ -71,6 +71,9 @@ class RowSampler {
   // kRowLength when it has a config.
   void verifyAndSample(std::span<const RowToSample> rows, std::span<SampledRow> out);
 
+  // Whether this processor runs the passes 16 lanes at a time (AVX-512).
+  static bool sixteenLanes();
+
  private:
   struct Buffers;
   struct RowWork;

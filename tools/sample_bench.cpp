@@ -49,8 +49,9 @@ Status runSampleBench(const SampleBenchOptions& o) {
 
   WorkPool pool(o.threads);
   RowSampler sampler(pool);
-  std::printf("sample-bench: vocab %u, %u threads, %u iterations; microseconds per call\n", o.vocab,
-              pool.threads(), o.iterations);
+  std::printf(
+      "sample-bench: vocab %u, %u threads, %u iterations, %d-lane passes; microseconds per call\n",
+      o.vocab, pool.threads(), o.iterations, RowSampler::sixteenLanes() ? 16 : 8);
   std::printf("%6s", "rows");
   for (const Mode& m : kModes) std::printf(" %18s", (std::string(m.name) + " p50/p99").c_str());
   std::printf("\n");
