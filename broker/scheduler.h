@@ -271,6 +271,7 @@ class Scheduler {
   std::deque<InFlightStep> in_flight_;  // oldest first
   bool pipelining_ = false;             // see SchedulerOptions::pipeline_sample_share
   StepCosts step_costs_;                // decode steps by row count: whether halves pay
+  uint32_t halves_unmeasured_ = 0;      // half steps taken while a whole one's cost is unknown
   bool beside_cpu_worker_ = false;      // see SchedulerOptions::cpu_worker_sampling_threads
 };
 

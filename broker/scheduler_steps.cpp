@@ -22,6 +22,8 @@ namespace {
 // CPU backend (tiny-v152k, 64 streams, greedy; sampling ~18% of compute) a quarter of the share
 // took end-to-end tokens/s from 78-79% of the compute ceiling to 87-89% (three runs each).
 constexpr double kLinearCostShareFactor = 0.25;
+// Half steps taken, on the share heuristic alone, before whole steps are taken to see their cost.
+constexpr uint32_t kHalvesBeforeWhole = 8;
 
 double msBetween(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double, std::milli>(to - from).count();
@@ -131,8 +133,8 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   const double compute_ms = double(reply->compute_micros) / 1000.0;
   board_.addStepTimes(msBetween(step.sent, step_done), compute_ms, sample_ms, step.batch.size());
   if (in_flight_.empty()) last_reply_ = step_done;
-  choosePipelining(worker, step, compute_ms, msBetween(step.sent, step_done) - compute_ms,
-                   sample_ms);
+  choosePipelining(worker, step, compute_ms,
+                   std::max(0.0, msBetween(step.sent, step_done) - compute_ms), sample_ms);
   if (!bad.ok()) {
     handleStepFailure(bad, step.batch);
     return;
@@ -174,11 +176,18 @@ void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightS
     return;
   }
   // Once steps of both sizes have been seen, what they cost decides.
-  const size_t running = queues_.running().size();
-  if (std::optional<bool> pays = step_costs_.halvesPay(uint32_t(running)); pays) {
+  const uint32_t running = uint32_t(queues_.running().size());
+  if (std::optional<bool> pays = step_costs_.halvesPay(running); pays) {
     pipelining_ = *pays;
+    halves_unmeasured_ = 0;
     return;
   }
+  // Halves never show what a whole step costs: after a run of them, whole steps until one is seen.
+  if (pipelining_ && !step_costs_.knows(running) && ++halves_unmeasured_ >= kHalvesBeforeWhole) {
+    pipelining_ = false;
+    return;
+  }
+  if (halves_unmeasured_ >= kHalvesBeforeWhole && !step_costs_.knows(running)) return;
   // Until then: two steps in flight pay when sampling takes a fair share of compute, each half's
   // rows then sampled while the worker computes the other half
   // (SchedulerOptions::pipeline_sample_share).

@@ -21,14 +21,20 @@ void StepCosts::record(uint32_t rows, double compute_ms, double trip_ms, double 
   ++c.seen;
 }
 
-const StepCosts::Cost* StepCosts::at(uint32_t rows) const {
-  return rows < by_rows_.size() && by_rows_[rows].seen > 0 ? &by_rows_[rows] : nullptr;
+const StepCosts::Cost* StepCosts::near(uint32_t rows) const {
+  auto seen = [&](uint32_t r) { return r < by_rows_.size() && by_rows_[r].seen > 0; };
+  const uint32_t tolerance = std::max(1u, rows / 8);
+  for (uint32_t d = 0; d <= tolerance; ++d) {
+    if (seen(rows + d)) return &by_rows_[rows + d];
+    if (d <= rows && rows - d > 0 && seen(rows - d)) return &by_rows_[rows - d];
+  }
+  return nullptr;
 }
 
 std::optional<bool> StepCosts::halvesPay(uint32_t rows) const {
   if (rows < 2) return std::nullopt;
-  const Cost* whole = at(rows);
-  const Cost* half = at((rows + 1) / 2);
+  const Cost* whole = near(rows);
+  const Cost* half = near((rows + 1) / 2);
   if (whole == nullptr || half == nullptr) return std::nullopt;
   // One at a time, the worker waits out each step's trip and sampling; in halves each half's
   // sampling runs while the worker computes the other, so the slower of the two sets the pace.

@@ -20,15 +20,19 @@ class StepCosts {
 
   // For `rows` sequences due: whether two steps of half of them each (the larger half first), each
   // sampled while the worker computes the other, are expected to take less time than one step of
-  // all of them followed by its sampling. nullopt until steps of both sizes have been seen.
+  // all of them followed by its sampling. nullopt until steps of both sizes have been seen. A size
+  // stands for its neighbours within an eighth of it (sequences come and go between steps).
   std::optional<bool> halvesPay(uint32_t rows) const;
+  // Whether steps of about `rows` rows have been seen.
+  bool knows(uint32_t rows) const { return near(rows) != nullptr; }
 
  private:
   struct Cost {
     double compute_ms = 0, trip_ms = 0, sample_ms = 0;
     uint32_t seen = 0;
   };
-  const Cost* at(uint32_t rows) const;
+  // The seen size nearest `rows`, within max(1, rows / 8); nullptr if none.
+  const Cost* near(uint32_t rows) const;
   std::vector<Cost> by_rows_;
 };
 

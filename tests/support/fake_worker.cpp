@@ -192,6 +192,7 @@ WorkerResult<StepReply> FakeWorker::compute(uint64_t step_id, std::span<const Se
   }
   for (const auto& row : rows)
     reply.rows.push_back({row, checksumBytes(std::as_bytes(std::span(row)))});
+  if (control_->compute_micros) reply.compute_micros = control_->compute_micros(rows.size());
   if (fault && fault->kind == FakeFault::Kind::kCorruptRow) rows[0][1] += 1.0f;
   last_step_ = step_id;
   const uint64_t lag = control_->scrub_lag;

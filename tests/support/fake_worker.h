@@ -52,6 +52,9 @@ class FakeWorkerControl {
  public:
   uint32_t vocab = 64, block_size = 4, blocks = 256, max_step_tokens = 64, arena_slots = 64;
   std::string backend = "fake";  // what Hello says the worker computes on
+  // The compute time a step of this many logits rows reports (the fake computes at once);
+  // unset: 0. Set before the scheduler starts.
+  std::function<uint64_t(size_t rows)> compute_micros;
   // StepDone vouches for steps up to (this step - lag); 0: every step at once.
   uint64_t scrub_lag = 0;
   // The worker says it checks every step's weight reads: its tokens need no scrubber's word, and

@@ -157,6 +157,31 @@ TEST_F(SchedulerTest, BesideACpuWorkerSamplingKeepsToTheThreadsLeftFree) {
   }
 }
 
+// Whether two half steps go in flight follows what the worker's steps cost once both sizes were
+// seen: where a half costs about what a whole step does (a GPU), the scheduler goes back to one
+// step at a time; where compute grows with the rows, halves stay.
+TEST_F(SchedulerTest, TwoHalfStepsGoInFlightOnlyWhereTheyCostLess) {
+  auto overlappedShare = [&](std::function<uint64_t(size_t)> cost) {
+    control_ = std::make_shared<test::FakeWorkerControl>();
+    control_->in_step_checks = true;  // two steps may be in flight
+    control_->compute_micros = std::move(cost);
+    SchedulerOptions o;
+    // Far below any sampling time: the heuristic tries halves at once, so both sizes are seen.
+    o.pipeline_sample_share = 1e-9;
+    start(o, /*run=*/false);
+    auto runs = submit(16, 40);
+    scheduler_->start();
+    expectAllExact(runs, 40);
+    const SchedulerStats s = scheduler_->stats();
+    scheduler_->stop();
+    return double(s.steps_overlapped) / double(s.steps);
+  };
+  const double flat = overlappedShare([](size_t) { return uint64_t(4000); });
+  const double linear = overlappedShare([](size_t rows) { return uint64_t(100 * rows); });
+  EXPECT_LT(flat, 0.25) << "halves that cost a whole step each kept going";
+  EXPECT_GT(linear, 0.75) << "halves that cost half a step each were given up";
+}
+
 TEST_F(SchedulerTest, TwoStepsInFlightGiveTheSameTokens) {
   control_->in_step_checks = true;
   SchedulerOptions o;

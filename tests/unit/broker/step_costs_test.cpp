@@ -46,13 +46,26 @@ TEST(StepCostsTest, HalvesPayWhenTheyCostNoMoreComputeThanTheSamplingTheyHide) {
   EXPECT_TRUE(*slow_sampling.halvesPay(64));
 }
 
-TEST(StepCostsTest, AnOddCountIsHalvedWithTheLargerHalfFirst) {
+// Sequences come and go between steps: a size stands for its neighbours within an eighth of it,
+// the nearest first.
+TEST(StepCostsTest, ASizeStandsForItsNearNeighbours) {
   StepCosts costs;
-  costs.record(33, 10.0, 0.0, 0.0);
-  costs.record(16, 1.0, 0.0, 0.0);
-  EXPECT_FALSE(costs.halvesPay(33).has_value()) << "the halves of 33 are 17 and 16";
-  costs.record(17, 1.0, 0.0, 0.0);
-  EXPECT_TRUE(*costs.halvesPay(33));
+  costs.record(64, 8.0, 0.0, 0.0);
+  costs.record(27, 1.0, 0.0, 0.0);
+  EXPECT_FALSE(costs.halvesPay(64).has_value()) << "27 is too far from 32";
+  EXPECT_FALSE(costs.knows(32));
+  costs.record(29, 5.0, 0.0, 0.0);
+  ASSERT_TRUE(costs.halvesPay(64).has_value()) << "29 is within 4 of 32";
+  EXPECT_FALSE(*costs.halvesPay(64)) << "2 x 5 ms against 8 ms";
+  EXPECT_TRUE(costs.halvesPay(66).has_value()) << "64 stands for 66, 29 for 33";
+  costs.record(32, 3.0, 0.0, 0.0);
+  EXPECT_TRUE(*costs.halvesPay(64)) << "the exact size comes first: 2 x 3 ms against 8 ms";
+  // An odd count's halves: the larger first.
+  StepCosts odd;
+  odd.record(33, 10.0, 0.0, 0.0);
+  odd.record(17, 1.0, 0.0, 0.0);
+  odd.record(16, 9.0, 0.0, 0.0);
+  EXPECT_TRUE(*odd.halvesPay(33)) << "17 rows, not 16, decide";
 }
 
 TEST(StepCostsTest, RecentStepsOutweighOldOnes) {
