@@ -472,22 +472,17 @@ TEST_F(WorkerProcessTest, AClientWatchingForRepliesAwakeReadsThemWhileAwakeWithT
   EXPECT_EQ(watching->repliesSeenAwake(), 10u);
   EXPECT_EQ(wakings, 10) << "what the reply needs is warmed once a step";
   EXPECT_EQ(cooled, 0) << "every reply came while the client watched";
-  // A watch far shorter than a step can end before the reply: what it warmed is cooled again. (A
-  // new client's first watch starts as its step is sent; later ones sleep until just before the
-  // reply is due, and a reply that comes during that sleep is read with the pool warm.)
-  auto fresh = spawn();
-  ASSERT_TRUE(fresh);
-  int brief_wakings = 0, brief_cooled = 0;
-  fresh->setReplySpin(std::chrono::microseconds(1),
-                      [&](bool warm) { ++(warm ? brief_wakings : brief_cooled); });
-  for (uint32_t i = 0; i < 20; ++i) {
-    s.tokens = {9, 8, 7, 6 + i};
-    SequenceStep brief = s.step(50 + i);
-    ASSERT_TRUE(verifiedStep(*fresh, {&brief, 1}).ok());
-  }
-  EXPECT_EQ(brief_wakings, 20);
-  EXPECT_GT(brief_cooled, 0) << "a watch that ended without the reply left the pool warm";
-  EXPECT_LE(uint64_t(brief_cooled) + fresh->repliesSeenAwake(), 20u);
+  // A watch that ends without the reply (here a hung worker's) cools what it warmed before the
+  // client sleeps until the deadline.
+  auto hung = spawn();
+  ASSERT_TRUE(hung);
+  int hung_wakings = 0, hung_cooled = 0;
+  hung->setReplySpin(std::chrono::microseconds(1),
+                     [&](bool warm) { ++(warm ? hung_wakings : hung_cooled); });
+  WorkerFailure timed_out = faultedStep(*hung, {.fault = Fault::kWorkerHang}, 300ms);
+  EXPECT_EQ(timed_out.kind, Kind::kTimedOut) << timed_out.toString();
+  EXPECT_EQ(hung_wakings, 1);
+  EXPECT_EQ(hung_cooled, 1) << "a watch that ended without the reply left the pool warm";
   EXPECT_EQ(plain->repliesSeenAwake(), 0u);
   // A worker that dies while the client watches is reported as such, not waited out.
   watching->kill(SIGKILL);
