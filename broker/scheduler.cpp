@@ -308,8 +308,7 @@ void Scheduler::handOff(bool may_park) {
   const size_t offered = moving.size();
   board_.update([&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences += offered; });
   const size_t moved = links_.hand_off(moving, may_park);
-  board_.update(
-      [&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences -= offered - moved; });
+  board_.update([&](SchedulerStats& s, WorkerStatus&) { s.migrated_sequences -= offered - moved; });
   for (auto& s : moving)  // stays here
     if (std::find(marked.begin(), marked.end(), s.get()) != marked.end()) s->migration.reset();
   if (moved != 0)

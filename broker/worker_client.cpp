@@ -11,8 +11,6 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <immintrin.h>
-
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -403,18 +401,16 @@ void WorkerClient::watchForReply(SteadyTime start) {
   } else if (reply_waking_) {
     reply_waking_(true);
   }
-  const SteadyTime until = std::max(now, due) + reply_spin_;
-  do {
-    char byte;
-    const ssize_t n = ::recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n > 0) {
+  switch (watchAwake(fd_, std::max(now, due) + reply_spin_)) {
+    case SocketWatch::kReadable:
       ++replies_seen_awake_;
       return;
-    }
-    if (n == 0 || errno != EAGAIN) return;  // closed or failed: the read that follows says so
-    for (int i = 0; i < 16; ++i) _mm_pause();
-  } while (SteadyTime::clock::now() < until);
-  if (reply_waking_) reply_waking_(false);  // back to sleep until the reply comes
+    case SocketWatch::kClosed:  // the read that follows says why
+      return;
+    case SocketWatch::kTimedOut:
+      if (reply_waking_) reply_waking_(false);  // back to sleep until the reply comes
+      return;
+  }
 }
 
 WorkerResult<StepReply> WorkerClient::awaitStep() {

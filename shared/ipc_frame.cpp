@@ -6,6 +6,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <immintrin.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -43,6 +45,17 @@ Status waitFor(int fd, short events, SteadyTime deadline, int extra_fd) {
 }
 
 }  // namespace
+
+SocketWatch watchAwake(int fd, SteadyTime until) {
+  do {
+    char byte;
+    const ssize_t n = ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return SocketWatch::kReadable;
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return SocketWatch::kClosed;
+    for (int i = 0; i < 16; ++i) _mm_pause();
+  } while (std::chrono::steady_clock::now() < until);
+  return SocketWatch::kTimedOut;
+}
 
 Status makeNonBlocking(int fd) {
   const int flags = ::fcntl(fd, F_GETFL);

@@ -37,6 +37,13 @@ struct FrameReadResult {
 FrameReadResult readFrame(int fd, std::vector<capnp::word>& words, SteadyTime deadline,
                           int extra_fd = -1);
 
+// Watches `fd` for input without sleeping, at least once and until `until`: a thread that sleeps
+// in poll(2) and is woken on another core costs tens of microseconds, a spinning one costs a core.
+// kReadable: a byte waits; kClosed: the peer closed or the socket failed (the read that follows
+// says which); kTimedOut: nothing came.
+enum class SocketWatch { kReadable, kClosed, kTimedOut };
+SocketWatch watchAwake(int fd, SteadyTime until);
+
 // Sets O_NONBLOCK and FD_CLOEXEC.
 Status makeNonBlocking(int fd);
 

@@ -42,8 +42,8 @@ void WorkPool::setSpinners(unsigned n) {
 }
 
 void WorkPool::setParticipants(unsigned n) {
-  const unsigned all = unsigned(helpers_.size()) + 1;
-  participants_.store(n == 0 ? all : std::min(n, all));
+  const unsigned all = unsigned(helpers_.size()) + 1, now = n == 0 ? all : std::min(n, all);
+  if (participants_.exchange(now) == now) return;  // called every step by the broker
   { std::lock_guard lock(mu_); }  // a helper between its predicate check and its wait sees it
   resized_.notify_all();
 }

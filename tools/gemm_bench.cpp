@@ -11,6 +11,7 @@
 #ifdef BULKHEAD_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/cuda_check.cuh"
 #include "cuda/gemm.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/matmul.cuh"
@@ -39,13 +40,6 @@ std::vector<Product> productsOf(const ModelShape& s) {
           {"lm_head", s.vocab, s.hidden}};
 }
 
-Status cudaStatus(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return okStatus();
-  return internalError(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-#define BENCH_CUDA(call) BULKHEAD_RETURN_IF_ERROR(cudaStatus((call), #call))
-
 // Device memory freed on scope exit.
 struct DeviceBuffer {
   void* p = nullptr;
@@ -54,88 +48,71 @@ struct DeviceBuffer {
   }
 };
 
-// Our schedules with the fold of the weight words a step's checks add, and without; cuBLAS.
-enum class Path { kInUse, kInUseFolding, kPipelined, kPipelinedFolding, kCublas };
-constexpr Path kPaths[] = {Path::kInUse, Path::kInUseFolding, Path::kPipelined,
-                           Path::kPipelinedFolding, Path::kCublas};
-const char* pathName(Path p) {
-  switch (p) {
-    case Path::kInUse:
-      return "in_use";
-    case Path::kInUseFolding:
-      return "+fold";
-    case Path::kPipelined:
-      return "pipelined";
-    case Path::kPipelinedFolding:
-      return "+fold";
-    case Path::kCublas:
-      return "cublas";
-  }
-  return "";
-}
-
-const char* jsonName(Path p) {
-  switch (p) {
-    case Path::kInUseFolding:
-      return "in_use_folding";
-    case Path::kPipelinedFolding:
-      return "pipelined_folding";
-    default:
-      return pathName(p);
-  }
-}
+// What a column times: one of our schedules, with the fold of the weight words a step's checks
+// add or without, or cuBLAS.
+struct Path {
+  const char* label;  // the table's column
+  const char* json;   // the JSON field, before "_us"
+  bool cublas = false;
+  cuda::GemmSchedule schedule = cuda::GemmSchedule::kInUse;
+  bool folding = false;
+};
+const Path kPaths[] = {
+    {"in_use", "in_use"},
+    {"+fold", "in_use_folding", false, cuda::GemmSchedule::kInUse, true},
+    {"pipelined", "pipelined", false, cuda::GemmSchedule::kPipelined},
+    {"+fold", "pipelined_folding", false, cuda::GemmSchedule::kPipelined, true},
+    {"cublas", "cublas", true},
+};
 
 // Microseconds a launch, `launches` launches over `copies` copies of the weight in one graph.
-Result<double> timeLaunches(Path path, const Product& p, int m, const __nv_bfloat16* x,
+Result<double> timeLaunches(const Path& path, const Product& p, int m, const __nv_bfloat16* x,
                             const __nv_bfloat16* w, int copies, float* y, cudaStream_t stream,
                             const cuda::Matmul& cublas, cuda::FoldAccount* account,
                             uint32_t launches) {
   const size_t weight_elems = size_t(p.n) * size_t(p.k);
   cuda::GemmFold fold;
-  if (path == Path::kInUseFolding || path == Path::kPipelinedFolding) {
+  if (path.folding) {
     fold.weights = 1;
     fold.account[0] = account;
     fold.salt[0] = 0x2545f491u;
     fold.row_end[0] = p.n;
   }
-  const cuda::GemmSchedule schedule = path == Path::kInUse || path == Path::kInUseFolding
-                                          ? cuda::GemmSchedule::kInUse
-                                          : cuda::GemmSchedule::kPipelined;
   auto enqueue = [&](uint32_t count) -> Status {
     for (uint32_t i = 0; i < count; ++i) {
       const __nv_bfloat16* wi = w + weight_elems * (i % uint32_t(copies));
-      if (path == Path::kCublas) {
+      if (path.cublas) {
         BULKHEAD_RETURN_IF_ERROR(cublas.run(x, m, wi, p.n, p.k, y, false));
       } else {
         BULKHEAD_RETURN_IF_ERROR(
-            cuda::launchGemm(x, m, wi, p.n, p.k, y, p.n, stream, fold, schedule));
+            cuda::launchGemm(x, m, wi, p.n, p.k, y, p.n, stream, fold, path.schedule));
       }
     }
     return okStatus();
   };
   cudaGraph_t graph = nullptr;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   Status captured = enqueue(launches);
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
   BULKHEAD_RETURN_IF_ERROR(captured);
-  BENCH_CUDA(ended);
+  BULKHEAD_CUDA_RETURN_IF_ERROR(ended);
   cudaGraphExec_t exec = nullptr;
   const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
   (void)cudaGraphDestroy(graph);
-  BENCH_CUDA(instantiated);
+  BULKHEAD_CUDA_RETURN_IF_ERROR(instantiated);
   cudaEvent_t begin = nullptr, end = nullptr;
-  BENCH_CUDA(cudaEventCreate(&begin));
-  BENCH_CUDA(cudaEventCreate(&end));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
   float best_ms = 0;
   Status timed = [&]() -> Status {
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));  // untimed
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));  // untimed
     for (int rep = 0; rep < 3; ++rep) {
-      BENCH_CUDA(cudaEventRecord(begin, stream));
-      BENCH_CUDA(cudaGraphLaunch(exec, stream));
-      BENCH_CUDA(cudaEventRecord(end, stream));
-      BENCH_CUDA(cudaEventSynchronize(end));
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(begin, stream));
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end, stream));
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end));
       float ms = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, begin, end));
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, begin, end));
       best_ms = rep == 0 ? ms : std::min(best_ms, ms);
     }
     return okStatus();
@@ -157,7 +134,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
   if (o.rows.empty() || o.launches == 0) return invalidArgument("no rows or no launches");
   const int max_m = int(*std::max_element(o.rows.begin(), o.rows.end()));
   cudaStream_t stream = nullptr;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const bool programmatic = cuda::programmaticLaunchSupported();
   cuda::setProgrammaticLaunch(stream, programmatic);
   auto cublas = cuda::Matmul::create(stream);
@@ -167,7 +144,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
       "us a launch and weight GB/s\n",
       o.shape.c_str(), o.launches, programmatic ? "on" : "off");
   std::printf("%-8s %7s %6s %4s", "product", "n", "k", "m");
-  for (Path p : kPaths) std::printf(" %12s %8s", pathName(p), "GB/s");
+  for (const Path& p : kPaths) std::printf(" %12s %8s", p.label, "GB/s");
   std::printf(" %10s\n", "best/cublas");
   nlohmann::json report = {
       {"shape", o.shape}, {"launches", o.launches}, {"results", nlohmann::json::array()}};
@@ -176,18 +153,20 @@ Status runGemmBench(const GemmBenchOptions& o) {
     // Enough copies that the L2 cache (50 MB on an H200) holds none of them between uses.
     const int copies = int(std::max<size_t>(2, (size_t(256) << 20) / weight_bytes + 1));
     DeviceBuffer w, x, y, account;
-    BENCH_CUDA(cudaMalloc(&account.p, sizeof(cuda::FoldAccount)));
-    BENCH_CUDA(cudaMalloc(&w.p, weight_bytes * size_t(copies)));
-    BENCH_CUDA(cudaMalloc(&x.p, size_t(max_m) * size_t(p.k) * 2));
-    BENCH_CUDA(cudaMalloc(&y.p, size_t(max_m) * size_t(p.n) * 4));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&account.p, sizeof(cuda::FoldAccount)));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&w.p, weight_bytes * size_t(copies)));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&x.p, size_t(max_m) * size_t(p.k) * 2));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&y.p, size_t(max_m) * size_t(p.n) * 4));
     // Small finite values: 0x3c3c is about 0.0115 in bf16.
-    BENCH_CUDA(cudaMemsetAsync(w.p, 0x3c, weight_bytes * size_t(copies), stream));
-    BENCH_CUDA(cudaMemsetAsync(x.p, 0x3c, size_t(max_m) * size_t(p.k) * 2, stream));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(w.p, 0x3c, weight_bytes * size_t(copies), stream));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(x.p, 0x3c, size_t(max_m) * size_t(p.k) * 2, stream));
     for (uint32_t m : o.rows) {
       std::printf("%-8s %7d %6d %4u", p.name, p.n, p.k, m);
       nlohmann::json row = {{"product", p.name}, {"n", p.n}, {"k", p.k}, {"m", m}};
       double best_ours = 0, cublas_us = 0;
-      for (Path path : kPaths) {
+      for (const Path& path : kPaths) {
         BULKHEAD_ASSIGN_OR_RETURN(
             const double us,
             timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
@@ -195,8 +174,8 @@ Status runGemmBench(const GemmBenchOptions& o) {
                          stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), o.launches));
         const double gbs = double(weight_bytes) / us / 1e3;
         std::printf(" %12.2f %8.0f", us, gbs);
-        row[std::string(jsonName(path)) + "_us"] = us;
-        if (path == Path::kCublas)
+        row[std::string(path.json) + "_us"] = us;
+        if (path.cublas)
           cublas_us = us;
         else
           best_ours = best_ours == 0 ? us : std::min(best_ours, us);

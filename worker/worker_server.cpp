@@ -2,7 +2,6 @@
 // faults enter through StepFaults.
 #include "worker/worker_server.h"
 
-#include <immintrin.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
@@ -156,11 +155,7 @@ bool WorkerServer::awaitInput(int fd, bool spin) {
     // awake. A stop signal is seen in poll below once the spin ends.
     const auto until =
         std::chrono::steady_clock::now() + std::chrono::microseconds(options_.spin_us);
-    do {
-      char byte;
-      if (::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) >= 0 || errno != EAGAIN) return true;
-      _mm_pause();
-    } while (std::chrono::steady_clock::now() < until);
+    if (watchAwake(fd, until) != SocketWatch::kTimedOut) return true;
   }
   const auto period = options_.notifier.watchdogPeriod();
   while (true) {

@@ -56,9 +56,8 @@ class WorkerServer {
 
  private:
   WorkerServer() = default;
-  // Waits until `fd` (or the signal descriptor) is readable, sending WATCHDOG=1 when one is due
-  // meanwhile; false when a signal arrived.
-  // Waits for input on fd (spinning first when `spin`) or a stop signal: false on the signal.
+  // Waits until `fd` (or the signal descriptor) is readable, first awake for spin_us when `spin`,
+  // then in poll(2) sending WATCHDOG=1 when one is due meanwhile; false when a signal arrived.
   bool awaitInput(int fd, bool spin = false);
   void watchdogIfDue();
   // Serves one connection; true when the worker should stop, an error when it must die.

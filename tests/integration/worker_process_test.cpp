@@ -58,6 +58,22 @@ class WorkerProcessTest : public ::testing::Test {
     return reply;
   }
 
+  // `steps` one-sequence steps through both clients: each gives the same row.
+  void expectSameRows(WorkerClient& want_from, WorkerClient& got_from, uint32_t steps) {
+    OneStep s;
+    for (uint32_t i = 0; i < steps; ++i) {
+      s.tokens = {1 + i, 2 + i, 3 + i, 4 + i};
+      SequenceStep seq = s.step(i + 1);
+      auto want = verifiedStep(want_from, {&seq, 1});
+      auto got = verifiedStep(got_from, {&seq, 1});
+      ASSERT_TRUE(want.ok() && got.ok());
+      ASSERT_EQ(got->rows.size(), 1u);
+      EXPECT_TRUE(std::equal(want->rows[0].payload.begin(), want->rows[0].payload.end(),
+                             got->rows[0].payload.begin(), got->rows[0].payload.end()))
+          << "step " << i;
+    }
+  }
+
   std::unique_ptr<CpuBackend> inProcess() {
     auto ckpt = Checkpoint::open(test::fixtureDir("tiny-qwen2"));
     EXPECT_TRUE(ckpt.ok());
@@ -433,18 +449,7 @@ TEST_F(WorkerProcessTest, AWorkerGivenSpinUsGivesTheSameRowsAndStops) {
   auto plain = spawn();
   auto spinning = spawn(true, 64, {"--spin-us", "50000"});
   ASSERT_TRUE(plain && spinning);
-  OneStep s;
-  for (uint32_t i = 0; i < 20; ++i) {
-    s.tokens = {1 + i, 2 + i, 3 + i, 4 + i};
-    SequenceStep seq = s.step(i + 1);
-    auto want = verifiedStep(*plain, {&seq, 1});
-    auto got = verifiedStep(*spinning, {&seq, 1});
-    ASSERT_TRUE(want.ok() && got.ok());
-    ASSERT_EQ(got->rows.size(), 1u);
-    EXPECT_TRUE(std::equal(want->rows[0].payload.begin(), want->rows[0].payload.end(),
-                           got->rows[0].payload.begin(), got->rows[0].payload.end()))
-        << "step " << i;
-  }
+  expectSameRows(*plain, *spinning, 20);
   WorkerFailure f = spinning->shutdown(10s);
   EXPECT_TRUE(f.ok()) << f.toString();
 }
@@ -457,18 +462,7 @@ TEST_F(WorkerProcessTest, AClientWatchingForRepliesAwakeReadsThemWhileAwakeWithT
   int wakings = 0, cooled = 0;
   watching->setReplySpin(std::chrono::microseconds(2'000'000),
                          [&](bool warm) { ++(warm ? wakings : cooled); });
-  OneStep s;
-  for (uint32_t i = 0; i < 10; ++i) {
-    s.tokens = {1 + i, 2 + i, 3 + i, 4 + i};
-    SequenceStep seq = s.step(i + 1);
-    auto want = verifiedStep(*plain, {&seq, 1});
-    auto got = verifiedStep(*watching, {&seq, 1});
-    ASSERT_TRUE(want.ok() && got.ok());
-    ASSERT_EQ(got->rows.size(), 1u);
-    EXPECT_TRUE(std::equal(want->rows[0].payload.begin(), want->rows[0].payload.end(),
-                           got->rows[0].payload.begin(), got->rows[0].payload.end()))
-        << "step " << i;
-  }
+  expectSameRows(*plain, *watching, 10);
   EXPECT_EQ(watching->repliesSeenAwake(), 10u);
   EXPECT_EQ(wakings, 10) << "what the reply needs is warmed once a step";
   EXPECT_EQ(cooled, 0) << "every reply came while the client watched";
