@@ -77,7 +77,7 @@ inline uint32_t bitsOf(float f) {
   return b;
 }
 
-// round(e * 2^40), exactly, by the 2^52 trick: the same arithmetic as mass4 below.
+// round(e * 2^40), exactly, by the 2^52 trick: the same arithmetic as biasedMass4 below.
 inline uint64_t massOf(float e) {
   const double d = double(e) * 0x1p40 + 0x1p52;
   uint64_t b;
@@ -85,14 +85,17 @@ inline uint64_t massOf(float e) {
   return b - 0x4330000000000000ull;
 }
 
-inline __m256i mass4(__m128 e) {
-  const __m256d d = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(e), _mm256_set1_pd(0x1p40)),
-                                  _mm256_set1_pd(0x1p52));
-  return _mm256_sub_epi64(_mm256_castpd_si256(d), _mm256_set1_epi64x(0x4330000000000000ll));
+// mass4 with the 2^52 still in each lane's bits, the multiply and add fused (the product is exact,
+// so one rounding either way): sums of these lanes drop kMassBias per lane once, at the end.
+constexpr uint64_t kMassBias = 0x4330000000000000ull;  // the bits of 2^52
+inline __m256i biasedMass4(__m128 e) {
+  return _mm256_castpd_si256(
+      _mm256_fmadd_pd(_mm256_cvtps_pd(e), _mm256_set1_pd(0x1p40), _mm256_set1_pd(0x1p52)));
 }
 
-inline __m256i mass8Sum(__m256 e) {
-  return _mm256_add_epi64(mass4(_mm256_castps256_ps128(e)), mass4(_mm256_extractf128_ps(e, 1)));
+inline __m256i biasedMass8Sum(__m256 e) {
+  return _mm256_add_epi64(biasedMass4(_mm256_castps256_ps128(e)),
+                          biasedMass4(_mm256_extractf128_ps(e, 1)));
 }
 
 inline uint64_t sum64(__m256i v) {
@@ -469,9 +472,9 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
     const __m256 x = _mm256_mul_ps(_mm256_sub_ps(loadLanes(src + i, valid), m), scale);
     const __m256 e = _mm256_and_ps(exp8(x), _mm256_castsi256_ps(laneMask(valid)));
     storeLanes(dst + i, e, valid);
-    mass = _mm256_add_epi64(mass, mass8Sum(e));
+    mass = _mm256_add_epi64(mass, biasedMass8Sum(e));
   }
-  s.mass = sum64(mass) + wide_mass;
+  s.mass = sum64(mass) - uint64_t(len - done + 7) / 8 * 8 * kMassBias + wide_mass;
   if (radix && !reject) histogramChunk(c);
 }
 
@@ -564,9 +567,9 @@ void RowSampler::RowWork::keptChunk(uint32_t c) {
         _mm256_andnot_si256(_mm256_cmpgt_epi32(id, id_cut), _mm256_cmpeq_epi32(k, key)));
     const __m256 in = _mm256_castsi256_ps(_mm256_and_si256(kept, laneMask(valid)));
     count += uint32_t(__builtin_popcount(unsigned(_mm256_movemask_ps(in))));
-    mass = _mm256_add_epi64(mass, mass8Sum(_mm256_and_ps(e, in)));
+    mass = _mm256_add_epi64(mass, biasedMass8Sum(_mm256_and_ps(e, in)));
   }
-  stats[c].kept_mass = sum64(mass) + wide.mass;
+  stats[c].kept_mass = sum64(mass) - uint64_t(len - done + 7) / 8 * 8 * kMassBias + wide.mass;
   stats[c].kept_count = count;
 }
 

@@ -24,27 +24,28 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   const __m512 r2 = _mm512_mul_ps(r, r);
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
-  const __m512i ni = _mm512_cvtps_epi32(n);
-  const __m512i half = _mm512_srai_epi32(ni, 1);
-  const __m512 s1 =
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
-  const __m512 s2 = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
-  const __m512 result = _mm512_mul_ps(_mm512_mul_ps(y, s1), s2);
+  // exp8 scales by 2^n in two multiplies, each exact but the last, which rounds y * 2^n once
+  // (also into the subnormals); scalef rounds the same exact product once: the same bits.
+  const __m512 result = _mm512_scalef_ps(y, n);
   return _mm512_maskz_mov_ps(_knot_mask16(underflow), result);
 }
 
-// mass4 over eight weights, then mass8Sum over sixteen.
-__attribute__((target("avx512f"))) inline __m512i mass8(__m256 e) {
-  const __m512d d = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(e), _mm512_set1_pd(0x1p40)),
-                                  _mm512_set1_pd(0x1p52));
-  return _mm512_sub_epi64(_mm512_castpd_si512(d), _mm512_set1_epi64(0x4330000000000000ll));
+// The masses of eight weights, each still carrying the bits of 2^52: round(e * 2^40) by the same
+// trick as mass4 (row_sampling.cpp), with the multiply and the add in one fused operation (the
+// product is exact, so it rounds the same). Sums of these lanes are corrected once at the end:
+// sixteen weights carry 16 * kMassBias.
+__attribute__((target("avx512f"))) inline __m512i biasedMass8(__m256 e) {
+  return _mm512_castpd_si512(
+      _mm512_fmadd_pd(_mm512_cvtps_pd(e), _mm512_set1_pd(0x1p40), _mm512_set1_pd(0x1p52)));
 }
 
-__attribute__((target("avx512f"))) inline __m512i mass16Sum(__m512 e) {
-  return _mm512_add_epi64(mass8(_mm512_castps512_ps256(e)),
-                          mass8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+__attribute__((target("avx512f"))) inline __m512i biasedMass16Sum(__m512 e) {
+  return _mm512_add_epi64(
+      biasedMass8(_mm512_castps512_ps256(e)),
+      biasedMass8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
 }
+
+constexpr uint64_t kMassBias = 0x4330000000000000ull;  // the bits of 2^52
 
 }  // namespace
 
@@ -103,9 +104,9 @@ __attribute__((target("avx512f"))) uint64_t weightsSixteens(const float* src, fl
   for (uint32_t i = 0; i < 16 * count; i += 16) {
     const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(src + i), vm), vscale));
     _mm512_storeu_ps(dst + i, e);
-    mass = _mm512_add_epi64(mass, mass16Sum(e));
+    mass = _mm512_add_epi64(mass, biasedMass16Sum(e));
   }
-  return uint64_t(_mm512_reduce_add_epi64(mass));
+  return uint64_t(_mm512_reduce_add_epi64(mass)) - uint64_t(16) * count * kMassBias;
 }
 
 __attribute__((target("avx512f"))) KeptTotals keptSixteens(const float* w, uint32_t count,
@@ -122,9 +123,9 @@ __attribute__((target("avx512f"))) KeptTotals keptSixteens(const float* w, uint3
     const __mmask16 kept = _mm512_cmpgt_epi32_mask(k, key) |
                            (_mm512_cmpeq_epi32_mask(k, key) & ~_mm512_cmpgt_epi32_mask(id, id_cut));
     totals.count += uint32_t(__builtin_popcount(unsigned(kept)));
-    mass = _mm512_add_epi64(mass, mass16Sum(_mm512_maskz_mov_ps(kept, e)));
+    mass = _mm512_add_epi64(mass, biasedMass16Sum(_mm512_maskz_mov_ps(kept, e)));
   }
-  totals.mass = uint64_t(_mm512_reduce_add_epi64(mass));
+  totals.mass = uint64_t(_mm512_reduce_add_epi64(mass)) - uint64_t(16) * count * kMassBias;
   return totals;
 }
 

@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 #include <set>
 #include <vector>
 
+#include "broker/row_sampling_avx512.h"
 #include "broker/vector_exp.h"
 #include "shared/checksum.h"
 #include "shared/mix.h"
@@ -334,6 +336,46 @@ TEST(VerifyAndSample, WideAndNarrowVectorsGiveTheSameResults) {
           << "row " << r;
     }
   }
+}
+
+// The 16-lane weights and kept passes, value by value: every weight is exp8's bits (also where
+// the result is subnormal or underflows) and the masses are the exact sums of round(e * 2^40).
+TEST(VerifyAndSample, SixteenLanePassesGiveTheEightLaneWeightsAndExactMasses) {
+  if (!RowSampler::sixteenLanes()) GTEST_SKIP() << "this processor has no AVX-512";
+  std::vector<float> x;
+  // Every 89th float from -0 down to -88, and every one where e^x is subnormal or near it.
+  for (uint32_t b = 0x80000000u; b <= 0xc2b00000u; b += 89) x.push_back(std::bit_cast<float>(b));
+  for (uint32_t b = 0xc2a00000u; b <= 0xc2b00000u; ++b) x.push_back(std::bit_cast<float>(b));
+  x.resize(x.size() / 16 * 16);
+  std::vector<float> wide(x.size()), narrow(x.size());
+  const uint64_t wide_mass =
+      avx512::weightsSixteens(x.data(), wide.data(), uint32_t(x.size() / 16), 0.0f, 1.0f);
+  uint64_t mass = 0;
+  size_t differ = 0;
+  for (size_t i = 0; i < x.size(); i += 8) {
+    _mm256_storeu_ps(narrow.data() + i, exp8(_mm256_loadu_ps(x.data() + i)));
+    for (size_t j = i; j < i + 8; ++j) {
+      differ += std::bit_cast<uint32_t>(wide[j]) != std::bit_cast<uint32_t>(narrow[j]);
+      mass += uint64_t(std::nearbyint(double(narrow[j]) * 0x1p40));
+    }
+  }
+  EXPECT_EQ(differ, 0u) << "of " << x.size() << " weights";
+  EXPECT_EQ(wide_mass, mass);
+  // The kept pass over the same weights, cut at a key inside the range, ties by id.
+  const uint32_t cut_key = std::bit_cast<uint32_t>(narrow[x.size() / 2]), cut_id = 1000;
+  uint64_t kept_mass = 0;
+  uint32_t kept = 0;
+  for (uint32_t i = 0; i < x.size(); ++i) {
+    const uint32_t key = std::bit_cast<uint32_t>(narrow[i]);
+    if (key > cut_key || (key == cut_key && i <= cut_id)) {
+      ++kept;
+      kept_mass += uint64_t(std::nearbyint(double(narrow[i]) * 0x1p40));
+    }
+  }
+  const avx512::KeptTotals totals =
+      avx512::keptSixteens(wide.data(), uint32_t(x.size() / 16), 0, cut_key, cut_id);
+  EXPECT_EQ(totals.count, kept);
+  EXPECT_EQ(totals.mass, kept_mass);
 }
 
 TEST(VerifyAndSample, KeptSetsAndDrawsMatchASortBasedReference) {
