@@ -31,6 +31,9 @@ struct Product {
   int n, k;
 };
 
+constexpr int kCopiedMiB = 256;
+constexpr size_t kMaxCopies = 4096;
+
 std::vector<Product> productsOf(const ModelShape& s) {
   const int head_dim = s.hidden / s.heads;
   return {{"qkv", s.hidden + 2 * s.kv_heads * head_dim, s.hidden},
@@ -40,11 +43,38 @@ std::vector<Product> productsOf(const ModelShape& s) {
           {"lm_head", s.vocab, s.hidden}};
 }
 
+// A failed release cannot change what was measured, but it is reported, never ignored.
+void reportIfFailed(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    std::fprintf(stderr, "bench-gemm: %s failed: %s\n", what, cudaGetErrorString(err));
+}
+
 // Device memory freed on scope exit.
 struct DeviceBuffer {
   void* p = nullptr;
   ~DeviceBuffer() {
-    if (p != nullptr) (void)cudaFree(p);
+    if (p != nullptr) reportIfFailed(cudaFree(p), "cudaFree");
+  }
+};
+
+// The stream, destroyed (and no longer programmatic) on scope exit.
+struct BenchStream {
+  cudaStream_t s = nullptr;
+  ~BenchStream() {
+    if (s == nullptr) return;
+    cuda::setProgrammaticLaunch(s, false);
+    reportIfFailed(cudaStreamDestroy(s), "cudaStreamDestroy");
+  }
+};
+
+// A timed graph's executable and events, released on scope exit.
+struct TimedGraph {
+  cudaGraphExec_t exec = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr;
+  ~TimedGraph() {
+    if (begin != nullptr) reportIfFailed(cudaEventDestroy(begin), "cudaEventDestroy");
+    if (end != nullptr) reportIfFailed(cudaEventDestroy(end), "cudaEventDestroy");
+    if (exec != nullptr) reportIfFailed(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
   }
 };
 
@@ -94,33 +124,27 @@ Result<double> timeLaunches(const Path& path, const Product& p, int m, const __n
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   Status captured = enqueue(launches);
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!captured.ok() && graph != nullptr)
+    reportIfFailed(cudaGraphDestroy(graph), "cudaGraphDestroy");
   BULKHEAD_RETURN_IF_ERROR(captured);
   BULKHEAD_CUDA_RETURN_IF_ERROR(ended);
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
-  (void)cudaGraphDestroy(graph);
+  TimedGraph timed;
+  const cudaError_t instantiated = cudaGraphInstantiate(&timed.exec, graph, 0);
+  reportIfFailed(cudaGraphDestroy(graph), "cudaGraphDestroy");
   BULKHEAD_CUDA_RETURN_IF_ERROR(instantiated);
-  cudaEvent_t begin = nullptr, end = nullptr;
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&timed.begin));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&timed.end));
   float best_ms = 0;
-  Status timed = [&]() -> Status {
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));  // untimed
-    for (int rep = 0; rep < 3; ++rep) {
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(begin, stream));
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream));
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(end, stream));
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(end));
-      float ms = 0;
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, begin, end));
-      best_ms = rep == 0 ? ms : std::min(best_ms, ms);
-    }
-    return okStatus();
-  }();
-  (void)cudaEventDestroy(begin);
-  (void)cudaEventDestroy(end);
-  (void)cudaGraphExecDestroy(exec);
-  BULKHEAD_RETURN_IF_ERROR(timed);
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(timed.exec, stream));  // untimed
+  for (int rep = 0; rep < 3; ++rep) {
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(timed.begin, stream));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(timed.exec, stream));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(timed.end, stream));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(timed.end));
+    float ms = 0;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, timed.begin, timed.end));
+    best_ms = rep == 0 ? ms : std::min(best_ms, ms);
+  }
   return 1000.0 * best_ms / launches;
 }
 
@@ -133,16 +157,18 @@ Status runGemmBench(const GemmBenchOptions& o) {
   if (shape == shapes.end()) return invalidArgument("unknown shape " + o.shape);
   if (o.rows.empty() || o.launches == 0) return invalidArgument("no rows or no launches");
   const int max_m = int(*std::max_element(o.rows.begin(), o.rows.end()));
-  cudaStream_t stream = nullptr;
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Declared before the cuBLAS handle bound to it, so released after it.
+  BenchStream owned;
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&owned.s, cudaStreamNonBlocking));
+  cudaStream_t stream = owned.s;
   const bool programmatic = cuda::programmaticLaunchSupported();
   cuda::setProgrammaticLaunch(stream, programmatic);
   auto cublas = cuda::Matmul::create(stream);
   if (!cublas.ok()) return cublas.status();
   std::printf(
-      "bench-gemm: %s products, %u launches a cell in one graph, programmatic launch %s; "
-      "us a launch and weight GB/s\n",
-      o.shape.c_str(), o.launches, programmatic ? "on" : "off");
+      "bench-gemm: %s products, at least %u launches a cell in one graph (one per weight copy, "
+      "%d MiB of copies), programmatic launch %s; us a launch and weight GB/s\n",
+      o.shape.c_str(), o.launches, kCopiedMiB, programmatic ? "on" : "off");
   std::printf("%-8s %7s %6s %4s", "product", "n", "k", "m");
   for (const Path& p : kPaths) std::printf(" %12s %8s", p.label, "GB/s");
   std::printf(" %10s\n", "best/cublas");
@@ -150,8 +176,13 @@ Status runGemmBench(const GemmBenchOptions& o) {
       {"shape", o.shape}, {"launches", o.launches}, {"results", nlohmann::json::array()}};
   for (const Product& p : productsOf(*shape)) {
     const size_t weight_bytes = size_t(p.n) * size_t(p.k) * 2;
-    // Enough copies that the L2 cache (50 MB on an H200) holds none of them between uses.
-    const int copies = int(std::max<size_t>(2, (size_t(256) << 20) / weight_bytes + 1));
+    // Enough copies that the L2 cache (50 MB on an H200) holds none of them between uses, and a
+    // launch for each at least. Weights so small that this many copies would make a graph of
+    // more than kMaxCopies launches are timed from the cache, and marked so.
+    const int copies = int(std::min<size_t>(
+        kMaxCopies, std::max<size_t>(2, (size_t(kCopiedMiB) << 20) / weight_bytes + 1)));
+    const bool from_cache = size_t(copies) * weight_bytes < (size_t(kCopiedMiB) << 20);
+    const uint32_t launches = std::max(o.launches, uint32_t(copies));
     DeviceBuffer w, x, y, account;
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&account.p, sizeof(cuda::FoldAccount)));
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMalloc(&w.p, weight_bytes * size_t(copies)));
@@ -171,7 +202,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
             const double us,
             timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
                          static_cast<const __nv_bfloat16*>(w.p), copies, static_cast<float*>(y.p),
-                         stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), o.launches));
+                         stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), launches));
         const double gbs = double(weight_bytes) / us / 1e3;
         std::printf(" %12.2f %8.0f", us, gbs);
         row[std::string(path.json) + "_us"] = us;
@@ -180,11 +211,13 @@ Status runGemmBench(const GemmBenchOptions& o) {
         else
           best_ours = best_ours == 0 ? us : std::min(best_ours, us);
       }
-      std::printf(" %9.1f%%\n", 100.0 * cublas_us / best_ours);
+      std::printf(" %9.1f%%%s\n", 100.0 * cublas_us / best_ours,
+                  from_cache ? " (weights in the L2 cache)" : "");
+      row["launches"] = launches;
+      row["from_cache"] = from_cache;
       report["results"].push_back(row);
     }
   }
-  (void)cudaStreamDestroy(stream);
   return writeJsonReport(o.json_path, report);
 }
 #endif

@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "cuda/gemm.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/matmul.cuh"
+#include "cuda/rms_norm.cuh"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace bulkhead {
@@ -138,6 +140,45 @@ TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
   ASSERT_EQ(cudaMemset(accounts.p, 0, 3 * sizeof(cuda::FoldAccount)), cudaSuccess);
   ASSERT_TRUE(cuda::launchGemm(dx.p, 1, dflipped.p, n, k, dy.p, n, nullptr, fold).ok());
   EXPECT_NE(uint32_t(accounts.read()[size_t(fold.weights - 1)].sum), want[fold.weights - 1]);
+}
+
+// Launched programmatically after the kernel that writes its tokens (an RMSNorm, as in a step),
+// the product may start while that kernel runs: it must still read the tokens that kernel wrote,
+// in every schedule (its weights may load before the wait; its tokens may not). Repeated, since a
+// load issued too early shows only when the two kernels overlap.
+TEST(GemmProgrammatic, ReadsTheTokensTheKernelBeforeWroteInEverySchedule) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda::programmaticLaunchSupported()) GTEST_SKIP() << "no programmatic launch here";
+  const int n = 4608, k = 3584;
+  std::mt19937 rng{5};
+  std::vector<__nv_bfloat16> w(size_t(n) * k), ones(size_t(k), __float2bfloat16(1.0f));
+  std::vector<float> x(size_t(kMaxRows) * k);
+  for (auto& v : w) v = __float2bfloat16(std::normal_distribution<float>(0.0f, 0.05f)(rng));
+  for (auto& v : x) v = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+  test::DeviceBuffer<__nv_bfloat16> dw(w), norm_weight(ones), tokens(size_t(kMaxRows) * k);
+  test::DeviceBuffer<float> dx(x), dy(size_t(kMaxRows) * n);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto run = [&](int m, cuda::GemmSchedule schedule) {
+    EXPECT_EQ(cudaMemsetAsync(tokens.p, 0, size_t(kMaxRows) * k * 2, stream), cudaSuccess);
+    EXPECT_EQ(cudaMemsetAsync(dy.p, 0xff, size_t(kMaxRows) * n * 4, stream), cudaSuccess);
+    Status s = cuda::launchRmsNorm(dx.p, m, k, norm_weight.p, 1e-6f, tokens.p, stream);
+    if (s.ok()) s = cuda::launchGemm(tokens.p, m, dw.p, n, k, dy.p, n, stream, {}, schedule);
+    EXPECT_TRUE(s.ok()) << s.toString();
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return dy.read(0, size_t(m) * n);
+  };
+  for (int m : {1, 64, kMaxRows}) {
+    const std::vector<float> want = run(m, cuda::GemmSchedule::kInUse);  // launched in order
+    cuda::setProgrammaticLaunch(stream, true);
+    for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+      for (int repeat = 0; repeat < 20; ++repeat)
+        ASSERT_EQ(std::memcmp(run(m, schedule).data(), want.data(), want.size() * 4), 0)
+            << m << " rows, schedule " << int(schedule) << ", repeat " << repeat;
+    }
+    cuda::setProgrammaticLaunch(stream, false);
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 // The host side of the fold (no device needed): every single flipped bit of a weight changes it,

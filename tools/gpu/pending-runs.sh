@@ -8,6 +8,8 @@
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then bench-gemm (each schedule and cuBLAS) on both shapes
+#   memcheck the product's tests on the small shapes under compute-sanitizer (memcheck, then
+#           racecheck for the cluster's shared memory)
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   serve   serve-bench through a broker with the CUDA backend on both
 #   cuda    tests, engine and serve
@@ -56,6 +58,14 @@ for group in "$@"; do
       run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         run "bench-gemm-$shape" 120 "$bh" bench-gemm --shape $shape --json "$out/bench-gemm-$shape.json"
+      done
+      ;;
+    memcheck)
+      small='*GemmGpuTest*/896x896:*GemmGpuTest*/128x64:*GemmGpuTest*/352x64:*GemmGpuTest*/64x176'
+      small+=':*GemmGpuTest*/10x24:*GemmGpuTest*/33x40:*GemmGpuTest*/100x4008'
+      for tool in memcheck racecheck; do
+        run "gemm-$tool" 240 compute-sanitizer --tool $tool --error-exitcode 3 \
+          "$bundle/gpu_tests" --gtest_filter="$small"
       done
       ;;
     engine)
