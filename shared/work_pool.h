@@ -54,6 +54,7 @@ class WorkPool {
   }
 
  private:
+  static constexpr size_t kLineBytes = 128;
   void helperLoop(unsigned index);  // index 1 .. threads - 1
   // Claims and runs indices of the current burst until none is left; returns the state in which
   // it found nothing left to claim.
@@ -62,11 +63,14 @@ class WorkPool {
   // The burst: (generation << 32) | next index. Claiming an index is a compare-exchange that
   // also checks the generation, so a helper that wakes late can never take an index of a burst
   // it did not read `count_` and `fn_` for.
-  std::atomic<uint64_t> state_{0};
+  // Claims (state_, read with count_ and fn_), completions (unfinished_, which the caller
+  // watches) and the rest each have lines of their own: a completion must not take the line
+  // every idle helper is polling. 128 bytes: the pair of lines x86 processors fetch together.
+  alignas(kLineBytes) std::atomic<uint64_t> state_{0};
   std::atomic<uint32_t> count_{0};
   std::atomic<const std::function<void(size_t)>*> fn_{nullptr};
-  std::atomic<size_t> unfinished_{0};
-  uint64_t generation_ = 0;  // caller only
+  alignas(kLineBytes) std::atomic<size_t> unfinished_{0};
+  alignas(kLineBytes) uint64_t generation_ = 0;  // caller only
 
   std::mutex callers_;  // one burst at a time
   std::mutex mu_;

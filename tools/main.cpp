@@ -222,7 +222,9 @@ int main(int argc, char** argv) {
       "sample-bench", "Broker cost of verifying and sampling logits rows, without a worker");
   sample_bench->add_option("--vocab", sample_opts.vocab, "Vocabulary size (row length)");
   sample_bench->add_option("--rows", sample_rows, "Comma-separated rows per call");
-  sample_bench->add_option("--threads", sample_opts.threads, "Pool threads (0: all cores)");
+  std::string sample_threads = "0";
+  sample_bench->add_option("--threads", sample_threads,
+                           "Comma-separated pool sizes, one table each (0: all cores)");
   sample_bench->add_option("--iterations", sample_opts.iterations, "Measured calls per cell");
   sample_bench->add_option("--json", sample_opts.json_path, "Also write the results as JSON");
 
@@ -377,6 +379,10 @@ int main(int argc, char** argv) {
     if (!parsed.ok() || parsed->empty())
       return fail("sample-bench", invalidArgument("--rows: expected e.g. 1,8,32,64"));
     sample_opts.rows = *parsed;
+    auto threads = parseTokenList(sample_threads);
+    if (!threads.ok() || threads->empty())
+      return fail("sample-bench", invalidArgument("--threads: expected e.g. 4,8,16"));
+    sample_opts.threads.assign(threads->begin(), threads->end());
     Status s = runSampleBench(sample_opts);
     if (!s.ok()) return fail("sample-bench", s);
   }

@@ -31,23 +31,10 @@ constexpr Mode kModes[] = {
     {"greedy+logprobs", false, 0.0f, 1.0f, true},  {"T=0.8", false, 0.8f, 1.0f, false},
     {"T=0.8,top_p=0.9", false, 0.8f, 0.9f, false}, {"top_p+logprobs", false, 0.8f, 0.9f, true}};
 
-}  // namespace
-
-Status runSampleBench(const SampleBenchOptions& o) {
-  if (o.vocab == 0 || o.rows.empty() || o.iterations == 0)
-    return invalidArgument("sample-bench: --vocab, --rows and --iterations must be positive");
-  const uint32_t max_rows = *std::max_element(o.rows.begin(), o.rows.end());
-  // One block like the arena's payloads: rows back to back. Logits spread over [-1, 1]: the
-  // near-flat rows of random weights, where top-p keeps most of the vocabulary.
-  std::vector<float> block(size_t(max_rows) * o.vocab);
-  for (size_t i = 0; i < block.size(); ++i)
-    block[i] = float(double(splitmix64(i) >> 11) * 0x1p-52 - 1.0);
-  std::vector<uint64_t> checksums(max_rows);
-  for (uint32_t r = 0; r < max_rows; ++r)
-    checksums[r] =
-        checksumBytes(std::as_bytes(std::span(block).subspan(size_t(r) * o.vocab, o.vocab)));
-
-  WorkPool pool(o.threads);
+// One table: every row count and mode on a pool of `threads` threads (0: every core).
+Status benchPool(const SampleBenchOptions& o, unsigned threads, const std::vector<float>& block,
+                 const std::vector<uint64_t>& checksums, nlohmann::json& results) {
+  WorkPool pool(threads);
   RowSampler sampler(pool);
   std::printf(
       "sample-bench: vocab %u, %u threads, %u iterations, %d-lane passes; microseconds per call\n",
@@ -55,10 +42,6 @@ Status runSampleBench(const SampleBenchOptions& o) {
   std::printf("%6s", "rows");
   for (const Mode& m : kModes) std::printf(" %18s", (std::string(m.name) + " p50/p99").c_str());
   std::printf("\n");
-  nlohmann::json report = {{"vocab", o.vocab},
-                           {"threads", pool.threads()},
-                           {"iterations", o.iterations},
-                           {"results", nlohmann::json::array()}};
   const std::vector<uint32_t> history = {1, 2, 3};
   for (uint32_t n : o.rows) {
     std::printf("%6u", n);
@@ -94,11 +77,37 @@ Status runSampleBench(const SampleBenchOptions& o) {
       std::snprintf(cell, sizeof cell, "%.1f/%.1f", p50, p99);
       std::printf(" %18s", cell);
       std::fflush(stdout);
-      report["results"].push_back(
-          {{"rows", n}, {"mode", m.name}, {"p50_us", p50}, {"p99_us", p99}});
+      results.push_back({{"threads", pool.threads()},
+                         {"rows", n},
+                         {"mode", m.name},
+                         {"p50_us", p50},
+                         {"p99_us", p99}});
     }
     std::printf("\n");
   }
+  return okStatus();
+}
+
+}  // namespace
+
+Status runSampleBench(const SampleBenchOptions& o) {
+  if (o.vocab == 0 || o.rows.empty() || o.iterations == 0)
+    return invalidArgument("sample-bench: --vocab, --rows and --iterations must be positive");
+  const uint32_t max_rows = *std::max_element(o.rows.begin(), o.rows.end());
+  // One block like the arena's payloads: rows back to back. Logits spread over [-1, 1]: the
+  // near-flat rows of random weights, where top-p keeps most of the vocabulary.
+  std::vector<float> block(size_t(max_rows) * o.vocab);
+  for (size_t i = 0; i < block.size(); ++i)
+    block[i] = float(double(splitmix64(i) >> 11) * 0x1p-52 - 1.0);
+  std::vector<uint64_t> checksums(max_rows);
+  for (uint32_t r = 0; r < max_rows; ++r)
+    checksums[r] =
+        checksumBytes(std::as_bytes(std::span(block).subspan(size_t(r) * o.vocab, o.vocab)));
+
+  nlohmann::json report = {
+      {"vocab", o.vocab}, {"iterations", o.iterations}, {"results", nlohmann::json::array()}};
+  for (const unsigned threads : o.threads)
+    BULKHEAD_RETURN_IF_ERROR(benchPool(o, threads, block, checksums, report["results"]));
   BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));
   return okStatus();
 }

@@ -1,6 +1,6 @@
 // sample-bench: the broker's cost of verifying and sampling a step's logits rows, without a
 // worker. Synthetic near-flat rows (as random-weight models produce), timed per call for
-// verify-only, greedy, temperature and temperature + top-p.
+// verify-only, greedy, temperature and temperature + top-p, for each pool size asked for.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,7 @@ namespace bulkhead {
 struct SampleBenchOptions {
   uint32_t vocab = 152064;
   std::vector<uint32_t> rows = {1, 8, 32, 64};
-  unsigned threads = 0;  // 0: hardware concurrency
+  std::vector<unsigned> threads = {0};  // pool sizes, a table each; 0: hardware concurrency
   uint32_t iterations = 200;
   std::string json_path;
 };
