@@ -41,7 +41,8 @@ for group in "$@"; do
     cpu)
       m=$(model tiny-v152k)
       lscpu | grep -E "^Model name|^Socket|^Core|^Thread|^NUMA node\(s\)|^L3"
-      run sample-bench 60 "$bh" sample-bench --vocab 152064 --rows 1,32,64 --iterations 100
+      run sample-bench 90 "$bh" sample-bench --vocab 152064 --rows 1,32,64 --iterations 100 \
+        --threads 4,8,16
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
       run step-bench-cpu-no-reply-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
         --iterations 200 --reply-spin-us 0
