@@ -109,6 +109,18 @@ __attribute__((target("avx512f"))) uint64_t weightsSixteens(const float* src, fl
   return uint64_t(_mm512_reduce_add_epi64(mass)) - uint64_t(16) * count * kMassBias;
 }
 
+__attribute__((target("avx512f"))) void expSumSixteens(const float* src, uint32_t count, float m,
+                                                       float (&acc)[8]) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m256 sum = _mm256_loadu_ps(acc);
+  for (uint32_t i = 0; i < 16 * count; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(src + i), vm));
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+    sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  _mm256_storeu_ps(acc, sum);
+}
+
 __attribute__((target("avx512f"))) KeptTotals keptSixteens(const float* w, uint32_t count,
                                                            uint32_t base, uint32_t cut_key,
                                                            uint32_t cut_id) {

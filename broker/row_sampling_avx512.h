@@ -31,6 +31,10 @@ ReadTotals readSixteens(const float* src, float* dst, uint32_t count, uint32_t b
 // The weights pass over `count` vectors of 16: e = exp((x - m) * scale) stored, and their mass.
 uint64_t weightsSixteens(const float* src, float* dst, uint32_t count, float m, float scale);
 
+// The log-sum-exp pass over `count` vectors of 16: adds exp(x - m) into the 8 lanes of `acc`, a
+// vector's first 8 values and then its last 8, as the 8-lane loop adds them (the same bits).
+void expSumSixteens(const float* src, uint32_t count, float m, float (&acc)[8]);
+
 struct KeptTotals {
   uint64_t mass = 0;
   uint32_t count = 0;
