@@ -282,7 +282,8 @@ int gemmSplits(int n, int k) {
 }
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
-                  int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule) {
+                  int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule,
+                  int forced_splits) {
   if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || ldy < n || uintptr_t(x) % 16 != 0 ||
       uintptr_t(w) % 16 != 0)
     return invalidArgument("product of " + std::to_string(m) + "x" + std::to_string(k) + " by " +
@@ -296,7 +297,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     if (fold.row_end[s] % 16 != 0)
       return invalidArgument("product fold boundary at row " + std::to_string(fold.row_end[s]) +
                              " is not a multiple of 16");
-  const int splits = gemmSplits(n, k);
+  if (forced_splits < 0 || forced_splits > kMaxSplits)
+    return invalidArgument("product split over " + std::to_string(forced_splits) +
+                           " blocks (0 to " + std::to_string(kMaxSplits) + ")");
+  const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)

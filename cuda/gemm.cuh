@@ -67,9 +67,11 @@ enum class GemmSchedule {
 };
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
-// `ldy` apart. Device memory, asynchronous on `stream`.
+// `ldy` apart. Device memory, asynchronous on `stream`. splits: 0 takes gemmSplits(n, k), as
+// every step does; 1 to 8 forces that many (another fixed sum order, still the same for every
+// row count: for `bulkhead bench-gemm` to compare).
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
-                  GemmSchedule schedule = GemmSchedule::kInUse);
+                  GemmSchedule schedule = GemmSchedule::kInUse, int splits = 0);
 
 }  // namespace bulkhead::cuda

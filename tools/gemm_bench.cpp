@@ -86,6 +86,7 @@ struct Path {
   bool cublas = false;
   cuda::GemmSchedule schedule = cuda::GemmSchedule::kInUse;
   bool folding = false;
+  int splits = 0;  // 0: gemmSplits, as a step
 };
 const Path kPaths[] = {
     {"in_use", "in_use"},
@@ -115,7 +116,7 @@ Result<double> timeLaunches(const Path& path, const Product& p, int m, const __n
         BULKHEAD_RETURN_IF_ERROR(cublas.run(x, m, wi, p.n, p.k, y, false));
       } else {
         BULKHEAD_RETURN_IF_ERROR(
-            cuda::launchGemm(x, m, wi, p.n, p.k, y, p.n, stream, fold, path.schedule));
+            cuda::launchGemm(x, m, wi, p.n, p.k, y, p.n, stream, fold, path.schedule, path.splits));
       }
     }
     return okStatus();
@@ -213,6 +214,28 @@ Status runGemmBench(const GemmBenchOptions& o) {
       }
       std::printf(" %9.1f%%%s\n", 100.0 * cublas_us / best_ours,
                   from_cache ? " (weights in the L2 cache)" : "");
+      // The other split counts a shape could be given (each its own fixed sum order): whether
+      // gemmSplits chose well.
+      std::printf("%28s splits (in_use/pipelined us), a step uses %d:", "",
+                  cuda::gemmSplits(p.n, p.k));
+      row["splits"] = nlohmann::json::array();
+      for (const int splits : {1, 2, 4, 8}) {
+        std::printf(" %d: ", splits);
+        for (const auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+          const Path path{"", "", false, schedule, false, splits};
+          BULKHEAD_ASSIGN_OR_RETURN(
+              const double us,
+              timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
+                           static_cast<const __nv_bfloat16*>(w.p), copies, static_cast<float*>(y.p),
+                           stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), launches));
+          std::printf(schedule == cuda::GemmSchedule::kInUse ? "%.2f/" : "%.2f", us);
+          row["splits"].push_back(
+              {{"splits", splits},
+               {"schedule", schedule == cuda::GemmSchedule::kInUse ? "in_use" : "pipelined"},
+               {"us", us}});
+        }
+      }
+      std::printf("\n");
       row["launches"] = launches;
       row["from_cache"] = from_cache;
       report["results"].push_back(row);

@@ -42,9 +42,10 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   for (auto& v : x) v = __float2bfloat16(input(rng));
   test::DeviceBuffer<__nv_bfloat16> dw(w), dx(x);
   test::DeviceBuffer<float> dy(size_t(kMaxRows) * n);
-  auto product = [&](int m, cuda::GemmSchedule schedule = cuda::GemmSchedule::kInUse) {
+  auto product = [&](int m, cuda::GemmSchedule schedule = cuda::GemmSchedule::kInUse,
+                     int splits = 0) {
     EXPECT_EQ(cudaMemset(dy.p, 0xff, size_t(kMaxRows) * n * 4), cudaSuccess);
-    const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, {}, schedule);
+    const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, {}, schedule, splits);
     EXPECT_TRUE(s.ok()) << s.toString();
     return dy.read(0, size_t(m) * n);
   };
@@ -68,6 +69,26 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
             << "row " << r << " of " << m << " differs from the same row of " << kMaxRows
             << " (shape " << n << "x" << k << ", schedule " << int(schedule) << ")";
     }
+  }
+
+  // Another split of k (bench-gemm's comparison): another order, still the product, and still
+  // the same bits whatever the number of rows.
+  if (!big) {
+    for (int splits : {1, 2, 4, 8}) {
+      const std::vector<float> split_all = product(kMaxRows, cuda::GemmSchedule::kInUse, splits);
+      test::expectMatchesProduct(split_all, x, w, n, k, {0, kMaxRows - 1});
+      for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+        for (int m : {1, 9, 64}) {
+          const std::vector<float> part = product(m, schedule, splits);
+          ASSERT_EQ(std::memcmp(part.data(), split_all.data(), part.size() * 4), 0)
+              << m << " rows split over " << splits << " blocks (shape " << n << "x" << k
+              << ", schedule " << int(schedule) << ")";
+        }
+      }
+    }
+    EXPECT_FALSE(
+        cuda::launchGemm(dx.p, 1, dw.p, n, k, dy.p, n, nullptr, {}, cuda::GemmSchedule::kInUse, 9)
+            .ok());
   }
 
   // cuBLAS (no workspace), the reference: the same sums in another order.
