@@ -59,24 +59,34 @@ __device__ __forceinline__ uint32_t foldKeys(int g, int first) {
 }
 
 // kGroups groups of 8 tokens per block; kUnroll k blocks loaded together. kPipelined: two sets of
-// registers, so that one round's loads are in flight while the round before multiplies (the sums
-// are the same: only when the loads are issued changes).
-template <int kGroups, int kUnroll, bool kPipelined>
+// registers, so that one round's loads are in flight while the round before multiplies. kTiles:
+// weight tiles of 16 rows per warp, multiplied by the same token fragments, so that many rows
+// load each token once from the L2 cache instead of once a tile. Every output gets the same
+// operations in the same order in all of them: only when loads are issued and how many tiles
+// share them change.
+template <int kGroups, int kUnroll, bool kPipelined, int kTiles>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits) {
-  constexpr int kOutputs = 16 * 8 * kGroups;
+  constexpr int kRows = 16 * kTiles;  // weight rows per block
+  constexpr int kOutputs = kRows * 8 * kGroups;
   constexpr int kSets = kPipelined ? 2 : 1;
-  __shared__ float partial[kWarps][16][8 * kGroups];
+  __shared__ float partial[kWarps][kRows][8 * kGroups];
   __shared__ float block_sum[kOutputs];
-  __shared__ unsigned long long fold_scratch[kWarps];
+  __shared__ unsigned long long fold_scratch[kWarps][kTiles];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int rank = int(blockIdx.x) % splits;
-  const int n0 = int(blockIdx.x) / splits * 16, m0 = blockIdx.y * 8 * kGroups;
+  const int n0 = int(blockIdx.x) / splits * kRows, m0 = blockIdx.y * 8 * kGroups;
   const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
-  const bool row_lo = n0 + g < n, row_hi = n0 + g + 8 < n;
-  const __nv_bfloat16* w_lo = w + size_t(row_lo ? n0 + g : 0) * k + 8 * c;
-  const __nv_bfloat16* w_hi = w + size_t(row_hi ? n0 + g + 8 : 0) * k + 8 * c;
+  bool row_lo[kTiles], row_hi[kTiles];
+  const __nv_bfloat16 *w_lo[kTiles], *w_hi[kTiles];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    row_lo[i] = n0 + 16 * i + g < n;
+    row_hi[i] = n0 + 16 * i + g + 8 < n;
+    w_lo[i] = w + size_t(row_lo[i] ? n0 + 16 * i + g : 0) * k + 8 * c;
+    w_hi[i] = w + size_t(row_hi[i] ? n0 + 16 * i + g + 8 : 0) * k + 8 * c;
+  }
   const __nv_bfloat16* x_row[kGroups];
   bool token[kGroups];
 #pragma unroll
@@ -86,22 +96,25 @@ __global__ void __launch_bounds__(kThreads)
   }
   // The blocks of the first token group fold what they load: every word once a launch. A tile
   // lies within one weight (the boundaries are multiples of 16).
-  const int segment =
-      (fold.weights > 1 && n0 >= fold.row_end[0]) + (fold.weights > 2 && n0 >= fold.row_end[1]);
   const bool folding = fold.weights > 0 && blockIdx.y == 0;
-  const int segment_begin = segment == 0 ? 0 : segment == 1 ? fold.row_end[0] : fold.row_end[1];
-  const uint32_t salt = segment == 0 ? fold.salt[0] : segment == 1 ? fold.salt[1] : fold.salt[2];
+  auto segmentOf = [&](int row) {
+    return (fold.weights > 1 && row >= fold.row_end[0]) +
+           (fold.weights > 2 && row >= fold.row_end[1]);
+  };
   const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
-  uint32_t fold_acc[4] = {};
-  float acc[kGroups][4] = {};
-  uint4 a_lo[kSets][kUnroll], a_hi[kSets][kUnroll], b[kSets][kUnroll][kGroups];
+  uint32_t fold_acc[kTiles][4] = {};
+  float acc[kTiles][kGroups][4] = {};
+  uint4 a_lo[kSets][kUnroll][kTiles], a_hi[kSets][kUnroll][kTiles], b[kSets][kUnroll][kGroups];
   auto inK = [&](int kb) { return kb < k_blocks && 32 * kb + 8 * c < k; };
   auto loadWeights = [&](int set, int base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kb = base + u * lanes;
-      a_lo[set][u] = load16(w_lo + 32 * kb, inK(kb) && row_lo);
-      a_hi[set][u] = load16(w_hi + 32 * kb, inK(kb) && row_hi);
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        a_lo[set][u][i] = load16(w_lo[i] + 32 * kb, inK(kb) && row_lo[i]);
+        a_hi[set][u][i] = load16(w_hi[i] + 32 * kb, inK(kb) && row_hi[i]);
+      }
     }
   };
   auto loadTokens = [&](int set, int base) {
@@ -121,19 +134,25 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       if (base + u * lanes >= k_blocks) break;  // the same for the whole warp
 #pragma unroll
-      for (int t = 0; t < kGroups; ++t) {
-        const uint4 &lo = a_lo[set][u], &hi = a_hi[set][u], &tok = b[set][u][t];
-        mma(acc[t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
-        mma(acc[t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
+      for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+        for (int t = 0; t < kGroups; ++t) {
+          const uint4 &lo = a_lo[set][u][i], &hi = a_hi[set][u][i], &tok = b[set][u][t];
+          mma(acc[i][t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
+          mma(acc[i][t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
+        }
       }
     }
     if (folding) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (base + u * lanes >= k_blocks) break;  // the same for the whole warp
-        const uint4 &lo = a_lo[set][u], &hi = a_hi[set][u];
-        foldMma(fold_acc, lo.x, hi.x, lo.y, hi.y, key_lo, key_hi);
-        foldMma(fold_acc, lo.z, hi.z, lo.w, hi.w, key_lo, key_hi);
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const uint4 &lo = a_lo[set][u][i], &hi = a_hi[set][u][i];
+          foldMma(fold_acc[i], lo.x, hi.x, lo.y, hi.y, key_lo, key_hi);
+          foldMma(fold_acc[i], lo.z, hi.z, lo.w, hi.w, key_lo, key_hi);
+        }
       }
     }
   };
@@ -170,36 +189,49 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 #pragma unroll
-  for (int t = 0; t < kGroups; ++t) {
-    partial[warp][g][8 * t + 2 * c] = acc[t][0];
-    partial[warp][g][8 * t + 2 * c + 1] = acc[t][1];
-    partial[warp][g + 8][8 * t + 2 * c] = acc[t][2];
-    partial[warp][g + 8][8 * t + 2 * c + 1] = acc[t][3];
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+      partial[warp][16 * i + g][8 * t + 2 * c] = acc[i][t][0];
+      partial[warp][16 * i + g][8 * t + 2 * c + 1] = acc[i][t][1];
+      partial[warp][16 * i + g + 8][8 * t + 2 * c] = acc[i][t][2];
+      partial[warp][16 * i + g + 8][8 * t + 2 * c + 1] = acc[i][t][3];
+    }
   }
   if (folding) {
-    // Accumulator i is weight row g (+ 8 for i >= 2) and key column 2c + i % 2.
-    const uint32_t row_lo = 2 * uint32_t(n0 + g - segment_begin) + 1, row_hi = row_lo + 16;
-    unsigned long long folded =
-        (2 * salt + 1) * (row_lo * ((4 * c + 1) * fold_acc[0] + (4 * c + 3) * fold_acc[1]) +
-                          row_hi * ((4 * c + 1) * fold_acc[2] + (4 * c + 3) * fold_acc[3]));
-    for (int offset = 16; offset > 0; offset /= 2)
-      folded += __shfl_xor_sync(0xffffffffu, folded, offset);
-    if (lane == 0) fold_scratch[warp] = folded;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      // Accumulator j is weight row g (+ 8 for j >= 2) of the tile and key column 2c + j % 2.
+      const int tile_row = n0 + 16 * i, segment = segmentOf(tile_row);
+      const int segment_begin = segment == 0 ? 0 : segment == 1 ? fold.row_end[0] : fold.row_end[1];
+      const uint32_t salt = segment == 0   ? fold.salt[0]
+                            : segment == 1 ? fold.salt[1]
+                                           : fold.salt[2];
+      const uint32_t lo_row = 2 * uint32_t(tile_row + g - segment_begin) + 1, hi_row = lo_row + 16;
+      unsigned long long folded =
+          (2 * salt + 1) * (lo_row * ((4 * c + 1) * fold_acc[i][0] + (4 * c + 3) * fold_acc[i][1]) +
+                            hi_row * ((4 * c + 1) * fold_acc[i][2] + (4 * c + 3) * fold_acc[i][3]));
+      for (int offset = 16; offset > 0; offset /= 2)
+        folded += __shfl_xor_sync(0xffffffffu, folded, offset);
+      if (lane == 0) fold_scratch[warp][i] = folded;
+    }
   }
   __syncthreads();
-  // Output e is weight row e % 16 and token e / 16: neighbouring threads store neighbouring
-  // outputs.
+  // Output e is weight row e % kRows and token e / kRows: neighbouring threads store
+  // neighbouring outputs.
   for (int e = threadIdx.x; e < kOutputs; e += kThreads) {
-    float total = partial[0][e % 16][e / 16];
+    float total = partial[0][e % kRows][e / kRows];
 #pragma unroll
-    for (int v = 1; v < kWarps; ++v) total += partial[v][e % 16][e / 16];
+    for (int v = 1; v < kWarps; ++v) total += partial[v][e % kRows][e / kRows];
     block_sum[e] = total;
   }
-  unsigned long long block_fold = 0;
+  unsigned long long block_fold[kTiles] = {};
   if (folding && threadIdx.x == 0)
-    for (int v = 0; v < kWarps; ++v) block_fold += fold_scratch[v];
+    for (int i = 0; i < kTiles; ++i)
+      for (int v = 0; v < kWarps; ++v) block_fold[i] += fold_scratch[v][i];
   auto store = [&](int e, float value) {
-    if (n0 + e % 16 < n && m0 + e / 16 < m) y[size_t(m0 + e / 16) * ldy + n0 + e % 16] = value;
+    if (n0 + e % kRows < n && m0 + e / kRows < m)
+      y[size_t(m0 + e / kRows) * ldy + n0 + e % kRows] = value;
   };
   if (splits == 1) {
     __syncthreads();
@@ -207,7 +239,8 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     // The cluster's blocks are the tile's k splits: rank r adds up the outputs r, r + splits, ...
     // over the blocks in rank order, and keeps its shared memory until every rank has read it.
-    if (folding && threadIdx.x == 0) fold_scratch[0] = block_fold;
+    if (folding && threadIdx.x == 0)
+      for (int i = 0; i < kTiles; ++i) fold_scratch[0][i] = block_fold[i];
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
     for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
@@ -216,24 +249,31 @@ __global__ void __launch_bounds__(kThreads)
       store(e, total);
     }
     if (folding && rank == 0 && threadIdx.x == 0)
-      for (int s = 1; s < splits; ++s) block_fold += *cluster.map_shared_rank(&fold_scratch[0], s);
+      for (int s = 1; s < splits; ++s)
+        for (int i = 0; i < kTiles; ++i)
+          block_fold[i] += *cluster.map_shared_rank(&fold_scratch[0][i], s);
     cluster.sync();
   }
   if (folding && rank == 0 && threadIdx.x == 0) {
-    FoldAccount* account = segment == 0   ? fold.account[0]
-                           : segment == 1 ? fold.account[1]
-                                          : fold.account[2];
-    atomicAdd(&account->sum, block_fold);
-    atomicAdd(&account->words, (unsigned long long)min(16, n - n0) * uint32_t(k / 2));
+    for (int i = 0; i < kTiles; ++i) {
+      const int tile_row = n0 + 16 * i;
+      if (tile_row >= n) break;  // past the weight's last row: nothing was loaded
+      const int segment = segmentOf(tile_row);
+      FoldAccount* account = segment == 0   ? fold.account[0]
+                             : segment == 1 ? fold.account[1]
+                                            : fold.account[2];
+      atomicAdd(&account->sum, block_fold[i]);
+      atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
+    }
   }
 }
 
-template <int kGroups, int kUnroll, bool kPipelined = false>
+template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold) {
   cudaLaunchConfig_t config = {};
-  config.gridDim =
-      dim3(unsigned((n + 15) / 16 * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
+  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles;
+  config.gridDim = dim3(unsigned(blocks * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attrs[2];
@@ -247,8 +287,8 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   }
   config.attrs = attrs;
   config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
-  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined>, x, m, w, n, k, y,
-                            ldy, fold, splits);
+  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles>, x, m, w, n,
+                            k, y, ldy, fold, splits);
 }
 
 }  // namespace
@@ -311,6 +351,15 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
       launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
     else
       launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+  } else if (schedule == GemmSchedule::kTwoTiles) {
+    if (m <= 8)
+      launched = launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    else if (m <= 16)
+      launched = launch<2, 2, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    else if (m <= 32)
+      launched = launch<4, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    else
+      launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
   } else if (m <= 8)
     launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold);
   else if (m <= 16)

@@ -64,7 +64,16 @@ int gemmSplits(int n, int k);
 enum class GemmSchedule {
   kInUse,      // a round's loads, then its multiplies
   kPipelined,  // the next round's loads in flight while a round multiplies (half the unroll)
+  kTwoTiles,   // two weight tiles a warp, multiplied by each token fragment it loads (half the
+               // unroll): the tokens are read from the L2 cache half as often
 };
+inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kInUse, GemmSchedule::kPipelined,
+                                                  GemmSchedule::kTwoTiles};
+inline const char* gemmScheduleName(GemmSchedule s) {
+  return s == GemmSchedule::kInUse       ? "in_use"
+         : s == GemmSchedule::kPipelined ? "pipelined"
+                                         : "two_tiles";
+}
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
 // `ldy` apart. Device memory, asynchronous on `stream`. splits: 0 takes gemmSplits(n, k), as

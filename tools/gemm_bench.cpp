@@ -93,6 +93,8 @@ const Path kPaths[] = {
     {"+fold", "in_use_folding", false, cuda::GemmSchedule::kInUse, true},
     {"pipelined", "pipelined", false, cuda::GemmSchedule::kPipelined},
     {"+fold", "pipelined_folding", false, cuda::GemmSchedule::kPipelined, true},
+    {"two_tiles", "two_tiles", false, cuda::GemmSchedule::kTwoTiles},
+    {"+fold", "two_tiles_folding", false, cuda::GemmSchedule::kTwoTiles, true},
     {"cublas", "cublas", true},
 };
 
@@ -216,23 +218,21 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf("%28s splits (in_use/pipelined us), a step uses %d:", "",
+      std::printf("%28s splits (in_use/pipelined/two_tiles us), a step uses %d:", "",
                   cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {
         std::printf(" %d: ", splits);
-        for (const auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+        for (const auto schedule : cuda::kGemmSchedules) {
           const Path path{"", "", false, schedule, false, splits};
           BULKHEAD_ASSIGN_OR_RETURN(
               const double us,
               timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
                            static_cast<const __nv_bfloat16*>(w.p), copies, static_cast<float*>(y.p),
                            stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), launches));
-          std::printf(schedule == cuda::GemmSchedule::kInUse ? "%.2f/" : "%.2f", us);
+          std::printf(schedule == cuda::GemmSchedule::kInUse ? "%.2f" : "/%.2f", us);
           row["splits"].push_back(
-              {{"splits", splits},
-               {"schedule", schedule == cuda::GemmSchedule::kInUse ? "in_use" : "pipelined"},
-               {"us", us}});
+              {{"splits", splits}, {"schedule", cuda::gemmScheduleName(schedule)}, {"us", us}});
         }
       }
       std::printf("\n");

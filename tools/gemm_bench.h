@@ -1,11 +1,12 @@
 // bench-gemm: a model's products alone, on the device: for each product of a decoder layer (fused
 // q/k/v, o, fused gate/up, down) and the lm_head, at each row count, the time a launch takes and
-// the weight bandwidth it reaches, for each schedule of our product (with the fold of the weight
-// words that the in-step checks add, and without) and for cuBLAS (workspace 0); then each
-// schedule again with the k split over 1, 2, 4 and 8 blocks, whatever gemmSplits would choose.
-// Launches cycle over enough copies of the weight that none is read from the L2 cache (weights
-// too small for that are marked as timed from the cache), and run as a step runs them: back to back
-// in one CUDA graph, programmatic where the device allows.
+// the weight bandwidth it reaches, for each schedule of our product (cuda/gemm.cuh: in use,
+// pipelined, two tiles a warp; each with the fold of the weight words that the in-step checks
+// add, and without) and for cuBLAS (workspace 0); then each schedule again with the k split over
+// 1, 2, 4 and 8 blocks, whatever gemmSplits would choose. Launches cycle over enough copies of
+// the weight that none is read from the L2 cache (weights too small for that are marked as timed
+// from the cache), and run as a step runs them: back to back in one CUDA graph, programmatic
+// where the device allows.
 #pragma once
 
 #include <cstdint>

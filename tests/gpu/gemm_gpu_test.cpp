@@ -60,14 +60,15 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
     if (!big || m <= 3 || m == 8 || m == 9 || m == 17 || m == 33 || m == 64) counts.push_back(m);
   for (int m : {65, 130}) counts.push_back(m);
   // Every schedule gives the same bits.
-  for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+  for (auto schedule : cuda::kGemmSchedules) {
     for (int m : counts) {
       const std::vector<float> part = product(m, schedule);
       for (int r = 0; r < m; ++r)
         ASSERT_EQ(
             std::memcmp(part.data() + size_t(r) * n, all.data() + size_t(r) * n, size_t(n) * 4), 0)
             << "row " << r << " of " << m << " differs from the same row of " << kMaxRows
-            << " (shape " << n << "x" << k << ", schedule " << int(schedule) << ")";
+            << " (shape " << n << "x" << k << ", schedule " << cuda::gemmScheduleName(schedule)
+            << ")";
     }
   }
 
@@ -77,12 +78,12 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
     for (int splits : {1, 2, 4, 8}) {
       const std::vector<float> split_all = product(kMaxRows, cuda::GemmSchedule::kInUse, splits);
       test::expectMatchesProduct(split_all, x, w, n, k, {0, kMaxRows - 1});
-      for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+      for (auto schedule : cuda::kGemmSchedules) {
         for (int m : {1, 9, 64}) {
           const std::vector<float> part = product(m, schedule, splits);
           ASSERT_EQ(std::memcmp(part.data(), split_all.data(), part.size() * 4), 0)
               << m << " rows split over " << splits << " blocks (shape " << n << "x" << k
-              << ", schedule " << int(schedule) << ")";
+              << ", schedule " << cuda::gemmScheduleName(schedule) << ")";
         }
       }
     }
@@ -126,8 +127,10 @@ TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
   test::DeviceBuffer<__nv_bfloat16> dw(w), dx(x);
   test::DeviceBuffer<float> dy(size_t(kMaxRows) * n);
   test::DeviceBuffer<cuda::FoldAccount> accounts(3);
-  // Two weights back to back where a tile boundary allows it, as fused q/k/v and gate/up are.
-  const int split = n >= 32 ? n / 32 * 16 : n;
+  // Two weights back to back where a tile boundary allows it, as fused q/k/v and gate/up are; the
+  // boundary after an odd number of tiles, so that one block of two tiles holds rows of both.
+  int split = n >= 32 ? n / 32 * 16 : n;
+  if (split < n && split / 16 % 2 == 0 && split + 16 < n) split += 16;
   cuda::GemmFold fold;
   fold.weights = split < n ? 2 : 1;
   fold.row_end[0] = split;
@@ -139,7 +142,7 @@ TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
   const uint32_t want[2] = {
       cuda::productFold(bytes, size_t(split), k, 0, fold.salt[0]),
       cuda::productFold(bytes + size_t(split) * k * 2, size_t(n - split), k, 0, fold.salt[1])};
-  for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+  for (auto schedule : cuda::kGemmSchedules) {
     for (int m : {1, 7, 9, 33, 64, 130}) {
       ASSERT_EQ(cudaMemset(accounts.p, 0, 3 * sizeof(cuda::FoldAccount)), cudaSuccess);
       const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, fold, schedule);
@@ -148,9 +151,11 @@ TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
       for (int i = 0; i < fold.weights; ++i) {
         const uint64_t rows = uint64_t(i == 0 ? split : n - split);
         EXPECT_EQ(uint32_t(got[size_t(i)].sum), want[i])
-            << "weight " << i << ", " << m << " rows, schedule " << int(schedule);
+            << "weight " << i << ", " << m << " rows, schedule "
+            << cuda::gemmScheduleName(schedule);
         EXPECT_EQ(got[size_t(i)].words, rows * uint64_t(k / 2))
-            << "weight " << i << ", " << m << " rows, schedule " << int(schedule);
+            << "weight " << i << ", " << m << " rows, schedule "
+            << cuda::gemmScheduleName(schedule);
       }
     }
   }
@@ -192,10 +197,10 @@ TEST(GemmProgrammatic, ReadsTheTokensTheKernelBeforeWroteInEverySchedule) {
   for (int m : {1, 64, kMaxRows}) {
     const std::vector<float> want = run(m, cuda::GemmSchedule::kInUse);  // launched in order
     cuda::setProgrammaticLaunch(stream, true);
-    for (auto schedule : {cuda::GemmSchedule::kInUse, cuda::GemmSchedule::kPipelined}) {
+    for (auto schedule : cuda::kGemmSchedules) {
       for (int repeat = 0; repeat < 20; ++repeat)
         ASSERT_EQ(std::memcmp(run(m, schedule).data(), want.data(), want.size() * 4), 0)
-            << m << " rows, schedule " << int(schedule) << ", repeat " << repeat;
+            << m << " rows, schedule " << cuda::gemmScheduleName(schedule) << ", repeat " << repeat;
     }
     cuda::setProgrammaticLaunch(stream, false);
   }
