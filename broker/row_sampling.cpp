@@ -724,7 +724,27 @@ uint32_t RowSampler::RowWork::pick() {
     return k > cut_key || (k == cut_key && i <= cut_id);
   };
   if (c < chunks) {
-    for (uint32_t i = begin(c); i < begin(c) + size(c); ++i) {
+    // Whole blocks of 64 weights while the target lies beyond them (exact integer sums, so the
+    // token found is the one a token-by-token walk finds), then token by token.
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i key = _mm256_set1_epi32(int(cut_key)), id_cut = _mm256_set1_epi32(int(cut_id));
+    uint32_t i = begin(c);
+    for (; i + 64 <= begin(c) + size(c); i += 64) {
+      __m256i mass = _mm256_setzero_si256();
+      for (uint32_t j = i; j < i + 64; j += 8) {
+        const __m256 e = _mm256_loadu_ps(buf->weights.data() + j);
+        const __m256i k = _mm256_castps_si256(e);
+        const __m256i id = _mm256_add_epi32(_mm256_set1_epi32(int(j)), lane);
+        const __m256i kept = _mm256_or_si256(
+            _mm256_cmpgt_epi32(k, key),
+            _mm256_andnot_si256(_mm256_cmpgt_epi32(id, id_cut), _mm256_cmpeq_epi32(k, key)));
+        mass = _mm256_add_epi64(mass, biasedMass8Sum(_mm256_and_ps(e, _mm256_castsi256_ps(kept))));
+      }
+      const uint64_t block = sum64(mass) - 64 * kMassBias;
+      if (running + block > target) break;
+      running += block;
+    }
+    for (; i < begin(c) + size(c); ++i) {
       if (!isKept(i)) continue;
       running += massOf(buf->weights[i]);
       if (running > target) return i;
