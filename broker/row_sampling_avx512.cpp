@@ -47,6 +47,16 @@ __attribute__((target("avx512f"))) inline __m512i biasedMass16Sum(__m512 e) {
 
 constexpr uint64_t kMassBias = 0x4330000000000000ull;  // the bits of 2^52
 
+// The eight 64-bit lanes added modulo 2^64 (_mm512_reduce_add_epi64 adds them as signed
+// integers, which overflow, undefined, on biased masses).
+__attribute__((target("avx512f"))) inline uint64_t sumLanes(__m512i v) {
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, v);
+  uint64_t total = 0;
+  for (const uint64_t l : lanes) total += l;
+  return total;
+}
+
 }  // namespace
 
 __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, float* dst,
@@ -86,7 +96,7 @@ __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, flo
     }
   }
   ReadTotals totals;
-  totals.checksum = uint64_t(_mm512_reduce_add_epi64(sum));
+  totals.checksum = sumLanes(sum);
   totals.non_finite = bad != 0;
   totals.max = _mm512_reduce_max_ps(best);
   if (track) {
@@ -106,7 +116,7 @@ __attribute__((target("avx512f"))) uint64_t weightsSixteens(const float* src, fl
     _mm512_storeu_ps(dst + i, e);
     mass = _mm512_add_epi64(mass, biasedMass16Sum(e));
   }
-  return uint64_t(_mm512_reduce_add_epi64(mass)) - uint64_t(16) * count * kMassBias;
+  return sumLanes(mass) - uint64_t(16) * count * kMassBias;
 }
 
 __attribute__((target("avx512f"))) void expSumSixteens(const float* src, uint32_t count, float m,
@@ -137,7 +147,7 @@ __attribute__((target("avx512f"))) KeptTotals keptSixteens(const float* w, uint3
     totals.count += uint32_t(__builtin_popcount(unsigned(kept)));
     mass = _mm512_add_epi64(mass, biasedMass16Sum(_mm512_maskz_mov_ps(kept, e)));
   }
-  totals.mass = uint64_t(_mm512_reduce_add_epi64(mass)) - uint64_t(16) * count * kMassBias;
+  totals.mass = sumLanes(mass) - uint64_t(16) * count * kMassBias;
   return totals;
 }
 
