@@ -71,7 +71,9 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
   constexpr int kSets = kPipelined ? 2 : 1;
-  __shared__ float partial[kWarps][kRows][8 * kGroups];
+  // One float of padding a row: the reduction below reads down a column, which would otherwise
+  // put a warp's reads in one bank.
+  __shared__ float partial[kWarps][kRows][8 * kGroups + 1];
   __shared__ float block_sum[kOutputs];
   __shared__ unsigned long long fold_scratch[kWarps][kTiles];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
