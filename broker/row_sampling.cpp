@@ -915,15 +915,10 @@ void RowSampler::verifyAndSample(std::span<const RowToSample> rows, std::span<Sa
         for (uint32_t c = 0; c < w.chunks; ++c) tasks.emplace_back(uint32_t(r), c);
     }
     if (!busy) return;
-    // As many claims as threads at most: every claim and completion moves one cache line between
-    // cores, which on a large host costs more than a chunk's work. Each thread's share is the
-    // same number of chunks as one at a time would give the busiest thread.
-    const size_t per_task =
-        std::max<size_t>(1, (tasks.size() + pool_.threads() - 1) / pool_.threads());
-    pool_.parallelFor((tasks.size() + per_task - 1) / per_task, [&](size_t i) {
-      for (size_t t = i * per_task; t < std::min(tasks.size(), (i + 1) * per_task); ++t)
-        work_[tasks[t].first]->chunk(tasks[t].second);
-    });
+    // One chunk a claim: a helper that wakes late (a cold pool) finds only what is left, where a
+    // fixed share per thread would make the step wait for it.
+    pool_.parallelFor(tasks.size(),
+                      [&](size_t i) { work_[tasks[i].first]->chunk(tasks[i].second); });
     for (size_t r = 0; r < rows.size(); ++r) work_[r]->combine();
   }
 }
