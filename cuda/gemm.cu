@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
@@ -314,6 +315,35 @@ uint32_t productFold(const std::byte* data, size_t rows, int k, uint32_t first_r
     fold += (2 * (first_row + uint32_t(r)) + 1) * sum;
   }
   return (2 * salt + 1) * fold;
+}
+
+Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
+  std::vector<GemmSchedule> named;
+  size_t at = 0;
+  while (true) {
+    const size_t comma = text.find(',', at);
+    const std::string_view name =
+        text.substr(at, comma == std::string_view::npos ? comma : comma - at);
+    bool known = false;
+    for (const GemmSchedule s : kGemmSchedules) {
+      if (name == gemmScheduleName(s)) {
+        named.push_back(s);
+        known = true;
+      }
+    }
+    if (!known)
+      return invalidArgument("product schedule \"" + std::string(name) +
+                             "\" (known: in_use, pipelined, two_tiles)");
+    if (comma == std::string_view::npos) break;
+    at = comma + 1;
+  }
+  if (named.size() != 1 && named.size() != 4)
+    return invalidArgument(
+        "product schedules: one name, or four (rows 1-8, 9-16, 17-32, 33+), not " +
+        std::to_string(named.size()));
+  GemmScheduleBuckets buckets;
+  for (size_t b = 0; b < buckets.size(); ++b) buckets[b] = named[named.size() == 1 ? 0 : b];
+  return buckets;
 }
 
 int gemmSplits(int n, int k) {

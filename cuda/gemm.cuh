@@ -11,8 +11,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include "cuda/step_checks.cuh"
 #include "shared/mix.h"
@@ -69,6 +71,16 @@ enum class GemmSchedule {
 };
 inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kInUse, GemmSchedule::kPipelined,
                                                   GemmSchedule::kTwoTiles};
+// The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
+// kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
+using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
+inline int gemmBucket(int rows) {
+  return rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
+}
+// "NAME" for every bucket, or four names, comma-separated, one a bucket: in_use, pipelined,
+// two_tiles.
+Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
+
 inline const char* gemmScheduleName(GemmSchedule s) {
   return s == GemmSchedule::kInUse       ? "in_use"
          : s == GemmSchedule::kPipelined ? "pipelined"

@@ -90,6 +90,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.check_weight_reads = v.checks;
   options.cuda_graphs = o.graphs;
   options.cuda_programmatic_launch = o.programmatic_launch;
+  options.cuda_gemm_schedules = o.gemm_schedules;
   options.cuda_cublas_products = v.cublas;
   BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
   const BackendLimits& limits = backend->limits();
@@ -181,10 +182,11 @@ Status runEngineBench(const EngineBenchOptions& o) {
   }
 
   std::printf(
-      "bench-engine: %s on %s, graphs %s, programmatic launch %s, prompt %u, %u decode steps per "
-      "batch size\n",
+      "bench-engine: %s on %s, graphs %s, programmatic launch %s, product schedules %s, prompt "
+      "%u, %u decode steps per batch size\n",
       o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off",
-      o.programmatic_launch ? "on" : "off", o.prompt, o.steps);
+      o.programmatic_launch ? "on" : "off",
+      o.gemm_schedules.empty() ? "in_use" : o.gemm_schedules.c_str(), o.prompt, o.steps);
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
                 read_bytes_per_s / 1e9);
@@ -194,14 +196,16 @@ Status runEngineBench(const EngineBenchOptions& o) {
     std::printf(" %12s %8s %12s %13s %10s", "unchecked_ms", "checks", "cublas_ms", "cublas_tok/s",
                 "vs_cublas");
   std::printf("\n");
-  nlohmann::json report = {{"model", o.model_dir},
-                           {"backend", o.backend},
-                           {"graphs", o.graphs},
-                           {"programmatic_launch", o.programmatic_launch},
-                           {"prompt", o.prompt},
-                           {"steps", o.steps},
-                           {"read_bandwidth_gb_s", read_bytes_per_s / 1e9},
-                           {"results", nlohmann::json::array()}};
+  nlohmann::json report = {
+      {"model", o.model_dir},
+      {"backend", o.backend},
+      {"graphs", o.graphs},
+      {"programmatic_launch", o.programmatic_launch},
+      {"gemm_schedules", o.gemm_schedules.empty() ? "in_use" : o.gemm_schedules},
+      {"prompt", o.prompt},
+      {"steps", o.steps},
+      {"read_bandwidth_gb_s", read_bytes_per_s / 1e9},
+      {"results", nlohmann::json::array()}};
   for (size_t i = 0; i < o.batches.size(); ++i) {
     const uint32_t batch = o.batches[i];
     const Measured& m = results[0][i];

@@ -18,6 +18,7 @@ struct EngineBenchOptions {
   std::vector<uint32_t> batches = {1, 8, 32, 64};
   bool graphs = true;
   bool programmatic_launch = false;  // CudaBackend::Options::programmatic_launch
+  std::string gemm_schedules;        // BackendOptions::cuda_gemm_schedules (empty: in_use)
   uint32_t prompt = 128;             // tokens prefilled per sequence
   uint32_t steps = 64;               // timed decode steps per batch size (after 8 untimed)
   bool compare = true;               // CUDA: also without checks, and through cuBLAS

@@ -199,6 +199,9 @@ int main(int argc, char** argv) {
       ->add_option("--programmatic-launch", engine_programmatic,
                    "on | off: each of a step's kernels may begin while the one before finishes")
       ->check(CLI::IsMember({"on", "off"}));
+  engine_bench->add_option("--gemm-schedules", engine_opts.gemm_schedules,
+                           "CUDA: the product's schedule, one or one per bucket of rows "
+                           "(1-8,9-16,17-32,33+): in_use, pipelined, two_tiles");
   engine_bench->add_option("--prompt", engine_opts.prompt, "Tokens prefilled per sequence");
   engine_bench->add_option("--steps", engine_opts.steps, "Timed decode steps per batch size");
   bool engine_alone = false;

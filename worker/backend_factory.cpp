@@ -3,6 +3,7 @@
 
 #include "worker/cpu_backend.h"
 #ifdef BULKHEAD_HAVE_CUDA
+#include "cuda/gemm.cuh"
 #include "worker/cuda_backend.h"
 #endif
 
@@ -30,6 +31,10 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.programmatic_launch = options.cuda_programmatic_launch;
     cuda.cublas_products = options.cuda_cublas_products;
     cuda.device = options.cuda_device;
+    if (!options.cuda_gemm_schedules.empty()) {
+      BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_schedules,
+                                cuda::parseGemmSchedules(options.cuda_gemm_schedules));
+    }
     BULKHEAD_ASSIGN_OR_RETURN(auto backend, CudaBackend::create(std::move(checkpoint), cuda));
     return std::unique_ptr<Backend>(std::move(backend));
 #else

@@ -19,6 +19,8 @@ struct BackendOptions {
   bool cuda_programmatic_launch = true;  // CudaBackend::Options::programmatic_launch
   bool cuda_cublas_products = false;     // CudaBackend::Options::cublas_products
   int cuda_device = 0;                   // the CUDA device ordinal the worker uses
+  // The CUDA product's schedule per bucket of rows (cuda::parseGemmSchedules); empty: in_use.
+  std::string cuda_gemm_schedules;
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

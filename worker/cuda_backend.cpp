@@ -152,6 +152,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->checkpoint_ = std::move(checkpoint);
   b->attention_scale_ = options.attention_scale_factor;
   b->graphs_ = options.cuda_graphs;
+  b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
   BULKHEAD_RETURN_IF_ERROR(b->load(options));
   return b;
@@ -625,14 +626,16 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   };
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
+  const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
   if (d_->cublas != nullptr) {
     if (!adjacent || ldy != n)
       return unimplemented("cuBLAS products need a group's weights adjacent and its output packed");
     BULKHEAD_RETURN_IF_ERROR(
         d_->cublas->run(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, false));
   } else if (adjacent) {
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
-        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused));
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(input, rows,
+                                              static_cast<const __nv_bfloat16*>(first.ptr), n, k, y,
+                                              ldy, stream, fused, schedule));
   }
   int column = 0;
   for (const Weight* w : group) {
@@ -640,7 +643,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     if (!adjacent && d_->cublas == nullptr)
       BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(input, rows,
                                                 static_cast<const __nv_bfloat16*>(w->ptr), wn, k,
-                                                y + column, ldy, stream, alone(*w)));
+                                                y + column, ldy, stream, alone(*w), schedule));
     BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
     column += wn;
   }

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/gemm.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
@@ -40,6 +41,9 @@ class CudaBackend final : public Backend {
     // Every product through cuBLAS (cuda/matmul.cuh) instead of our kernel: a speed reference
     // for bench-engine. cuBLAS cannot fold the words it loads, so the in-step checks are off.
     bool cublas_products = false;
+    // The product's schedule per bucket of rows (cuda/gemm.cuh): the same bits in each, so it
+    // changes speed only.
+    cuda::GemmScheduleBuckets gemm_schedules = {};
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -134,6 +138,7 @@ class CudaBackend final : public Backend {
   BackendLimits limits_;
   float attention_scale_ = 1.0f;
   bool graphs_ = true;
+  cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;
   uint64_t graph_launches_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;

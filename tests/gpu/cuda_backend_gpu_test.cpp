@@ -28,8 +28,10 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 }
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
-                                         int device = 0, bool programmatic = false) {
+                                         int device = 0, bool programmatic = false,
+                                         cuda::GemmScheduleBuckets schedules = {}) {
   CudaBackend::Options options;
+  options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
   options.programmatic_launch = programmatic;
@@ -206,6 +208,29 @@ TEST_P(CudaBackendModels, ProgrammaticLaunchDoesNotChangeLogits) {
                   early_driver.runAmongOthers(target, others), "programmatic, batched");
   expectIdentical(plain_driver.runAlone(1, target, 7), early_driver.runAlone(1, target, 7),
                   "programmatic, chunks of 7");
+}
+
+// Every product schedule gives the same rows, bit for bit, whichever bucket of rows a step's
+// products fall in: prefill chunks of 3, 13, 20 and 40 tokens (one per bucket), and decode steps
+// as graphs.
+TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
+  test::BackendDriver plain(*backend_);
+  const auto tokens = randomTokens(48, vocab_, 9);
+  const size_t chunks[] = {3, 13, 20, 40};
+  std::vector<test::Rows> want;
+  for (size_t i = 0; i < 4; ++i) want.push_back(plain.runAlone(1 + i, tokens, chunks[i]));
+  const test::Rows decoded = decodeThree(*backend_, vocab_);
+  for (const char* names : {"pipelined", "two_tiles", "two_tiles,pipelined,two_tiles,pipelined"}) {
+    auto schedules = cuda::parseGemmSchedules(names);
+    ASSERT_TRUE(schedules.ok()) << schedules.status().toString();
+    auto other = cudaBackend(checkpoint_, true, 0, false, *schedules);
+    ASSERT_NE(other, nullptr);
+    test::BackendDriver driver(*other);
+    for (size_t i = 0; i < 4; ++i)
+      expectIdentical(want[i], driver.runAlone(1 + i, tokens, chunks[i]),
+                      std::string(names) + ", chunks of " + std::to_string(chunks[i]));
+    expectIdentical(decoded, decodeThree(*other, vocab_), std::string(names) + ", decoding");
+  }
 }
 
 TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {

@@ -213,6 +213,33 @@ TEST(GemmProgrammatic, ReadsTheTokensTheKernelBeforeWroteInEverySchedule) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// The schedules a step's products use, per bucket of rows (no device needed).
+TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
+  auto all = cuda::parseGemmSchedules("two_tiles");
+  ASSERT_TRUE(all.ok()) << all.status().toString();
+  for (const cuda::GemmSchedule s : *all) EXPECT_EQ(s, cuda::GemmSchedule::kTwoTiles);
+  auto each = cuda::parseGemmSchedules("in_use,pipelined,two_tiles,in_use");
+  ASSERT_TRUE(each.ok()) << each.status().toString();
+  EXPECT_EQ((*each)[0], cuda::GemmSchedule::kInUse);
+  EXPECT_EQ((*each)[1], cuda::GemmSchedule::kPipelined);
+  EXPECT_EQ((*each)[2], cuda::GemmSchedule::kTwoTiles);
+  EXPECT_EQ((*each)[3], cuda::GemmSchedule::kInUse);
+  EXPECT_EQ(cuda::gemmBucket(1), 0);
+  EXPECT_EQ(cuda::gemmBucket(8), 0);
+  EXPECT_EQ(cuda::gemmBucket(9), 1);
+  EXPECT_EQ(cuda::gemmBucket(32), 2);
+  EXPECT_EQ(cuda::gemmBucket(33), 3);
+  for (const char* bad : {"", "fast", "in_use,pipelined", "in_use,,two_tiles,in_use",
+                          "in_use,pipelined,two_tiles,in_use,in_use"}) {
+    const auto parsed = cuda::parseGemmSchedules(bad);
+    EXPECT_FALSE(parsed.ok()) << "\"" << bad << "\" was accepted";
+    if (!parsed.ok()) {
+      EXPECT_NE(parsed.status().message().find("schedule"), std::string::npos)
+          << parsed.status().toString();
+    }
+  }
+}
+
 // The host side of the fold (no device needed): every single flipped bit of a weight changes it,
 // and so do two rows swapped and another weight's salt.
 TEST(ProductFold, SeesEveryFlippedBitSwappedRowsAndAnotherSalt) {

@@ -11,6 +11,8 @@
 #   memcheck the product's tests on the small shapes under compute-sanitizer (memcheck, then
 #           racecheck for the cluster's shared memory)
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
+#   schedules bench-engine on both shapes with each other product schedule (pipelined,
+#           two_tiles) in every bucket, no comparison columns
 #   serve   serve-bench through a broker with the CUDA backend on both
 #   cuda    tests, engine and serve
 #   start   a 7B worker's start, phase by phase, then chaos with the CUDA backend on the 7B
@@ -76,6 +78,15 @@ for group in "$@"; do
           --batch 1,8,32,64
         run "bench-engine-$shape-serial" 120 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1,32,64 --no-compare --programmatic-launch off
+      done
+      ;;
+    schedules)
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for schedule in pipelined two_tiles; do
+          run "bench-engine-$shape-$schedule" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 1,8,32,64 --no-compare --gemm-schedules $schedule
+        done
       done
       ;;
     serve)
