@@ -1,7 +1,9 @@
-// Paged attention: one block of 128 threads per (row, head), compiled per head size. In each
-// chunk of 128 positions, thread t scores position chunk + t; the chunk's maximum and sum go
-// through fixed trees; then thread (part, d) accumulates dimension d over positions part,
-// part + parts, ... in order.
+// Paged attention: one block of 128 threads per (row, head), compiled per head size, or with
+// parallel splits (few rows, long contexts) several blocks per (row, head), each taking splits
+// z, z + kSplitBlocks, ... In each chunk of 128 positions, thread t scores position chunk + t;
+// the chunk's maximum and sum go through fixed trees; then thread (part, d) accumulates dimension
+// d over positions part, part + parts, ... in order. A split's parts are added in part order;
+// splits are folded in split order by foldSplit.
 #include "cuda/attention.cuh"
 
 #include <string>
@@ -15,6 +17,8 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kChunk = kThreads;
 constexpr int kWarps = kThreads / 32;
+constexpr int kSplitBlocks = 8;  // blocks per (row, head) with parallel splits
+static_assert(kAttentionSplit % kChunk == 0, "a split is whole chunks");
 
 __device__ float warpMax(float v) {
   for (int offset = 16; offset > 0; offset /= 2)
@@ -40,28 +44,41 @@ struct CacheRows {
   }
 };
 
+// A split's result: the running maximum and sum of its online softmax, and (in the threads of
+// part 0) dimension d's weighted sum of values.
+struct SplitResult {
+  float max, sum, total;
+};
+
+// Folds split s's result into the running fold of splits 0 .. s - 1 (the first split is taken as
+// it is): one formula, in split order, wherever the splits ran.
+__device__ __forceinline__ void foldSplit(SplitResult& into, const SplitResult& s) {
+  const float m = fmaxf(into.max, s.max);
+  const float a = expf(into.max - m), b = expf(s.max - m);
+  into.sum = fmaf(into.sum, a, s.sum * b);
+  into.total = fmaf(into.total, a, s.total * b);
+  into.max = m;
+}
+
 template <int HD>
-__global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
+struct Shared {
+  float q[HD];
+  float probs[kChunk];
+  float warp_values[kWarps];
+  float partial[kThreads];
+};
+
+// The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
+// begin. Every thread of the block calls it; the result's total is valid in the threads of part 0.
+template <int HD>
+__device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const CacheRows& rows, Shared<HD>& sh,
+                                   uint32_t begin, uint32_t end) {
   constexpr int kParts = kThreads / HD;
   constexpr int kUnroll = 8;
-  __shared__ float q[HD];
-  __shared__ float probs[kChunk];
-  __shared__ float warp_values[kWarps];
-  __shared__ float partial[kThreads];
-  gridDependencyWait();
-  allowDependentLaunch();
-  const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
-  const int part = t / HD, d = t % HD;
-  const int kvh = h / (a.heads / a.kv_heads);
-  const uint32_t len = a.positions[r] + 1;
-  const CacheRows rows{a.block_tables + a.row_table[r], size_t(kvh) * a.block_size * HD,
-                       size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
-  if (t < HD) q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
-  __syncthreads();
-
+  const int t = threadIdx.x, part = t / HD, d = t % HD;
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
-  for (uint32_t chunk = 0; chunk < len; chunk += kChunk) {
-    const uint32_t count = min(uint32_t(kChunk), len - chunk);
+  for (uint32_t chunk = begin; chunk < end; chunk += kChunk) {
+    const uint32_t count = min(uint32_t(kChunk), end - chunk);
     float score = -INFINITY;
     if (uint32_t(t) < count) {
       // The key row in 16-byte pieces, all loads issued before the dot product uses them.
@@ -76,27 +93,27 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 kv = __bfloat1622float2(pair[j]);
-          dot = fmaf(q[8 * i + 2 * j], kv.x, dot);
-          dot = fmaf(q[8 * i + 2 * j + 1], kv.y, dot);
+          dot = fmaf(sh.q[8 * i + 2 * j], kv.x, dot);
+          dot = fmaf(sh.q[8 * i + 2 * j + 1], kv.y, dot);
         }
       }
       score = dot * a.scale;
     }
     const float wmax = warpMax(score);
-    if (t % 32 == 0) warp_values[t / 32] = wmax;
+    if (t % 32 == 0) sh.warp_values[t / 32] = wmax;
     __syncthreads();
-    float chunk_max = warp_values[0];
-    for (int w = 1; w < kWarps; ++w) chunk_max = fmaxf(chunk_max, warp_values[w]);
+    float chunk_max = sh.warp_values[0];
+    for (int w = 1; w < kWarps; ++w) chunk_max = fmaxf(chunk_max, sh.warp_values[w]);
     const float new_max = fmaxf(running_max, chunk_max);
     const float alpha = expf(running_max - new_max);  // 0 on the first chunk
     const float prob = uint32_t(t) < count ? expf(score - new_max) : 0.0f;
-    probs[t] = prob;
+    sh.probs[t] = prob;
     const float wsum = warpSum(prob);
     __syncthreads();  // every thread has read warp_values
-    if (t % 32 == 0) warp_values[t / 32] = wsum;
+    if (t % 32 == 0) sh.warp_values[t / 32] = wsum;
     __syncthreads();
     float chunk_sum = 0.0f;
-    for (int w = 0; w < kWarps; ++w) chunk_sum += warp_values[w];
+    for (int w = 0; w < kWarps; ++w) chunk_sum += sh.warp_values[w];
     running_sum = fmaf(running_sum, alpha, chunk_sum);
     running_max = new_max;
     acc *= alpha;
@@ -109,19 +126,31 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
       for (int u = 0; u < kUnroll; ++u)
         v[u] = __bfloat162float(a.v_cache[rows.at(chunk + i + u * kParts) + d]);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) acc = fmaf(probs[i + u * kParts], v[u], acc);
+      for (int u = 0; u < kUnroll; ++u) acc = fmaf(sh.probs[i + u * kParts], v[u], acc);
     }
     for (; i < count; i += kParts)
-      acc = fmaf(probs[i], __bfloat162float(a.v_cache[rows.at(chunk + i) + d]), acc);
+      acc = fmaf(sh.probs[i], __bfloat162float(a.v_cache[rows.at(chunk + i) + d]), acc);
     __syncthreads();  // probs and warp_values are rewritten by the next chunk
   }
-  partial[t] = acc;
+  sh.partial[t] = acc;
   __syncthreads();
+  float total = 0.0f;
+  if (part == 0) {
+    total = sh.partial[d];
+    for (int p = 1; p < kParts; ++p) total += sh.partial[p * HD + d];
+  }
+  __syncthreads();  // partial is rewritten by the next split
+  return {running_max, running_sum, total};
+}
+
+// Writes the row's output for this head from the fold of its splits, and adds the o product's
+// expected sum and bound. Every thread of the block calls it.
+template <int HD>
+__device__ __forceinline__ void finish(const AttentionArgs& a, const SplitResult& folded) {
+  const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x, part = t / HD, d = t % HD;
   double sums[2] = {};  // the o product's expected sum and bound
   if (part == 0) {
-    float total = partial[d];
-    for (int p = 1; p < kParts; ++p) total += partial[p * HD + d];
-    const __nv_bfloat16 o = __float2bfloat16_rn(total / running_sum);
+    const __nv_bfloat16 o = __float2bfloat16_rn(folded.total / folded.sum);
     const int e = h * HD + d;
     a.out[size_t(r) * a.heads * HD + e] = o;
     if (a.consumer.role >= 0) {
@@ -140,6 +169,73 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   }
 }
 
+template <int HD, bool kParallel>
+__global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
+  __shared__ Shared<HD> sh;
+  __shared__ bool last;
+  gridDependencyWait();
+  allowDependentLaunch();
+  const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x, d = t % HD;
+  const int kvh = h / (a.heads / a.kv_heads);
+  const uint32_t len = a.positions[r] + 1;
+  const uint32_t splits = (len + kAttentionSplit - 1) / kAttentionSplit;
+  const int first = kParallel ? int(blockIdx.z) : 0, step = kParallel ? kSplitBlocks : 1;
+  if (uint32_t(first) >= splits) return;  // the whole block: nothing of this row is left
+  const CacheRows rows{a.block_tables + a.row_table[r], size_t(kvh) * a.block_size * HD,
+                       size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
+  if (t < HD) sh.q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
+  __syncthreads();
+  auto range = [&](uint32_t s) {
+    return attendRange<HD>(a, rows, sh, s * kAttentionSplit,
+                           min(len, (s + 1) * uint32_t(kAttentionSplit)));
+  };
+  if (!kParallel || splits == 1) {
+    SplitResult folded = range(0);
+    for (uint32_t s = 1; s < splits; ++s) foldSplit(folded, range(s));
+    return finish<HD>(a, folded);
+  }
+  // Side by side: each split's result to the partials; the block that completes the row's last
+  // split folds them all, in split order.
+  float* partials = a.split_partials + (size_t(r) * a.heads + h) * a.max_splits * (HD + 2);
+  unsigned mine = 0;
+  for (uint32_t s = uint32_t(first); s < splits; s += uint32_t(step), ++mine) {
+    const SplitResult result = range(s);
+    float* at = partials + size_t(s) * (HD + 2);
+    if (t < HD) at[d] = result.total;  // part 0 holds the totals
+    if (t == 0) {
+      at[HD] = result.max;
+      at[HD + 1] = result.sum;
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (t == 0) {
+    unsigned* count = a.split_counts + size_t(r) * a.heads + h;
+    last = atomicAdd(count, mine) + mine == splits;
+    if (last) *count = 0;  // left zero for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  auto load = [&](uint32_t s) {
+    const float* at = partials + size_t(s) * (HD + 2);
+    return SplitResult{__ldcg(at + HD), __ldcg(at + HD + 1), t < HD ? __ldcg(at + d) : 0.0f};
+  };
+  SplitResult folded = load(0);
+  for (uint32_t s = 1; s < splits; ++s) foldSplit(folded, load(s));
+  finish<HD>(a, folded);
+}
+
+template <int HD>
+cudaError_t launchHeadDim(const AttentionArgs& a, cudaStream_t stream) {
+  if (a.parallel_splits)
+    return launchKernel(attentionKernel<HD, true>,
+                        dim3(unsigned(a.heads), unsigned(a.rows), unsigned(kSplitBlocks)), kThreads,
+                        stream, a);
+  return launchKernel(attentionKernel<HD, false>, dim3(unsigned(a.heads), unsigned(a.rows)),
+                      kThreads, stream, a);
+}
+
 }  // namespace
 
 bool attentionSupportsHeadDim(int head_dim) {
@@ -154,20 +250,24 @@ Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
                            std::to_string(a.kv_heads) + " kv heads of " +
                            std::to_string(a.head_dim));
   if (a.rows == 0) return okStatus();
-  const dim3 grid(unsigned(a.heads), unsigned(a.rows));
+  if (a.parallel_splits && (a.rows > kAttentionParallelRows || a.split_partials == nullptr ||
+                            a.split_counts == nullptr || a.max_splits <= 0))
+    return invalidArgument("attention with parallel splits over " + std::to_string(a.rows) +
+                           " rows (at most " + std::to_string(kAttentionParallelRows) +
+                           ", with partials and counts)");
   cudaError_t launched;
   switch (a.head_dim) {
     case 16:
-      launched = launchKernel(attentionKernel<16>, grid, kThreads, stream, a);
+      launched = launchHeadDim<16>(a, stream);
       break;
     case 32:
-      launched = launchKernel(attentionKernel<32>, grid, kThreads, stream, a);
+      launched = launchHeadDim<32>(a, stream);
       break;
     case 64:
-      launched = launchKernel(attentionKernel<64>, grid, kThreads, stream, a);
+      launched = launchHeadDim<64>(a, stream);
       break;
     default:
-      launched = launchKernel(attentionKernel<128>, grid, kThreads, stream, a);
+      launched = launchHeadDim<128>(a, stream);
       break;
   }
   BULKHEAD_CUDA_RETURN_IF_ERROR(launched);

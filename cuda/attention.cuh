@@ -1,10 +1,13 @@
 // Causal attention over the paged KV cache, one path for prefill chunks and decode: each token
 // row attends to positions 0..positions[r] of its own sequence, read back from the cache (which
-// the q/k/v kernel wrote before, in the same step). Positions go in fixed chunks of 128 from 0,
-// with an online softmax whose rescaling and sums follow a fixed order, so a row's output
-// depends only on its query and its sequence's cache: never on the batch, on how its prompt was
-// chunked, or on graph capture. The kernel writes the o projection's bf16 input, so it adds that
-// product's expected sum and bound to the arithmetic check.
+// the q/k/v kernel wrote before, in the same step). Positions go in fixed splits of
+// kAttentionSplit from 0, each in fixed chunks of 128 with an online softmax whose rescaling and
+// sums follow a fixed order; the splits' results are folded in split order by one formula. So a
+// row's output depends only on its query and its sequence's cache: never on the batch, on how
+// its prompt was chunked, on graph capture, or on whether its splits ran one after another in
+// one block or side by side in several (a step of few rows over long contexts). The kernel writes
+// the o projection's bf16 input, so it adds that product's expected sum and bound to the
+// arithmetic check.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,6 +19,11 @@
 #include "shared/status.h"
 
 namespace bulkhead::cuda {
+
+// Positions per split. A row of at most this many positions is one split.
+constexpr int kAttentionSplit = 1024;
+// Steps of at most this many rows may run a row's splits side by side (parallel_splits).
+constexpr int kAttentionParallelRows = 8;
 
 struct AttentionArgs {
   const float* q = nullptr;  // rows x q_stride fp32, the rotated queries at the start of a row
@@ -31,6 +39,14 @@ struct AttentionArgs {
   __nv_bfloat16* out = nullptr;  // rows x heads * head_dim
   ConsumerSums consumer;         // the o projection
   CheckView checks;
+  // Splits side by side, each row's over blocks of its own, the last to finish folding them
+  // (the same bits as one after another): for steps of at most kAttentionParallelRows rows. The
+  // partials hold rows x heads x max_splits x (head_dim + 2) floats; the counts, rows x heads,
+  // must be zero before the launch and are left zero after it.
+  bool parallel_splits = false;
+  float* split_partials = nullptr;
+  unsigned* split_counts = nullptr;
+  int max_splits = 0;  // the most splits a row may have (positions[r] < max_splits * split)
 };
 
 // Whether the kernel supports this head size.

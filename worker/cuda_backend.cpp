@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <tuple>
 
 #include <spdlog/spdlog.h>
 
@@ -106,8 +107,12 @@ struct CudaState {
   PinnedMemory results_host;
   cuda::HostRegistration outputs;
   std::unique_ptr<cuda::Matmul> cublas;  // Options::cublas_products
-  // Decode steps captured as graphs, by (rows, whether the destinations are 16-byte aligned).
-  std::map<std::pair<int, bool>, cuda::GraphExec> graphs;
+  // Decode steps captured as graphs, by (rows, whether the destinations are 16-byte aligned,
+  // whether attention runs splits side by side).
+  std::map<std::tuple<int, bool, bool>, cuda::GraphExec> graphs;
+  // Attention's splits side by side (cuda/attention.cuh): partials and counts.
+  DeviceMemory split_partials, split_counts;
+  int max_splits = 0;
   // Scrubbing: ranges and their sums, on the scrub stream.
   DeviceMemory scrub_ranges, scrub_sums;
   size_t scrub_capacity = 0;
@@ -459,6 +464,14 @@ Status CudaBackend::allocateStep(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(d.final_rows, DeviceMemory::allocate(T * hidden * 2));
   BULKHEAD_ASSIGN_OR_RETURN(d.logits, DeviceMemory::allocate(kLogitsChunk * vocab * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.fallback, DeviceMemory::allocate(kLogitsChunk * vocab * 4));
+  // Attention's parallel splits: room for the longest context the model has.
+  d.max_splits = std::max(1, (c.max_context + cuda::kAttentionSplit - 1) / cuda::kAttentionSplit);
+  const size_t split_rows = size_t(cuda::kAttentionParallelRows) * size_t(c.num_heads);
+  BULKHEAD_ASSIGN_OR_RETURN(
+      d.split_partials,
+      DeviceMemory::allocate(split_rows * size_t(d.max_splits) * size_t(c.head_dim + 2) * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.split_counts, DeviceMemory::allocate(split_rows * 4));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemset(d.split_counts.get(), 0, split_rows * 4));
 
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
   BULKHEAD_RETURN_IF_ERROR(d.allocateInputs(T, T * 4));
@@ -514,6 +527,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   const uint32_t bs = limits_.kv_block_size;
   size_t n = 0, table_at = 0;
   int m = 0;
+  uint32_t longest = 0;  // positions attended by the step's longest row
   pending_.gathered.clear();
   for (const SequenceStep& s : batch) {
     std::copy(s.kv_blocks.begin(), s.kv_blocks.end(), tables + table_at);
@@ -522,6 +536,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       const uint32_t p = s.start_position + uint32_t(i);
       tokens[n] = s.tokens[i];
       positions[n] = p;
+      longest = std::max(longest, p + 1);
       row_block[n] = s.kv_blocks[p / bs];
       row_table[n] = uint32_t(table_at);
       out_row[n] = -1;
@@ -544,6 +559,9 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
     aligned = aligned && uintptr_t(dst[r]) % 16 == 0;
   }
   pending_.aligned = aligned;
+  const uint32_t splits = (longest + cuda::kAttentionSplit - 1) / cuda::kAttentionSplit;
+  pending_.parallel_attention =
+      n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
                                                 d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
                                                 d.stream.get()));
@@ -560,7 +578,8 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   // A decode step (a token and its logits row per sequence) runs as a graph, captured the
   // first time its size is seen; the same launches either way, so the same numbers.
   if (graphs_ && fault_role_ < 0 && mapped && size_t(m) == n && n <= kMaxGraphRows) {
-    auto graph = d.graphs.find({m, aligned});
+    const std::tuple<int, bool, bool> key{m, aligned, pending_.parallel_attention};
+    auto graph = d.graphs.find(key);
     if (graph == d.graphs.end()) {
       BULKHEAD_CUDA_RETURN_IF_ERROR(
           cudaStreamBeginCapture(d.stream.get(), cudaStreamCaptureModeThreadLocal));
@@ -573,7 +592,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       }
       BULKHEAD_CUDA_RETURN_IF_ERROR(ended);
       BULKHEAD_ASSIGN_OR_RETURN(cuda::GraphExec exec, cuda::GraphExec::instantiate(captured));
-      graph = d.graphs.emplace(std::pair{m, aligned}, std::move(exec)).first;
+      graph = d.graphs.emplace(key, std::move(exec)).first;
     }
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph->second.get(), d.stream.get()));
     ++graph_launches_;
@@ -729,6 +748,10 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   aa.out = d.attn.get<__nv_bfloat16>();
   aa.consumer = consumer(L.o);
   aa.checks = d.view;
+  aa.parallel_splits = pending_.parallel_attention;
+  aa.split_partials = d.split_partials.get<float>();
+  aa.split_counts = d.split_counts.get<unsigned>();
+  aa.max_splits = d.max_splits;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
   BULKHEAD_RETURN_IF_ERROR(products({&L.o}, aa.out, n, delta, c.hidden_size));
 

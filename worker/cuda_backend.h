@@ -159,6 +159,8 @@ class CudaBackend final : public Backend {
     bool queued = false;
     int tokens = 0;
     bool aligned = true;  // every logits destination 16-byte aligned
+    // Few rows, one over a long context: attention runs each row's splits side by side.
+    bool parallel_attention = false;
     std::vector<RowOutput> rows;
     std::vector<bool> copied_out;    // rows outside the registered arena: through the fallback
     std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold
