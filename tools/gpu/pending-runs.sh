@@ -13,6 +13,8 @@
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   schedules bench-engine on both shapes with each other product schedule (pipelined,
 #           two_tiles) in every bucket, no comparison columns
+#   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
+#           (batch 1 and 8: attention's splits side by side)
 #   serve   serve-bench through a broker with the CUDA backend on both
 #   cuda    tests, engine and serve
 #   start   a 7B worker's start, phase by phase, then chaos with the CUDA backend on the 7B
@@ -88,6 +90,12 @@ for group in "$@"; do
             --backend cuda --batch 1,8,32,64 --no-compare --gemm-schedules $schedule
         done
       done
+      ;;
+    long)
+      run gpu-tests-long 200 "$bundle/gpu_tests" --gtest_filter='*LongContext*'
+      m=$(model qwen2.5-7b)
+      run bench-engine-qwen2.5-7b-long 300 "$bh" bench-engine --model "$m" --backend cuda \
+        --batch 1,8 --prompt 8192 --steps 32 --no-compare
       ;;
     serve)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
