@@ -562,6 +562,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   const uint32_t splits = (longest + cuda::kAttentionSplit - 1) / cuda::kAttentionSplit;
   pending_.parallel_attention =
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
+  parallel_attention_steps_ += pending_.parallel_attention;
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
                                                 d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
                                                 d.stream.get()));

@@ -64,6 +64,8 @@ class CudaBackend final : public Backend {
 
   // Steps that ran as a captured graph (tests and stats).
   uint64_t graphLaunches() const { return graph_launches_; }
+  // Steps whose attention ran a row's splits side by side (tests and stats).
+  uint64_t parallelAttentionSteps() const { return parallel_attention_steps_; }
   // Steps computed a second time because a product's check strayed beyond what rounding does in
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
@@ -141,6 +143,7 @@ class CudaBackend final : public Backend {
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;
   uint64_t graph_launches_ = 0;
+  uint64_t parallel_attention_steps_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;

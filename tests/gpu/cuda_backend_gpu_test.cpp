@@ -251,9 +251,10 @@ TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {
 }
 
 // Past one attention split (cuda::kAttentionSplit positions): a row is the same bit for bit
-// whether its splits ran one after another (steps of many rows: prefill chunks of 100) or side
-// by side (steps of 8 rows and of one, decoding as graphs), and close to the CPU reference
-// engine, whose attention is one pass. The tiny model, its context raised to 4096.
+// whether its splits ran one after another (steps of many rows: prefill chunks of 100) or side by
+// side (steps of 8 rows and of one, decoding as graphs, with and without programmatic launch,
+// past 8 splits so that a block takes several), and close to the CPU reference engine, whose
+// attention is one pass. The tiny model, its context raised to 16,384.
 TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
   test::TempDir tmp;
@@ -263,29 +264,74 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
     const std::string path = tmp.path() + "/config.json";
     std::ifstream in(path);
     nlohmann::json config = nlohmann::json::parse(in);
-    config["max_position_embeddings"] = 4096;
-    if (config.contains("sliding_window")) config["sliding_window"] = 4096;
+    config["max_position_embeddings"] = 16384;
+    if (config.contains("sliding_window")) config["sliding_window"] = 16384;
     std::ofstream(path) << config.dump(2);
   }
   auto checkpoint = openModel(tmp.path());
   ASSERT_NE(checkpoint, nullptr);
-  ASSERT_GE(checkpoint->config().max_context, 4096);
-  auto gpu = cudaBackend(checkpoint);
+  ASSERT_GE(checkpoint->config().max_context, 16384);
+  auto backend = [&](bool programmatic) {
+    CudaBackend::Options options;
+    options.programmatic_launch = programmatic;
+    options.kv_blocks = 1024;  // 16,384 positions of 16
+    options.max_step_tokens = 1024;
+    auto created = CudaBackend::create(checkpoint, options);
+    EXPECT_TRUE(created.ok()) << created.status().toString();
+    return created.ok() ? std::move(*created) : nullptr;
+  };
+  auto gpu = backend(false);
   ASSERT_NE(gpu, nullptr);
   const uint32_t vocab = gpu->limits().vocab_size;
-  const auto tokens = randomTokens(2 * cuda::kAttentionSplit + 500, vocab, 13);
-  auto run = [&](Backend& b, size_t chunk) {
+  const size_t length = 9 * cuda::kAttentionSplit + 300, prefill = length - 600;
+  const auto tokens = randomTokens(length, vocab, 13);
+  // Rows land in registered memory, as in the arena, so that decode steps run as graphs.
+  std::vector<float> output(size_t(100) * ((vocab + 15) & ~15u));
+  // Positions [0, prefill) in steps of 100 rows, then the rest one at a time beside rows - 1
+  // other sequences (rows 100: in steps of 100 to the end). The first sequence's rows.
+  auto run = [&](Backend& b, size_t rows) {
+    EXPECT_TRUE(b.registerOutputs(
+                     {reinterpret_cast<std::byte*>(output.data()), output.size() * sizeof(float)})
+                    .ok());
     test::BackendDriver driver(b);  // from block 0: each run rewrites the cache it reads
-    return driver.runAlone(1, tokens, chunk);
+    driver.setOutputBuffer(&output);
+    test::TestSequence seq = driver.newSequence(1, uint32_t(length));
+    // The other rows of the decode end: sequences of their own, decoding beside the first.
+    std::vector<test::TestSequence> others;
+    for (size_t o = 1; o < rows && rows < 100; ++o)
+      others.push_back(driver.newSequence(100 + o, uint32_t(length - prefill)));
+    test::Rows got;
+    for (size_t at = 0; at < length;) {
+      const size_t end = at < prefill ? prefill : length;
+      const size_t take = at < prefill || rows >= 100 ? std::min<size_t>(100, end - at) : 1;
+      std::vector<test::BackendDriver::Chunk> chunks = {
+          {&seq, {tokens.begin() + long(at), tokens.begin() + long(at + take)}}};
+      for (size_t o = 0; at >= prefill && o < others.size(); ++o)
+        chunks.push_back({&others[o], {tokens[(at + o) % length]}});
+      const auto out = driver.step(chunks);
+      got.insert(got.end(), out[0].begin(), out[0].end());
+      at += take;
+    }
+    return got;
   };
-  const test::Rows serial = run(*gpu, 100);
-  expectIdentical(serial, run(*gpu, 8), "steps of 8 rows");
-  const uint64_t graphs_before = gpu->graphLaunches();
-  expectIdentical(serial, run(*gpu, 1), "steps of one row");
-  EXPECT_GT(gpu->graphLaunches(), graphs_before) << "no step of one row ran as a graph";
+  const test::Rows serial = run(*gpu, 100);  // steps of 100 rows throughout: one block a row
+  EXPECT_EQ(gpu->parallelAttentionSteps(), 0u);
+  for (const bool programmatic : {false, true}) {
+    auto other = backend(programmatic);
+    ASSERT_NE(other, nullptr);
+    for (const size_t rows : {size_t(1), size_t(8)}) {
+      const uint64_t parallel = other->parallelAttentionSteps(), graphs = other->graphLaunches();
+      expectIdentical(
+          serial, run(*other, rows),
+          std::to_string(rows) + " rows a step" + (programmatic ? ", programmatic" : ""));
+      EXPECT_EQ(other->parallelAttentionSteps() - parallel, 600u) << rows << " rows a step";
+      EXPECT_GE(other->graphLaunches() - graphs, 600u) << rows << " rows a step";
+    }
+  }
   auto cpu = CpuBackend::create(checkpoint, {});
   ASSERT_TRUE(cpu.ok()) << cpu.status().toString();
-  const auto [err, scale] = maxError(serial, run(**cpu, 100));
+  test::BackendDriver on_cpu(**cpu);
+  const auto [err, scale] = maxError(serial, on_cpu.runAlone(1, tokens, 100));
   RecordProperty("max_abs_error", std::to_string(err));
   EXPECT_LE(err, 0.03 * std::max(1.0, scale));
 }
