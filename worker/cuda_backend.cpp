@@ -471,7 +471,10 @@ Status CudaBackend::allocateStep(const Options& options) {
       d.split_partials,
       DeviceMemory::allocate(split_rows * size_t(d.max_splits) * size_t(c.head_dim + 2) * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.split_counts, DeviceMemory::allocate(split_rows * 4));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemset(d.split_counts.get(), 0, split_rows * 4));
+  // Zero before any step, on the step stream (which does not wait for the legacy one).
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(d.split_counts.get(), 0, split_rows * 4, d.stream.get()));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
   BULKHEAD_RETURN_IF_ERROR(d.allocateInputs(T, T * 4));
