@@ -85,8 +85,9 @@ inline uint64_t massOf(float e) {
   return b - 0x4330000000000000ull;
 }
 
-// mass4 with the 2^52 still in each lane's bits, the multiply and add fused (the product is exact,
-// so one rounding either way): sums of these lanes drop kMassBias per lane once, at the end.
+// massOf of four weights with 2^52 still in each lane's bits, the multiply and add fused (the
+// product is exact, so one rounding either way): sums of these lanes drop kMassBias a lane once,
+// at the end.
 constexpr uint64_t kMassBias = 0x4330000000000000ull;  // the bits of 2^52
 inline __m256i biasedMass4(__m128 e) {
   return _mm256_castpd_si256(

@@ -31,7 +31,7 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
 }
 
 // The masses of eight weights, each still carrying the bits of 2^52: round(e * 2^40) by the same
-// trick as mass4 (row_sampling.cpp), with the multiply and the add in one fused operation (the
+// trick as biasedMass4 (row_sampling.cpp), the multiply and the add in one fused operation (the
 // product is exact, so it rounds the same). Sums of these lanes are corrected once at the end:
 // sixteen weights carry 16 * kMassBias.
 __attribute__((target("avx512f"))) inline __m512i biasedMass8(__m256 e) {
