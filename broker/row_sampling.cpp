@@ -196,6 +196,9 @@ struct RowSampler::RowWork {
   std::vector<PenaltyEntry> penalties;  // grouped by chunk
   std::vector<uint32_t> penalty_start;  // chunks + 1 offsets into penalties
 
+  // The weights e once computed: in place of the row's copy unless its raw values are still
+  // wanted (logprobs), so a row's working set is one copy, not two.
+  float* e_data = nullptr;
   float amax = 0, inv_t = 1;
   uint32_t aarg = 0;
   double log_z = 0;
@@ -465,7 +468,7 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
   ChunkStats& s = stats[c];
   const uint32_t base = begin(c), len = size(c);
   const float* src = (s.penalised ? buf->weights.data() : buf->values.data()) + base;
-  float* dst = buf->weights.data() + base;
+  float* dst = e_data + base;
   const __m256 m = _mm256_set1_ps(amax), scale = _mm256_set1_ps(inv_t);
   __m256i mass = _mm256_setzero_si256();
   // Whole vectors of 16 first where the processor has them, then 8 lanes for the rest.
@@ -484,7 +487,7 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
 }
 
 void RowSampler::RowWork::histogramChunk(uint32_t c) {
-  const float* w = buf->weights.data() + begin(c);
+  const float* w = e_data + begin(c);
   uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
   uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
   std::fill_n(count, kBuckets, 0);
@@ -498,7 +501,7 @@ void RowSampler::RowWork::histogramChunk(uint32_t c) {
 
 void RowSampler::RowWork::refineChunk(uint32_t c) {
   const uint32_t base = begin(c), len = size(c);
-  const float* w = buf->weights.data();
+  const float* w = e_data;
   uint32_t* count = buf->hist_count.data() + size_t(c) * kBuckets;
   uint64_t* hmass = buf->hist_mass.data() + size_t(c) * kBuckets;
   std::fill_n(count, kBuckets, 0);
@@ -546,14 +549,13 @@ void RowSampler::RowWork::tiesChunk(uint32_t c) {
   // Ties are resolved at the last level, so every tie is among the chunk's candidates.
   const uint32_t* kept = buf->candidates.data() + begin(c);
   uint32_t ties = 0;
-  for (uint32_t i = 0; i < stats[c].candidates; ++i)
-    ties += bitsOf(buf->weights[kept[i]]) == cut_key;
+  for (uint32_t i = 0; i < stats[c].candidates; ++i) ties += bitsOf(e_data[kept[i]]) == cut_key;
   stats[c].ties = ties;
 }
 
 void RowSampler::RowWork::keptChunk(uint32_t c) {
   const uint32_t base = begin(c), len = size(c);
-  const float* w = buf->weights.data() + base;
+  const float* w = e_data + base;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i key = _mm256_set1_epi32(int(cut_key)), id_cut = _mm256_set1_epi32(int(cut_id));
   __m256i mass = _mm256_setzero_si256();
@@ -641,6 +643,7 @@ void RowSampler::RowWork::finishRead() {
     return finish(IntegrityCheck::kNone);
   }
   inv_t = std::min(1.0f / cfg->temperature, FLT_MAX);
+  e_data = lse ? buf->weights.data() : buf->values.data();
   top_k = cfg->top_k != 0 && cfg->top_k < n ? cfg->top_k : n;
   radix = top_k < n || cfg->top_p < 1.0f;
   reject = cfg->top_p < 1.0f;
@@ -721,7 +724,7 @@ uint32_t RowSampler::RowWork::pick() {
   uint32_t c = 0;
   while (c < chunks && running + stats[c].kept_mass <= target) running += stats[c++].kept_mass;
   auto isKept = [&](uint32_t i) {
-    const uint32_t k = bitsOf(buf->weights[i]);
+    const uint32_t k = bitsOf(e_data[i]);
     return k > cut_key || (k == cut_key && i <= cut_id);
   };
   if (c < chunks) {
@@ -733,7 +736,7 @@ uint32_t RowSampler::RowWork::pick() {
     for (; i + 64 <= begin(c) + size(c); i += 64) {
       __m256i mass = _mm256_setzero_si256();
       for (uint32_t j = i; j < i + 64; j += 8) {
-        const __m256 e = _mm256_loadu_ps(buf->weights.data() + j);
+        const __m256 e = _mm256_loadu_ps(e_data + j);
         const __m256i k = _mm256_castps_si256(e);
         const __m256i id = _mm256_add_epi32(_mm256_set1_epi32(int(j)), lane);
         const __m256i kept = _mm256_or_si256(
@@ -747,7 +750,7 @@ uint32_t RowSampler::RowWork::pick() {
     }
     for (; i < begin(c) + size(c); ++i) {
       if (!isKept(i)) continue;
-      running += massOf(buf->weights[i]);
+      running += massOf(e_data[i]);
       if (running > target) return i;
     }
   }
@@ -765,7 +768,7 @@ void RowSampler::RowWork::draw() {
 // Measures the tokens ordered before `token` (e desc, id asc) in a kept pass; judge() decides.
 void RowSampler::RowWork::test(uint32_t token) {
   test_token = token;
-  const uint32_t key = bitsOf(buf->weights[token]);
+  const uint32_t key = bitsOf(e_data[token]);
   if (token == 0) {
     cut_key = key + 1;  // keys are below 2^30
     cut_id = kAllIds;
@@ -789,7 +792,7 @@ void RowSampler::RowWork::judge() {
     before_count += s.kept_count;
   }
   const bool kept = before_count == 0 || (before_count < top_k && before_mass < mass_goal &&
-                                          bitsOf(buf->weights[test_token]) >= minPKey());
+                                          bitsOf(e_data[test_token]) >= minPKey());
   if (kept) {
     choose(test_token);
     return finish(IntegrityCheck::kNone);
@@ -850,7 +853,7 @@ void RowSampler::RowWork::combine() {
       while (seen + stats[c].ties < tie_rank) seen += stats[c++].ties;
       const uint32_t* kept = buf->candidates.data() + begin(c);
       for (uint32_t i = 0;; ++i) {
-        if (bitsOf(buf->weights[kept[i]]) == cut_key && ++seen == tie_rank) {
+        if (bitsOf(e_data[kept[i]]) == cut_key && ++seen == tie_rank) {
           cut_id = kept[i];
           break;
         }
