@@ -97,7 +97,8 @@ __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const
           dot = fmaf(sh.q[8 * i + 2 * j + 1], kv.y, dot);
         }
       }
-      score = dot * a.scale;
+      // Rounded here, never fused with the subtraction below: the same bits in every variant.
+      score = __fmul_rn(dot, a.scale);
     }
     const float wmax = warpMax(score);
     if (t % 32 == 0) sh.warp_values[t / 32] = wmax;
