@@ -71,8 +71,8 @@ struct Shared {
 // The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
 // begin. Every thread of the block calls it; the result's total is valid in the threads of part 0.
 template <int HD>
-__device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const CacheRows& rows, Shared<HD>& sh,
-                                   uint32_t begin, uint32_t end) {
+__device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const CacheRows& rows,
+                                                   Shared<HD>& sh, uint32_t begin, uint32_t end) {
   constexpr int kParts = kThreads / HD;
   constexpr int kUnroll = 8;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
