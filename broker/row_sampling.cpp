@@ -130,6 +130,13 @@ inline void storeLanes(float* p, __m256 v, uint32_t valid) {
     _mm256_maskstore_ps(p, laneMask(valid), v);
 }
 
+// Lanes of weights kept by a cut: key > cut_key, or key == cut_key and id <= cut_id.
+inline __m256i keptLanes(__m256i key, __m256i id, __m256i cut_key, __m256i cut_id) {
+  return _mm256_or_si256(
+      _mm256_cmpgt_epi32(key, cut_key),
+      _mm256_andnot_si256(_mm256_cmpgt_epi32(id, cut_id), _mm256_cmpeq_epi32(key, cut_key)));
+}
+
 // Index of the first value equal to v (v is present).
 uint32_t firstEqual(const float* p, uint32_t n, float v) {
   const __m256 target = _mm256_set1_ps(v);
@@ -569,9 +576,7 @@ void RowSampler::RowWork::keptChunk(uint32_t c) {
     const __m256 e = loadLanes(w + i, valid);
     const __m256i k = _mm256_castps_si256(e);
     const __m256i id = _mm256_add_epi32(_mm256_set1_epi32(int(base + i)), lane);
-    const __m256i kept = _mm256_or_si256(
-        _mm256_cmpgt_epi32(k, key),
-        _mm256_andnot_si256(_mm256_cmpgt_epi32(id, id_cut), _mm256_cmpeq_epi32(k, key)));
+    const __m256i kept = keptLanes(k, id, key, id_cut);
     const __m256 in = _mm256_castsi256_ps(_mm256_and_si256(kept, laneMask(valid)));
     count += uint32_t(__builtin_popcount(unsigned(_mm256_movemask_ps(in))));
     mass = _mm256_add_epi64(mass, biasedMass8Sum(_mm256_and_ps(e, in)));
@@ -739,9 +744,7 @@ uint32_t RowSampler::RowWork::pick() {
         const __m256 e = _mm256_loadu_ps(e_data + j);
         const __m256i k = _mm256_castps_si256(e);
         const __m256i id = _mm256_add_epi32(_mm256_set1_epi32(int(j)), lane);
-        const __m256i kept = _mm256_or_si256(
-            _mm256_cmpgt_epi32(k, key),
-            _mm256_andnot_si256(_mm256_cmpgt_epi32(id, id_cut), _mm256_cmpeq_epi32(k, key)));
+        const __m256i kept = keptLanes(k, id, key, id_cut);
         mass = _mm256_add_epi64(mass, biasedMass8Sum(_mm256_and_ps(e, _mm256_castsi256_ps(kept))));
       }
       const uint64_t block = sum64(mass) - 64 * kMassBias;

@@ -200,12 +200,14 @@ Status runGemmBench(const GemmBenchOptions& o) {
       std::printf("%-8s %7d %6d %4u", p.name, p.n, p.k, m);
       nlohmann::json row = {{"product", p.name}, {"n", p.n}, {"k", p.k}, {"m", m}};
       double best_ours = 0, cublas_us = 0;
+      auto time = [&](const Path& path) {
+        return timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
+                            static_cast<const __nv_bfloat16*>(w.p), copies,
+                            static_cast<float*>(y.p), stream, **cublas,
+                            static_cast<cuda::FoldAccount*>(account.p), launches);
+      };
       for (const Path& path : kPaths) {
-        BULKHEAD_ASSIGN_OR_RETURN(
-            const double us,
-            timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
-                         static_cast<const __nv_bfloat16*>(w.p), copies, static_cast<float*>(y.p),
-                         stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), launches));
+        BULKHEAD_ASSIGN_OR_RETURN(const double us, time(path));
         const double gbs = double(weight_bytes) / us / 1e3;
         std::printf(" %12.2f %8.0f", us, gbs);
         row[std::string(path.json) + "_us"] = us;
@@ -225,11 +227,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
         std::printf(" %d: ", splits);
         for (const auto schedule : cuda::kGemmSchedules) {
           const Path path{"", "", false, schedule, false, splits};
-          BULKHEAD_ASSIGN_OR_RETURN(
-              const double us,
-              timeLaunches(path, p, int(m), static_cast<const __nv_bfloat16*>(x.p),
-                           static_cast<const __nv_bfloat16*>(w.p), copies, static_cast<float*>(y.p),
-                           stream, **cublas, static_cast<cuda::FoldAccount*>(account.p), launches));
+          BULKHEAD_ASSIGN_OR_RETURN(const double us, time(path));
           std::printf(schedule == cuda::GemmSchedule::kInUse ? "%.2f" : "/%.2f", us);
           row["splits"].push_back(
               {{"splits", splits}, {"schedule", cuda::gemmScheduleName(schedule)}, {"us", us}});
