@@ -7,7 +7,8 @@
 #           tiny-v152k
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
-#   gemm    the product's GPU tests, then bench-gemm (each schedule and cuBLAS) on both shapes
+#   gemm    the product's GPU tests, then gemm-bench
+#   gemm-bench bench-gemm (each schedule and cuBLAS) on both shapes
 #   memcheck the product's tests on the small shapes under compute-sanitizer (memcheck, then
 #           racecheck for the cluster's shared memory)
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
@@ -61,6 +62,9 @@ for group in "$@"; do
     tests) run gpu-tests 300 "$bundle/gpu_tests" ;;
     gemm)
       run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*'
+      "$0" "$bundle" "$out" gemm-bench
+      ;;
+    gemm-bench)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         run "bench-gemm-$shape" 120 "$bh" bench-gemm --shape $shape --json "$out/bench-gemm-$shape.json"
       done
