@@ -63,12 +63,14 @@ struct Variant {
   std::string name;
   bool checks = true;
   bool cublas = false;
+  bool kernel_times = false;
 };
 
 struct Measured {
   double prefill_tokens_per_s = 0;
   double step_p50_us = 0;
   double step_p99_us = 0;
+  std::vector<LaunchTime> launches;  // the timed steps', with kernel times
 };
 
 // Weight bytes a decode step of `batch` sequences reads: every used tensor but the embedding
@@ -92,6 +94,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_programmatic_launch = o.programmatic_launch;
   options.cuda_gemm_schedules = o.gemm_schedules;
   options.cuda_cublas_products = v.cublas;
+  options.cuda_kernel_times = v.kernel_times;
   BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
   const BackendLimits& limits = backend->limits();
   const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
@@ -143,13 +146,57 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
         steps[s].tokens = next[s];
         steps[s].logits_rows = first_row;
       }
+      if (step == kWarmupSteps) backend->takeLaunchTimes();  // the prefill's and warm-up's
       start = Clock::now();
       BULKHEAD_RETURN_IF_ERROR(runStep(*backend, steps, dst));
       if (step >= kWarmupSteps) us.push_back(usSince(start));
     }
     m.step_p50_us = percentile(us, 50);
     m.step_p99_us = percentile(us, 99);
+    m.launches = backend->takeLaunchTimes();
     out.push_back(m);
+  }
+  return out;
+}
+
+// The kernel-times tables: per batch size, each kind of launch's device time a step, checked
+// and (where measured) unchecked.
+nlohmann::json printLaunchTimes(const EngineBenchOptions& o, const std::vector<Measured>& checked,
+                                const std::vector<Measured>* unchecked) {
+  nlohmann::json out = nlohmann::json::array();
+  const double steps = o.steps;
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    std::printf(
+        "\nbatch %u, device time a decode step by launch (uncaptured steps, a timed event after "
+        "each launch; us):\n%-26s %9s %10s %10s %12s %10s\n",
+        o.batches[i], "launch", "per_step", "us_each", "us_a_step", "unchecked", "checks");
+    double total = 0, total_off = 0;
+    nlohmann::json rows = nlohmann::json::array();
+    for (const LaunchTime& t : checked[i].launches) {
+      const double per_step = t.total_us / steps;
+      total += per_step;
+      std::printf("%-26s %9.1f %10.2f %10.1f", t.what.c_str(), double(t.launches) / steps,
+                  t.total_us / double(t.launches), per_step);
+      nlohmann::json row = {{"launch", t.what},
+                            {"launches_per_step", double(t.launches) / steps},
+                            {"us_per_step", per_step}};
+      const LaunchTime* off = nullptr;
+      if (unchecked != nullptr)
+        for (const LaunchTime& u : (*unchecked)[i].launches)
+          if (u.what == t.what) off = &u;
+      if (off != nullptr) {
+        std::printf(" %12.1f %10.1f", off->total_us / steps, per_step - off->total_us / steps);
+        row["unchecked_us_per_step"] = off->total_us / steps;
+      }
+      std::printf("\n");
+      rows.push_back(row);
+    }
+    if (unchecked != nullptr)
+      for (const LaunchTime& u : (*unchecked)[i].launches) total_off += u.total_us / steps;
+    std::printf("%-26s %9s %10s %10.1f", "total", "", "", total);
+    if (unchecked != nullptr) std::printf(" %12.1f %10.1f", total_off, total - total_off);
+    std::printf("\n");
+    out.push_back({{"batch", o.batches[i]}, {"launches", rows}});
   }
   return out;
 }
@@ -159,6 +206,8 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
 Status runEngineBench(const EngineBenchOptions& o) {
   if (o.batches.empty() || o.prompt == 0 || o.steps == 0)
     return invalidArgument("bench-engine needs batch sizes, a prompt and steps");
+  if (o.kernel_times && o.backend != "cuda")
+    return invalidArgument("--kernel-times times the CUDA backend's launches (--backend cuda)");
   BULKHEAD_ASSIGN_OR_RETURN(Checkpoint opened, Checkpoint::open(o.model_dir));
   auto ckpt = std::make_shared<const Checkpoint>(std::move(opened));
 
@@ -240,6 +289,16 @@ Status runEngineBench(const EngineBenchOptions& o) {
     }
     std::printf("\n");
     report["results"].push_back(row);
+  }
+  if (o.kernel_times) {
+    BULKHEAD_ASSIGN_OR_RETURN(const auto timed,
+                              measure(o, ckpt, {"checked, timed", true, false, true}));
+    std::vector<Measured> timed_off;
+    if (o.compare) {
+      BULKHEAD_ASSIGN_OR_RETURN(timed_off,
+                                measure(o, ckpt, {"unchecked, timed", false, false, true}));
+    }
+    report["kernel_times"] = printLaunchTimes(o, timed, o.compare ? &timed_off : nullptr);
   }
   BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));
   return okStatus();

@@ -22,6 +22,9 @@ struct EngineBenchOptions {
   uint32_t prompt = 128;             // tokens prefilled per sequence
   uint32_t steps = 64;               // timed decode steps per batch size (after 8 untimed)
   bool compare = true;               // CUDA: also without checks, and through cuBLAS
+  // Then the same decode steps with each launch timed (Backend::takeLaunchTimes), checked and,
+  // with compare, unchecked: a table per batch size of where a step's device time goes.
+  bool kernel_times = false;
   std::string json_path;
 };
 

@@ -96,6 +96,14 @@ struct WeightRange {
 // overlap one another (the worker orders them with a shared_mutex: steps shared, repairs and
 // flips exclusive). residentChecksums() only reads and may run on another thread while a step is
 // in flight; it must not slow the step down more than its memory traffic does.
+// The device time of one kind of launch (a kernel, a copy) summed over steps: see
+// Backend::takeLaunchTimes.
+struct LaunchTime {
+  std::string what;
+  uint64_t launches = 0;
+  double total_us = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -134,6 +142,11 @@ class Backend {
                                    std::span<uint64_t> out) = 0;
   // Rewrites one resident range from the checkpoint's (host) bytes.
   virtual Status repairResident(const WeightRange& range) = 0;
+
+  // Measurement: the device time of each kind of launch in the steps since the last call, in
+  // the order of a step's launches. Empty unless the backend was made to time its launches
+  // (the CUDA backend's kernel_times), which slows its steps.
+  virtual std::vector<LaunchTime> takeLaunchTimes() { return {}; }
 };
 
 // Checks a step against the backend's limits: token ids, positions, block tables, logits rows.

@@ -31,6 +31,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.programmatic_launch = options.cuda_programmatic_launch;
     cuda.cublas_products = options.cuda_cublas_products;
     cuda.device = options.cuda_device;
+    cuda.kernel_times = options.cuda_kernel_times;
     if (!options.cuda_gemm_schedules.empty()) {
       BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_schedules,
                                 cuda::parseGemmSchedules(options.cuda_gemm_schedules));

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <tuple>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
@@ -98,6 +99,11 @@ struct CudaState {
   DeviceMemory inputs;
   // Checks: products [rows][roles]; the rest read back after every step.
   DeviceMemory products;
+  // Kernel times: a timed event after each launch, its kind, and the sums so far.
+  std::vector<cuda::Event> marks;
+  std::vector<const char*> mark_names;
+  size_t marks_used = 0;
+  std::vector<LaunchTime> launch_times;
   cuda::CheckView view;  // products and the fold accounts in `results`
   struct Results {
     size_t folds = 0, row_sums = 0, failed = 0, strayed = 0, checked = 0, nonfinite = 0;
@@ -156,7 +162,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->checkpoint_ = std::move(checkpoint);
   b->attention_scale_ = options.attention_scale_factor;
-  b->graphs_ = options.cuda_graphs;
+  b->kernel_times_ = options.kernel_times;
+  b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
   BULKHEAD_RETURN_IF_ERROR(b->load(options));
@@ -566,9 +573,11 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   pending_.parallel_attention =
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
+  BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
                                                 d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
                                                 d.stream.get()));
+  BULKHEAD_RETURN_IF_ERROR(mark("step inputs copy"));
   pending_.tokens = int(n);
   pending_.rows.assign(rows.begin(), rows.end());
   if (limits_.checks_weight_reads) {
@@ -708,7 +717,9 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   norm.consumers[2] = consumer(L.v);
   norm.checks = d.view;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("norm (input)"));
   BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, n, qkv, d.qkv_stride));
+  BULKHEAD_RETURN_IF_ERROR(mark("product q/k/v"));
 
   cuda::QkvArgs qa;
   qa.qkv = qkv;
@@ -734,6 +745,7 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   qa.block_size = int(limits_.kv_block_size);
   qa.checks = d.view;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchQkv(qa, stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("q/k/v bias, rope, cache"));
 
   cuda::AttentionArgs aa;
   aa.q = qkv;
@@ -757,7 +769,9 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   aa.split_counts = d.split_counts.get<unsigned>();
   aa.max_splits = d.max_splits;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("attention"));
   BULKHEAD_RETURN_IF_ERROR(products({&L.o}, aa.out, n, delta, c.hidden_size));
+  BULKHEAD_RETURN_IF_ERROR(mark("product o"));
 
   norm.delta = delta;
   norm.delta_role = role(L.o);
@@ -768,7 +782,9 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   norm.consumers[1] = consumer(L.up);
   norm.consumers[2] = {};
   BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("norm (post-attention)"));
   BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter));
+  BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
 
   cuda::SiluMulArgs sa;
   sa.gate_up = gate_up;
@@ -780,7 +796,9 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   sa.down = consumer(L.down);
   sa.checks = d.view;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
-  return products({&L.down}, sa.out, n, delta, c.hidden_size);
+  BULKHEAD_RETURN_IF_ERROR(mark("silu"));
+  BULKHEAD_RETURN_IF_ERROR(products({&L.down}, sa.out, n, delta, c.hidden_size));
+  return mark("product down");
 }
 
 Status CudaBackend::launchOutput(int n, int m, bool aligned) {
@@ -804,6 +822,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   norm.consumers[0] = consumer(lm_head_);
   norm.checks = d.view;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("norm (final)"));
 
   const int vocab = c.vocab_size;
   auto* const* dst = d.input<float*>(d.in.dst);
@@ -813,6 +832,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
     BULKHEAD_RETURN_IF_ERROR(
         products({&lm_head_}, d.final_rows.get<__nv_bfloat16>() + size_t(first) * c.hidden_size,
                  rows, d.logits.get<float>(), vocab));
+    BULKHEAD_RETURN_IF_ERROR(mark("product lm_head"));
     cuda::LogitsArgs la;
     la.logits = d.logits.get<float>();
     la.rows = rows;
@@ -825,12 +845,14 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
     la.check_row = first;
     la.checks = d.view;
     BULKHEAD_RETURN_IF_ERROR(cuda::launchLogits(la, stream));
+    BULKHEAD_RETURN_IF_ERROR(mark("logits rows out"));
     // Rows not in the registered arena went to the fallback buffer: copy them out in order.
     for (int r = first; r < first + rows; ++r) {
       if (!pending_.copied_out[size_t(r)]) continue;
       BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pending_.rows[size_t(r)].payload, dst_host[r],
                                                     size_t(vocab) * 4, cudaMemcpyDeviceToHost,
                                                     stream));
+      BULKHEAD_RETURN_IF_ERROR(mark("logits copy-out"));
     }
   }
   if (checks)
@@ -839,9 +861,10 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
         {d.result<unsigned int>(d.res.failed), d.result<unsigned int>(d.res.strayed),
          d.result<unsigned int>(d.res.checked)},
         stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("count product checks"));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       d.results_host.get(), d.results.get(), d.res.layout.bytes, cudaMemcpyDeviceToHost, stream));
-  return okStatus();
+  return mark("results read-back");
 }
 
 Status CudaBackend::launchForward(int n, int m, bool aligned) {
@@ -850,11 +873,13 @@ Status CudaBackend::launchForward(int n, int m, bool aligned) {
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
       d.products.get(), 0, size_t(n) * product_roles_ * sizeof(cuda::ProductCheck), stream));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.results.get(), 0, d.res.layout.bytes, stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("clear checks"));
   BULKHEAD_RETURN_IF_ERROR(cuda::launchEmbedding(
       static_cast<const __nv_bfloat16*>(embed_.ptr), config().hidden_size,
       d.input<uint32_t>(d.in.tokens), n, d.x.get<float>(), stream,
       limits_.checks_weight_reads && embed_.fold >= 0 ? d.view.folds + embed_.fold : nullptr,
       embed_.salt));
+  BULKHEAD_RETURN_IF_ERROR(mark("embedding"));
   for (size_t l = 0; l < layers_.size(); ++l)
     BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n, l == 0 ? nullptr : &layers_[l - 1].down));
   return launchOutput(n, m, aligned);
@@ -949,11 +974,47 @@ Status CudaBackend::waitStep(WeightReadVerdict& verdict) {
   const int strayed = strayedRole();
   if (verdict.failed_tensor.empty() && strayed >= 0)
     BULKHEAD_RETURN_IF_ERROR(computeAgain(strayed, verdict));
+  BULKHEAD_RETURN_IF_ERROR(collectLaunchTimes());
   const auto* sums = d.resultHost<unsigned long long>(d.res.row_sums);
   const auto* nonfinite = d.resultHost<unsigned int>(d.res.nonfinite);
   for (size_t r = 0; r < pending_.rows.size(); ++r)
     *pending_.rows[r].check = RowCheck{sums[r], nonfinite[r] == 0};
   return okStatus();
+}
+
+Status CudaBackend::mark(const char* what) {
+  if (!kernel_times_) return okStatus();
+  CudaState& d = *d_;
+  if (d.marks_used == d.marks.size()) {
+    BULKHEAD_ASSIGN_OR_RETURN(cuda::Event e, cuda::Event::create(/*timed=*/true));
+    d.marks.push_back(std::move(e));
+    d.mark_names.push_back(nullptr);
+  }
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.marks[d.marks_used].get(), d.stream.get()));
+  d.mark_names[d.marks_used++] = what;
+  return okStatus();
+}
+
+Status CudaBackend::collectLaunchTimes() {
+  CudaState& d = *d_;
+  for (size_t i = 1; i < d.marks_used; ++i) {
+    if (d.mark_names[i] == nullptr) continue;
+    float ms = 0;
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaEventElapsedTime(&ms, d.marks[i - 1].get(), d.marks[i].get()));
+    auto kind = std::find_if(d.launch_times.begin(), d.launch_times.end(),
+                             [&](const LaunchTime& t) { return t.what == d.mark_names[i]; });
+    if (kind == d.launch_times.end())
+      kind = d.launch_times.insert(d.launch_times.end(), LaunchTime{d.mark_names[i], 0, 0});
+    ++kind->launches;
+    kind->total_us += 1e3 * double(ms);
+  }
+  d.marks_used = 0;
+  return okStatus();
+}
+
+std::vector<LaunchTime> CudaBackend::takeLaunchTimes() {
+  return std::exchange(d_->launch_times, {});
 }
 
 int CudaBackend::strayedRole() const {
@@ -977,6 +1038,7 @@ Status CudaBackend::computeAgain(int strayed, WeightReadVerdict& verdict) {
   const std::vector<unsigned int> first_strays(counts, counts + product_roles_);
   const unsigned int strays = counts[strayed];
   ++recomputed_steps_;
+  BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_RETURN_IF_ERROR(
       launchForward(pending_.tokens, int(pending_.rows.size()), pending_.aligned));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.done.get(), d.stream.get()));

@@ -44,6 +44,10 @@ class CudaBackend final : public Backend {
     // The product's schedule per bucket of rows (cuda/gemm.cuh): the same bits in each, so it
     // changes speed only.
     cuda::GemmScheduleBuckets gemm_schedules = {};
+    // Measurement (bench-engine --kernel-times): a timed event after every launch of a step, so
+    // that takeLaunchTimes() says where the device time goes. Steps then run uncaptured (no
+    // graphs) and each launch waits for the event before it: slower, the same numbers.
+    bool kernel_times = false;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -61,6 +65,7 @@ class CudaBackend final : public Backend {
   Result<std::string> computeFault(uint64_t selector) override;
   Status residentChecksums(std::span<const WeightRange> ranges, std::span<uint64_t> out) override;
   Status repairResident(const WeightRange& range) override;
+  std::vector<LaunchTime> takeLaunchTimes() override;
 
   // Steps that ran as a captured graph (tests and stats).
   uint64_t graphLaunches() const { return graph_launches_; }
@@ -135,11 +140,16 @@ class CudaBackend final : public Backend {
   int strayedRole() const;
   // Runs the step just waited for again and judges it by the two (waitStep).
   Status computeAgain(int strayed, WeightReadVerdict& verdict);
+  // Kernel times (Options::kernel_times): the launches since the last mark were `what`
+  // (nullptr: a start, timed as nothing). collectLaunchTimes() adds a finished step's marks up.
+  Status mark(const char* what);
+  Status collectLaunchTimes();
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
   float attention_scale_ = 1.0f;
   bool graphs_ = true;
+  bool kernel_times_ = false;
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;
   uint64_t graph_launches_ = 0;

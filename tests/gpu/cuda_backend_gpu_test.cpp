@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -235,6 +236,43 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
                       std::string(names) + ", chunks of " + std::to_string(chunks[i]));
     expectIdentical(decoded, decodeThree(*other, vocab_), std::string(names) + ", decoding");
   }
+}
+
+// bench-engine --kernel-times: timing every launch changes no row; each step's launches are
+// all accounted for, once a step each where a step has one (decode steps of three sequences:
+// one lm_head chunk, one embedding), once a layer for the layers' kernels.
+TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
+  CudaBackend::Options options;
+  options.kernel_times = true;
+  options.kv_blocks = 256;
+  options.max_step_tokens = 1024;
+  auto created = CudaBackend::create(checkpoint_, options);
+  ASSERT_TRUE(created.ok()) << created.status().toString();
+  CudaBackend& timed = **created;
+  const test::Rows reference = decodeThree(*backend_, vocab_);
+  EXPECT_TRUE(backend_->takeLaunchTimes().empty()) << "times taken without kernel_times";
+  timed.takeLaunchTimes();
+  EXPECT_TRUE(timed.takeLaunchTimes().empty());
+  expectIdentical(reference, decodeThree(timed, vocab_), "kernel times");
+  EXPECT_EQ(timed.graphLaunches(), 0u) << "a timed step ran as a graph";
+  const std::vector<LaunchTime> times = timed.takeLaunchTimes();
+  // decodeThree: 3 prefill steps, then 32 decode steps.
+  const uint64_t steps = 35, layers = checkpoint_->config().num_layers;
+  std::map<std::string, uint64_t> launches;
+  for (const LaunchTime& t : times) {
+    EXPECT_GT(t.total_us, 0.0) << t.what;
+    launches[t.what] = t.launches;
+  }
+  EXPECT_EQ(launches["step inputs copy"], steps);
+  EXPECT_EQ(launches["embedding"], steps);
+  EXPECT_EQ(launches["product lm_head"], steps);
+  EXPECT_EQ(launches["logits rows out"], steps);
+  EXPECT_EQ(launches["count product checks"], steps);
+  for (const char* kind :
+       {"norm (input)", "product q/k/v", "q/k/v bias, rope, cache", "attention", "product o",
+        "norm (post-attention)", "product gate/up", "silu", "product down"})
+    EXPECT_EQ(launches[kind], steps * layers) << kind;
+  EXPECT_TRUE(timed.takeLaunchTimes().empty()) << "taken twice";
 }
 
 TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {

@@ -115,6 +115,11 @@ TEST(Cli, BenchEngineReportsEveryBatchSize) {
                                "--backend", "cpu", "--batch", "1", "--prompt", "100000"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("positions exceed"), std::string::npos) << bad.err;
+  auto untimed = runBulkhead(dir, {"bench-engine", "--model", test::fixtureDir("tiny-qwen2"),
+                                   "--backend", "cpu", "--kernel-times"});
+  EXPECT_NE(untimed.exit_code, 0);
+  EXPECT_NE(untimed.err.find("--kernel-times times the CUDA backend"), std::string::npos)
+      << untimed.err;
 }
 
 // The broker and the worker read every option from a TOML file too; flags win over the file, and

@@ -12,6 +12,8 @@
 #   memcheck the product's tests on the small shapes under compute-sanitizer (memcheck, then
 #           racecheck for the cluster's shared memory)
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
+#   times   bench-engine --kernel-times on both shapes at batch 1 and 32: where a step's
+#           device time goes, launch by launch, with and without the checks
 #   schedules bench-engine on both shapes with each other product schedule (pipelined,
 #           two_tiles) in every bucket, no comparison columns
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -84,6 +86,13 @@ for group in "$@"; do
           --batch 1,8,32,64
         run "bench-engine-$shape-serial" 120 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1,32,64 --no-compare --programmatic-launch off
+      done
+      ;;
+    times)
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        run "kernel-times-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
+          --batch 1,32 --steps 32 --kernel-times
       done
       ;;
     schedules)
