@@ -19,6 +19,7 @@
 
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/norm_partials.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -65,10 +66,11 @@ __device__ __forceinline__ uint32_t foldKeys(int g, int first) {
 // load each token once from the L2 cache instead of once a tile. Every output gets the same
 // operations in the same order in all of them: only when loads are issued and how many tiles
 // share them change.
-template <int kGroups, int kUnroll, bool kPipelined, int kTiles>
+template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
-               int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits) {
+               int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
+               GemmResidual res) {
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
   constexpr int kSets = kPipelined ? 2 : 1;
@@ -232,9 +234,41 @@ __global__ void __launch_bounds__(kThreads)
   if (folding && threadIdx.x == 0)
     for (int i = 0; i < kTiles; ++i)
       for (int v = 0; v < kWarps; ++v) block_fold[i] += fold_scratch[v][i];
+  // Output e's final value: into y, or added to the residual (res.x). Every lane of a warp
+  // reaches it together with consecutive e (kOutputs is a multiple of kThreads): a norm tile's
+  // 16 outputs (e / 16 the same) are 16 lanes of one warp.
   auto store = [&](int e, float value) {
-    if (n0 + e % kRows < n && m0 + e / kRows < m)
-      y[size_t(m0 + e / kRows) * ldy + n0 + e % kRows] = value;
+    const int row = n0 + e % kRows, token = m0 + e / kRows;
+    const bool valid = row < n && token < m;
+    if constexpr (!kResidual) {
+      if (valid) y[size_t(token) * ldy + row] = value;
+      return;
+    }
+    if (valid && res.fault == (long long)token * n + row)
+      value = __uint_as_float(__float_as_uint(value) ^ 0x40000000u);
+    float square = 0.0f;
+    double produced[2] = {};
+    if (valid) {
+      float* at = res.x + size_t(token) * res.ldx + row;
+      const float updated = __fadd_rn(*at, value);
+      *at = updated;
+      square = __fmul_rn(updated, updated);
+      produced[0] = double(value);
+      produced[1] = double(value) * double(value);
+    }
+    square = normTilePartialOfLanes(square);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      for (int offset = kNormTile / 2; offset > 0; offset /= 2)
+        produced[i] += __shfl_xor_sync(0xffffffffu, produced[i], offset);
+    if (e % kNormTile == 0 && valid) {
+      res.partials[size_t(token) * res.ldp + row / kNormTile] = square;
+      if (res.checks != nullptr) {
+        ProductCheck& p = res.checks[size_t(token) * res.roles + res.role];
+        atomicAdd(&p.produced, produced[0]);
+        atomicAdd(&p.produced_sq, produced[1]);
+      }
+    }
   };
   if (splits == 1) {
     __syncthreads();
@@ -273,7 +307,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
-                   float* y, int ldy, cudaStream_t stream, const GemmFold& fold) {
+                   float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
+                   const GemmResidual& res) {
   cudaLaunchConfig_t config = {};
   const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles;
   config.gridDim = dim3(unsigned(blocks * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
@@ -290,8 +325,11 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   }
   config.attrs = attrs;
   config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
-  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles>, x, m, w, n,
-                            k, y, ldy, fold, splits);
+  if (res.x != nullptr)
+    return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true>, x, m,
+                              w, n, k, y, ldy, fold, splits, res);
+  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false>, x, m,
+                            w, n, k, y, ldy, fold, splits, res);
 }
 
 }  // namespace
@@ -355,9 +393,10 @@ int gemmSplits(int n, int k) {
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule,
-                  int forced_splits) {
-  if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || ldy < n || uintptr_t(x) % 16 != 0 ||
-      uintptr_t(w) % 16 != 0)
+                  int forced_splits, const GemmResidual& residual) {
+  const bool to_residual = residual.x != nullptr;
+  if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || (!to_residual && ldy < n) ||
+      uintptr_t(x) % 16 != 0 || uintptr_t(w) % 16 != 0)
     return invalidArgument("product of " + std::to_string(m) + "x" + std::to_string(k) + " by " +
                            std::to_string(n) + "x" + std::to_string(k) + " (k a multiple of 8, " +
                            "16-byte aligned operands)");
@@ -369,6 +408,13 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     if (fold.row_end[s] % 16 != 0)
       return invalidArgument("product fold boundary at row " + std::to_string(fold.row_end[s]) +
                              " is not a multiple of 16");
+  if (to_residual &&
+      (residual.ldx < n || residual.partials == nullptr || residual.ldp < normTiles(n) ||
+       (residual.checks != nullptr && (residual.role < 0 || residual.role >= residual.roles))))
+    return invalidArgument("product into the residual: " + std::to_string(n) +
+                           " outputs a row, rows " + std::to_string(residual.ldx) +
+                           " apart, partials " + std::to_string(residual.ldp) +
+                           " apart, check role " + std::to_string(residual.role));
   if (forced_splits < 0 || forced_splits > kMaxSplits)
     return invalidArgument("product split over " + std::to_string(forced_splits) +
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
@@ -376,30 +422,30 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   cudaError_t launched;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
-      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
     else if (m <= 16)
-      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
     else if (m <= 32)
-      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
     else
-      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
   } else if (schedule == GemmSchedule::kTwoTiles) {
     if (m <= 8)
-      launched = launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
     else if (m <= 16)
-      launched = launch<2, 2, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<2, 2, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
     else if (m <= 32)
-      launched = launch<4, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<4, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
     else
-      launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+      launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
   } else if (m <= 8)
-    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
   else if (m <= 16)
-    launched = launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    launched = launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
   else if (m <= 32)
-    launched = launch<4, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    launched = launch<4, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
   else
-    launched = launch<8, 2>(splits, x, m, w, n, k, y, ldy, stream, fold);
+    launched = launch<8, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
   BULKHEAD_CUDA_RETURN_IF_ERROR(launched);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();

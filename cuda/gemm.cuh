@@ -56,6 +56,25 @@ struct GemmFold {
   int row_end[3] = {};
 };
 
+// A product whose outputs go straight into the fp32 residual stream (the attention output's and
+// the MLP's down product), instead of into y: x[r][j] += y[r][j], in the epilogue that stores
+// them. The same epilogue keeps what the norm after it needs (cuda/norm_partials.cuh): each 16
+// outputs' sum of squares of the updated x, in [row][ldp]; and the product's own side of the
+// arithmetic check (produced, produced_sq of row r's ProductCheck), which it computes from the
+// very values it adds.
+struct GemmResidual {
+  float* x = nullptr;  // null: store y
+  int ldx = 0;
+  float* partials = nullptr;
+  int ldp = 0;
+  ProductCheck* checks = nullptr;  // row r's checks at checks[r * roles + role]; null: none
+  int roles = 0;
+  int role = -1;
+  // Fault injection (a faulty multiplier): output row * n + column has its highest exponent bit
+  // flipped before it is used; -1: none.
+  long long fault = -1;
+};
+
 // How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
 // blocks to keep the GPU's memory busy on a small weight, without splitting a long row thinner
 // than 32 k blocks a block.
@@ -88,11 +107,12 @@ inline const char* gemmScheduleName(GemmSchedule s) {
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
-// `ldy` apart. Device memory, asynchronous on `stream`. splits: 0 takes gemmSplits(n, k), as
-// every step does; 1 to 8 forces that many (another fixed sum order, still the same for every
-// row count: for `bulkhead bench-gemm` to compare).
+// `ldy` apart (unused with a residual). Device memory, asynchronous on `stream`. splits: 0 takes
+// gemmSplits(n, k), as every step does; 1 to 8 forces that many (another fixed sum order, still
+// the same for every row count: for `bulkhead bench-gemm` to compare).
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
-                  GemmSchedule schedule = GemmSchedule::kInUse, int splits = 0);
+                  GemmSchedule schedule = GemmSchedule::kInUse, int splits = 0,
+                  const GemmResidual& residual = {});
 
 }  // namespace bulkhead::cuda

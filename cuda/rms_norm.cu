@@ -8,6 +8,7 @@
 
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/norm_partials.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -15,6 +16,52 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxPairs = 8;  // per thread: rows of up to 8192 values, held in registers
+
+// The normalised row into out row out_r (skipped when negative), with the norm weight's fold and
+// the consumers' side of their checks. v: the residual row's pairs, this thread's slice.
+template <int kPairs>
+__device__ __forceinline__ void normalise(const RmsNormArgs& a, const float2 (&v)[kPairs],
+                                          const uint32_t (&words)[kPairs],
+                                          const float2 (&cs)[kMaxNormConsumers][kPairs],
+                                          const float2 (&as)[kMaxNormConsumers][kPairs], int out_r,
+                                          float inv) {
+  const int pairs = a.hidden / 2;
+  if (out_r < 0) return;  // uniform across the block
+  __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
+  double sums[2 * kMaxNormConsumers] = {};  // expected, then bound, per consumer
+  unsigned long long fold = 0;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i >= pairs) break;
+    if (a.weight_fold >= 0) fold += foldTerm(words[j], a.weight_salt, uint32_t(i));
+    __nv_bfloat162 w;
+    memcpy(&w, &words[j], 4);
+    const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v[j].x * inv),
+                                                   __bfloat162float(w.y) * (v[j].y * inv));
+    dst[i] = o;
+    const float o0 = __bfloat162float(o.x), o1 = __bfloat162float(o.y);
+#pragma unroll
+    for (int c = 0; c < kMaxNormConsumers; ++c) {
+      if (a.consumers[c].role < 0) continue;
+      sums[c] += double(cs[c][j].x) * o0 + double(cs[c][j].y) * o1;
+      sums[kMaxNormConsumers + c] +=
+          double(as[c][j].x) * fabsf(o0) + double(as[c][j].y) * fabsf(o1);
+    }
+  }
+  if (a.weight_fold >= 0) addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs);
+  if (a.consumers[0].role < 0) return;  // consumers fill from the first
+  warpSums(sums);
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int c = 0; c < kMaxNormConsumers; ++c) {
+      if (a.consumers[c].role < 0) continue;
+      ProductCheck& p = a.checks.products[size_t(out_r) * a.checks.roles + a.consumers[c].role];
+      atomicAdd(&p.expected, sums[c]);
+      atomicAdd(&p.bound, sums[kMaxNormConsumers + c]);
+    }
+  }
+}
 
 // kPairs pairs a thread, the fewest that cover the row: the same slices and order as any larger
 // count, so the result does not depend on it.
@@ -55,6 +102,13 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
     v[j] = in ? row[i] : make_float2(0.0f, 0.0f);
     d[j] = in && delta != nullptr ? delta[i] : make_float2(0.0f, 0.0f);
   }
+  if (a.partials != nullptr) {
+    // Every warp adds the row's partials up itself (the same bits): no barrier.
+    const float total =
+        rowSumOfSquares(a.partials + size_t(r) * a.partials_stride, normTiles(a.hidden));
+    normalise(a, v, words, cs, as, out_r, 1.0f / sqrtf(total / float(a.hidden) + a.eps));
+    return;
+  }
   float sum = 0.0f;
   double produced[2] = {};  // the delta product's sum and sum of squares
 #pragma unroll
@@ -86,41 +140,7 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
     }
   }
 
-  if (out_r < 0) return;  // uniform across the block
-  __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
-  double sums[2 * kMaxNormConsumers] = {};  // expected, then bound, per consumer
-  unsigned long long fold = 0;
-#pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i >= pairs) break;
-    if (a.weight_fold >= 0) fold += foldTerm(words[j], a.weight_salt, uint32_t(i));
-    __nv_bfloat162 w;
-    memcpy(&w, &words[j], 4);
-    const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v[j].x * inv),
-                                                   __bfloat162float(w.y) * (v[j].y * inv));
-    dst[i] = o;
-    const float o0 = __bfloat162float(o.x), o1 = __bfloat162float(o.y);
-#pragma unroll
-    for (int c = 0; c < kMaxNormConsumers; ++c) {
-      if (a.consumers[c].role < 0) continue;
-      sums[c] += double(cs[c][j].x) * o0 + double(cs[c][j].y) * o1;
-      sums[kMaxNormConsumers + c] +=
-          double(as[c][j].x) * fabsf(o0) + double(as[c][j].y) * fabsf(o1);
-    }
-  }
-  if (a.weight_fold >= 0) addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs);
-  if (a.consumers[0].role < 0) return;  // consumers fill from the first
-  warpSums(sums);
-  if (threadIdx.x % 32 == 0) {
-#pragma unroll
-    for (int c = 0; c < kMaxNormConsumers; ++c) {
-      if (a.consumers[c].role < 0) continue;
-      ProductCheck& p = a.checks.products[size_t(out_r) * a.checks.roles + a.consumers[c].role];
-      atomicAdd(&p.expected, sums[c]);
-      atomicAdd(&p.bound, sums[kMaxNormConsumers + c]);
-    }
-  }
+  normalise(a, v, words, cs, as, out_r, inv);
 }
 
 }  // namespace
@@ -130,6 +150,10 @@ Status launchRmsNorm(const RmsNormArgs& args, cudaStream_t stream) {
       args.hidden > 2 * kMaxPairs * kThreads)
     return invalidArgument("rms norm of " + std::to_string(args.rows) + " rows of " +
                            std::to_string(args.hidden));
+  if (args.partials != nullptr &&
+      (args.delta != nullptr || args.partials_stride < normTiles(args.hidden)))
+    return invalidArgument("rms norm from partials " + std::to_string(args.partials_stride) +
+                           " apart, with a delta to add: the residual is already summed");
   if (args.rows == 0) return okStatus();
   const int per_thread = (args.hidden / 2 + kThreads - 1) / kThreads;
   const dim3 grid(unsigned(args.rows));

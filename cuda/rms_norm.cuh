@@ -21,6 +21,12 @@ struct RmsNormArgs {
   float* x = nullptr;            // rows x hidden fp32; updated in place when delta is given
   const float* delta = nullptr;  // rows x hidden, added to x first; null: none
   int delta_role = -1;           // the product delta came from (its produced sums); -1: none
+  // With partials (cuda/norm_partials.cuh), x is already the residual sum, written with these
+  // (normTiles(hidden) a row, `partials_stride` apart) by the embedding or a product's residual
+  // epilogue: the row's sum of squares is theirs, added up in a fixed order, and delta must be
+  // null. Without, the kernel reduces the row itself.
+  const float* partials = nullptr;
+  int partials_stride = 0;
   int rows = 0;
   int hidden = 0;  // even
   const __nv_bfloat16* weight = nullptr;

@@ -95,6 +95,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_gemm_schedules = o.gemm_schedules;
   options.cuda_cublas_products = v.cublas;
   options.cuda_kernel_times = v.kernel_times;
+  options.cuda_residual_in_products = o.residual_in_products;
   BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
   const BackendLimits& limits = backend->limits();
   const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
@@ -231,11 +232,12 @@ Status runEngineBench(const EngineBenchOptions& o) {
   }
 
   std::printf(
-      "bench-engine: %s on %s, graphs %s, programmatic launch %s, product schedules %s, prompt "
-      "%u, %u decode steps per batch size\n",
+      "bench-engine: %s on %s, graphs %s, programmatic launch %s, product schedules %s, "
+      "residual in products %s, prompt %u, %u decode steps per batch size\n",
       o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off",
       o.programmatic_launch ? "on" : "off",
-      o.gemm_schedules.empty() ? "in_use" : o.gemm_schedules.c_str(), o.prompt, o.steps);
+      o.gemm_schedules.empty() ? "in_use" : o.gemm_schedules.c_str(),
+      o.residual_in_products ? "on" : "off", o.prompt, o.steps);
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
                 read_bytes_per_s / 1e9);
@@ -251,6 +253,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
       {"graphs", o.graphs},
       {"programmatic_launch", o.programmatic_launch},
       {"gemm_schedules", o.gemm_schedules.empty() ? "in_use" : o.gemm_schedules},
+      {"residual_in_products", o.residual_in_products},
       {"prompt", o.prompt},
       {"steps", o.steps},
       {"read_bandwidth_gb_s", read_bytes_per_s / 1e9},

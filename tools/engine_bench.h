@@ -25,6 +25,7 @@ struct EngineBenchOptions {
   // Then the same decode steps with each launch timed (Backend::takeLaunchTimes), checked and,
   // with compare, unchecked: a table per batch size of where a step's device time goes.
   bool kernel_times = false;
+  bool residual_in_products = false;  // CudaBackend::Options::residual_in_products (ours only)
   std::string json_path;
 };
 

@@ -207,6 +207,9 @@ int main(int argc, char** argv) {
   bool engine_alone = false;
   engine_bench->add_flag("--no-compare", engine_alone,
                          "Skip the runs without in-step checks and through cuBLAS");
+  engine_bench->add_flag("--residual-in-products", engine_opts.residual_in_products,
+                         "CUDA: the attention output's and MLP's products add into the residual "
+                         "stream themselves, and the norms only add partials up");
   engine_bench->add_flag("--kernel-times", engine_opts.kernel_times,
                          "CUDA: then where a decode step's device time goes, launch by launch "
                          "(an event after each, no graphs), with and without the checks");

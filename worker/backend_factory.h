@@ -21,7 +21,8 @@ struct BackendOptions {
   int cuda_device = 0;                   // the CUDA device ordinal the worker uses
   // The CUDA product's schedule per bucket of rows (cuda::parseGemmSchedules); empty: in_use.
   std::string cuda_gemm_schedules;
-  bool cuda_kernel_times = false;  // CudaBackend::Options::kernel_times
+  bool cuda_kernel_times = false;          // CudaBackend::Options::kernel_times
+  bool cuda_residual_in_products = false;  // CudaBackend::Options::residual_in_products
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

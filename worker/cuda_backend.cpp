@@ -20,6 +20,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/logits.cuh"
 #include "cuda/matmul.cuh"
+#include "cuda/norm_partials.cuh"
 #include "cuda/resources.h"
 #include "cuda/rms_norm.cuh"
 #include "cuda/rope.cuh"
@@ -88,6 +89,8 @@ struct CudaState {
   // Activations, max_step_tokens rows each.
   DeviceMemory x, xn, qkv, attn, delta, gate_up, act, final_rows, logits, fallback;
   int qkv_stride = 0;
+  DeviceMemory norm_partials;  // residual_in_products: [token][partials_stride]
+  int partials_stride = 0;
   // Step inputs: the same layout on the host (pinned) and the device.
   struct Inputs {
     size_t dst = 0, tokens = 0, positions = 0, row_block = 0, row_table = 0, out_row = 0,
@@ -163,6 +166,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->checkpoint_ = std::move(checkpoint);
   b->attention_scale_ = options.attention_scale_factor;
   b->kernel_times_ = options.kernel_times;
+  if (options.residual_in_products && options.cublas_products)
+    return invalidArgument("cuBLAS products cannot add into the residual stream");
+  b->residual_in_products_ = options.residual_in_products;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
@@ -466,6 +472,9 @@ Status CudaBackend::allocateStep(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(d.qkv, DeviceMemory::allocate(T * size_t(d.qkv_stride) * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.attn, DeviceMemory::allocate(T * size_t(c.qDim()) * 2));
   BULKHEAD_ASSIGN_OR_RETURN(d.delta, DeviceMemory::allocate(T * hidden * 4));
+  d.partials_stride = cuda::normTiles(c.hidden_size);
+  BULKHEAD_ASSIGN_OR_RETURN(d.norm_partials,
+                            DeviceMemory::allocate(T * size_t(d.partials_stride) * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.gate_up, DeviceMemory::allocate(T * 2 * inter * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.act, DeviceMemory::allocate(T * inter * 2));
   BULKHEAD_ASSIGN_OR_RETURN(d.final_rows, DeviceMemory::allocate(T * hidden * 2));
@@ -682,6 +691,34 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   return okStatus();
 }
 
+Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows) {
+  CudaState& d = *d_;
+  const int n = int(w.tensor->shape[0]), k = int(w.tensor->shape[1]);
+  const bool checks = limits_.checks_weight_reads;
+  cuda::GemmFold fold;
+  if (w.fold >= 0 && checks) fold = {1, {d.view.folds + w.fold}, {w.salt}, {n}};
+  cuda::GemmResidual residual;
+  residual.x = d.x.get<float>();
+  residual.ldx = config().hidden_size;
+  residual.partials = d.norm_partials.get<float>();
+  residual.ldp = d.partials_stride;
+  if (checks) {
+    residual.checks = d.view.products;
+    residual.roles = d.view.roles;
+    residual.role = w.product;
+  }
+  if (w.product == fault_role_) {
+    // Output (s % n) of token (s / n % rows), as CpuBackend picks it (applyFault).
+    const uint64_t s = (fault_selector_ / uint64_t(product_roles_)) & 0x7fffffffffffull;
+    residual.fault =
+        (long long)(s / uint64_t(n) % uint64_t(rows)) * n + (long long)(s % uint64_t(n));
+  }
+  return cuda::launchGemm(static_cast<const __nv_bfloat16*>(x), rows,
+                          static_cast<const __nv_bfloat16*>(w.ptr), n, k, nullptr, 0,
+                          d.stream.get(), fold, gemm_schedules_[size_t(cuda::gemmBucket(rows))], 0,
+                          residual);
+}
+
 cuda::ConsumerSums CudaBackend::consumer(const Weight& w) const {
   if (!limits_.checks_weight_reads) return {};
   return {w.product, d_->colsum[size_t(w.product)], d_->abssum[size_t(w.product)]};
@@ -703,8 +740,13 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
 
   cuda::RmsNormArgs norm;
   norm.x = d.x.get<float>();
-  norm.delta = previous_down != nullptr ? delta : nullptr;
-  norm.delta_role = previous_down != nullptr ? role(*previous_down) : -1;
+  const bool residual = residual_in_products_;
+  norm.delta = previous_down != nullptr && !residual ? delta : nullptr;
+  norm.delta_role = previous_down != nullptr && !residual ? role(*previous_down) : -1;
+  if (residual) {
+    norm.partials = d.norm_partials.get<float>();
+    norm.partials_stride = d.partials_stride;
+  }
   norm.rows = n;
   norm.hidden = c.hidden_size;
   norm.weight = static_cast<const __nv_bfloat16*>(L.input_norm.ptr);
@@ -770,11 +812,12 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   aa.max_splits = d.max_splits;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
   BULKHEAD_RETURN_IF_ERROR(mark("attention"));
-  BULKHEAD_RETURN_IF_ERROR(products({&L.o}, aa.out, n, delta, c.hidden_size));
+  BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, aa.out, n)
+                                    : products({&L.o}, aa.out, n, delta, c.hidden_size));
   BULKHEAD_RETURN_IF_ERROR(mark("product o"));
 
-  norm.delta = delta;
-  norm.delta_role = role(L.o);
+  norm.delta = residual ? nullptr : delta;
+  norm.delta_role = residual ? -1 : role(L.o);
   norm.weight = static_cast<const __nv_bfloat16*>(L.post_norm.ptr);
   norm.weight_salt = L.post_norm.salt;
   norm.weight_fold = foldOf(L.post_norm);
@@ -797,7 +840,8 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   sa.checks = d.view;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
   BULKHEAD_RETURN_IF_ERROR(mark("silu"));
-  BULKHEAD_RETURN_IF_ERROR(products({&L.down}, sa.out, n, delta, c.hidden_size));
+  BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.down, sa.out, n)
+                                    : products({&L.down}, sa.out, n, delta, c.hidden_size));
   return mark("product down");
 }
 
@@ -809,8 +853,13 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   // The last residual add for every row; the final norm for the rows whose logits were asked.
   cuda::RmsNormArgs norm;
   norm.x = d.x.get<float>();
-  norm.delta = layers_.empty() ? nullptr : d.delta.get<float>();
-  norm.delta_role = layers_.empty() || !checks ? -1 : layers_.back().down.product;
+  const bool residual = residual_in_products_;
+  norm.delta = layers_.empty() || residual ? nullptr : d.delta.get<float>();
+  norm.delta_role = layers_.empty() || residual || !checks ? -1 : layers_.back().down.product;
+  if (residual) {
+    norm.partials = d.norm_partials.get<float>();
+    norm.partials_stride = d.partials_stride;
+  }
   norm.rows = n;
   norm.hidden = c.hidden_size;
   norm.weight = static_cast<const __nv_bfloat16*>(final_norm_.ptr);
@@ -878,7 +927,8 @@ Status CudaBackend::launchForward(int n, int m, bool aligned) {
       static_cast<const __nv_bfloat16*>(embed_.ptr), config().hidden_size,
       d.input<uint32_t>(d.in.tokens), n, d.x.get<float>(), stream,
       limits_.checks_weight_reads && embed_.fold >= 0 ? d.view.folds + embed_.fold : nullptr,
-      embed_.salt));
+      embed_.salt, residual_in_products_ ? d.norm_partials.get<float>() : nullptr,
+      d.partials_stride));
   BULKHEAD_RETURN_IF_ERROR(mark("embedding"));
   for (size_t l = 0; l < layers_.size(); ++l)
     BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n, l == 0 ? nullptr : &layers_[l - 1].down));

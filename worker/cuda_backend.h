@@ -48,6 +48,12 @@ class CudaBackend final : public Backend {
     // that takeLaunchTimes() says where the device time goes. Steps then run uncaptured (no
     // graphs) and each launch waits for the event before it: slower, the same numbers.
     bool kernel_times = false;
+    // The attention output's and the MLP's products add into the residual stream in their own
+    // epilogue, keeping the norm tiles' partials of its sum of squares (cuda/norm_partials.cuh),
+    // so a norm only adds a row's partials up: no delta buffer, no reduction of the norm's own.
+    // The norms then sum in another order than without (either way the same numbers whatever
+    // the batch, graphs or chunking; not the same as each other). Not with cuBLAS products.
+    bool residual_in_products = false;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -128,6 +134,9 @@ class CudaBackend final : public Backend {
   // side by side in rows `ldy` floats apart; then the armed compute fault, if one is.
   Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
                   int ldy);
+  // x · wᵀ added into the residual stream (Options::residual_in_products), with the armed
+  // compute fault, if one is, applied in the product.
+  Status residualProduct(const Weight& w, const void* x, int rows);
   Status applyFault(const Weight& w, float* y, int rows, int ldy);
   cuda::ConsumerSums consumer(const Weight& w) const;
   WeightReadVerdict verifySlots() const;
@@ -150,6 +159,7 @@ class CudaBackend final : public Backend {
   float attention_scale_ = 1.0f;
   bool graphs_ = true;
   bool kernel_times_ = false;
+  bool residual_in_products_ = false;
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;
   uint64_t graph_launches_ = 0;

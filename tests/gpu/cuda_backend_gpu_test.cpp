@@ -32,10 +32,15 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
   return ckpt.ok() ? std::make_shared<const Checkpoint>(std::move(*ckpt)) : nullptr;
 }
 
+// CudaBackend::Options::residual_in_products for the backends a test makes: the model case's
+// (CudaBackendModels sets it for each test).
+bool residual_in_products = false;
+
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
                                          cuda::GemmScheduleBuckets schedules = {}) {
   CudaBackend::Options options;
+  options.residual_in_products = residual_in_products;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -103,7 +108,8 @@ TEST(CudaBackendGpu, FixtureLogitsMatchTransformers) {
 
 struct ModelCase {
   std::string name;
-  std::string shape;  // empty: the golden fixture
+  std::string shape;      // empty: the golden fixture
+  bool residual = false;  // CudaBackend::Options::residual_in_products
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -113,6 +119,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
  protected:
   void SetUp() override {
     if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+    residual_in_products = GetParam().residual;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -126,6 +133,8 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     ASSERT_NE(backend_, nullptr);
     vocab_ = backend_->limits().vocab_size;
   }
+
+  void TearDown() override { residual_in_products = false; }
 
   test::TempDir tmp_;
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -244,6 +253,7 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
 TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   CudaBackend::Options options;
   options.kernel_times = true;
+  options.residual_in_products = GetParam().residual;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto created = CudaBackend::create(checkpoint_, options);
@@ -551,14 +561,14 @@ TEST_P(CudaBackendModels, TheSecondDeviceGivesTheSameLogitsAndScrubsFromAnotherT
   EXPECT_EQ(got, want);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, CudaBackendModels,
-                         testing::Values(ModelCase{"fixture_qwen2", ""},
-                                         ModelCase{"llama_untied", "tiny-llama"},
-                                         ModelCase{"qwen2_v152k", "tiny-v152k"},
-                                         ModelCase{"qwen7b_layer", "qwen2.5-7b-layer"}),
-                         [](const testing::TestParamInfo<ModelCase>& info) {
-                           return info.param.name;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Models, CudaBackendModels,
+    testing::Values(ModelCase{"fixture_qwen2", ""}, ModelCase{"llama_untied", "tiny-llama"},
+                    ModelCase{"qwen2_v152k", "tiny-v152k"},
+                    ModelCase{"qwen7b_layer", "qwen2.5-7b-layer"},
+                    ModelCase{"fixture_qwen2_residual", "", true},
+                    ModelCase{"qwen7b_layer_residual", "qwen2.5-7b-layer", true}),
+    [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace bulkhead

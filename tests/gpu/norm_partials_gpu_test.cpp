@@ -1,0 +1,214 @@
+// The residual stream's norm partials (cuda/norm_partials.cuh): a product's residual epilogue adds
+// exactly its outputs into the stream, keeps each norm tile's partial and its own check sums, and
+// flips the armed fault; the embedding keeps the same partials of the rows it writes; a norm from
+// partials gives what their fixed order gives. The host recomputes every fixed order bit for bit
+// (IEEE float, no contraction).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda/embedding.cuh"
+#include "cuda/gemm.cuh"
+#include "cuda/norm_partials.cuh"
+#include "cuda/rms_norm.cuh"
+#include "cuda/step_checks.cuh"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace bulkhead {
+namespace {
+
+// One tile's partial: the squares, then the butterfly of offsets 8, 4, 2, 1 (lane 0's result).
+float hostTilePartial(const float* v, int count) {
+  float s[cuda::kNormTile];
+  for (int j = 0; j < cuda::kNormTile; ++j) s[j] = j < count ? v[j] * v[j] : 0.0f;
+  for (int offset = cuda::kNormTile / 2; offset > 0; offset /= 2) {
+    float t[cuda::kNormTile];
+    for (int j = 0; j < cuda::kNormTile; ++j) t[j] = s[j] + s[j ^ offset];
+    std::memcpy(s, t, sizeof(s));
+  }
+  return s[0];
+}
+
+std::vector<float> hostPartials(const float* row, int hidden) {
+  std::vector<float> out;
+  for (int t = 0; t < cuda::normTiles(hidden); ++t)
+    out.push_back(hostTilePartial(row + t * cuda::kNormTile,
+                                  std::min(cuda::kNormTile, hidden - t * cuda::kNormTile)));
+  return out;
+}
+
+// A row's sum from its partials: 32 lanes in order, then the warp's butterfly.
+float hostRowSum(const std::vector<float>& partials) {
+  float lane[32] = {};
+  for (size_t p = 0; p < partials.size(); ++p) lane[p % 32] += partials[p];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    float t[32];
+    for (int l = 0; l < 32; ++l) t[l] = lane[l] + lane[l ^ offset];
+    std::memcpy(lane, t, sizeof(lane));
+  }
+  return lane[0];
+}
+
+uint32_t bitsOf(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b;
+}
+
+float withTopExponentBitFlipped(float v) {
+  const uint32_t b = bitsOf(v) ^ 0x40000000u;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+struct ResidualCase {
+  int n, k, rows, splits;
+};
+
+class ResidualEpilogue : public testing::TestWithParam<ResidualCase> {};
+
+TEST_P(ResidualEpilogue, AddsItsOutputsWithTheirPartialsChecksAndFault) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  const auto [n, k, rows, splits] = GetParam();
+  std::mt19937 rng{uint32_t(n + 7 * k + rows)};
+  std::normal_distribution<float> weight(0.0f, 0.05f), value(0.0f, 1.0f);
+  std::vector<__nv_bfloat16> w(size_t(n) * k), x(size_t(rows) * k);
+  for (auto& v : w) v = __float2bfloat16(weight(rng));
+  for (auto& v : x) v = __float2bfloat16(value(rng));
+  const int ldx = n + 3, ldp = cuda::normTiles(n) + 1, roles = 2, role = 1;
+  std::vector<float> residual(size_t(rows) * ldx);
+  for (auto& v : residual) v = value(rng);
+  test::DeviceBuffer<__nv_bfloat16> dw(w), dx(x);
+  test::DeviceBuffer<float> dy(size_t(rows) * n);
+  ASSERT_TRUE(cuda::launchGemm(dx.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
+                               cuda::GemmSchedule::kInUse, splits)
+                  .ok());
+  const std::vector<float> y = dy.read();
+  for (const long long fault : {-1LL, (long long)(rows - 1) * n + n / 2}) {
+    test::DeviceBuffer<float> stream(residual), partials(size_t(rows) * ldp);
+    test::DeviceBuffer<cuda::ProductCheck> checks(size_t(rows) * roles);
+    ASSERT_EQ(cudaMemset(checks.p, 0, checks.n * sizeof(cuda::ProductCheck)), cudaSuccess);
+    cuda::GemmResidual r;
+    r.x = stream.p;
+    r.ldx = ldx;
+    r.partials = partials.p;
+    r.ldp = ldp;
+    r.checks = checks.p;
+    r.roles = roles;
+    r.role = role;
+    r.fault = fault;
+    for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) {
+      // Each schedule adds once into a fresh copy of the stream.
+      ASSERT_EQ(cudaMemcpy(stream.p, residual.data(), residual.size() * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemset(checks.p, 0, checks.n * sizeof(cuda::ProductCheck)), cudaSuccess);
+      const Status s =
+          cuda::launchGemm(dx.p, rows, dw.p, n, k, nullptr, 0, nullptr, {}, schedule, splits, r);
+      ASSERT_TRUE(s.ok()) << s.toString();
+      const std::vector<float> got = stream.read(), got_partials = partials.read();
+      const std::vector<cuda::ProductCheck> got_checks = checks.read();
+      for (int t = 0; t < rows; ++t) {
+        std::vector<float> want(residual.begin() + long(t) * ldx,
+                                residual.begin() + long(t) * ldx + ldx);
+        double produced = 0, produced_sq = 0;
+        for (int j = 0; j < n; ++j) {
+          float out = y[size_t(t) * n + j];
+          if ((long long)t * n + j == fault) out = withTopExponentBitFlipped(out);
+          want[size_t(j)] += out;
+          produced += out;
+          produced_sq += double(out) * out;
+        }
+        for (int j = 0; j < ldx; ++j)
+          ASSERT_EQ(bitsOf(got[size_t(t) * ldx + j]), bitsOf(want[size_t(j)]))
+              << "row " << t << ", output " << j << ", fault " << fault << ", "
+              << cuda::gemmScheduleName(schedule);
+        const std::vector<float> want_partials = hostPartials(want.data(), n);
+        for (size_t p = 0; p < want_partials.size(); ++p)
+          ASSERT_EQ(bitsOf(got_partials[size_t(t) * ldp + p]), bitsOf(want_partials[p]))
+              << "row " << t << ", partial " << p;
+        const cuda::ProductCheck& c = got_checks[size_t(t) * roles + role];
+        EXPECT_NEAR(c.produced, produced, 1e-9 * (1 + std::fabs(produced))) << "row " << t;
+        EXPECT_NEAR(c.produced_sq, produced_sq, 1e-9 * (1 + produced_sq)) << "row " << t;
+        EXPECT_EQ(got_checks[size_t(t) * roles].produced, 0.0) << "another role's check";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ResidualEpilogue,
+                         testing::Values(ResidualCase{896, 896, 1, 0},
+                                         ResidualCase{896, 4864, 3, 0},
+                                         ResidualCase{3584, 3584, 8, 0},
+                                         ResidualCase{3584, 18944, 40, 0},
+                                         ResidualCase{100, 64, 37, 1}, ResidualCase{100, 64, 9, 2},
+                                         ResidualCase{33, 40, 70, 4}),
+                         [](const testing::TestParamInfo<ResidualCase>& info) {
+                           const ResidualCase& c = info.param;
+                           return std::to_string(c.n) + "x" + std::to_string(c.k) + "_rows" +
+                                  std::to_string(c.rows) + "_splits" + std::to_string(c.splits);
+                         });
+
+// The embedding's partials are the tree of its rows' squares, and the norm from partials is the
+// norm of that sum: the same bits as the host's, for rows that end inside a tile too.
+TEST(NormPartials, EmbeddingKeepsThemAndTheNormUsesThem) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  for (const int hidden : {64, 200, 896, 3584}) {
+    const int vocab = 50, rows = 9, ldp = cuda::normTiles(hidden) + 2;
+    const float eps = 1e-6f;
+    std::mt19937 rng{uint32_t(hidden)};
+    std::normal_distribution<float> value(0.0f, 2.0f);
+    std::vector<__nv_bfloat16> table(size_t(vocab) * hidden),
+        norm_weight(static_cast<size_t>(hidden));
+    for (auto& v : table) v = __float2bfloat16(value(rng));
+    for (auto& v : norm_weight) v = __float2bfloat16(1.0f + 0.1f * value(rng));
+    std::vector<uint32_t> tokens(rows);
+    for (auto& t : tokens) t = rng() % vocab;
+    test::DeviceBuffer<__nv_bfloat16> dtable(table), dweight(norm_weight),
+        dout(size_t(rows) * hidden);
+    test::DeviceBuffer<uint32_t> dtokens(tokens);
+    test::DeviceBuffer<float> dx(size_t(rows) * hidden), dpartials(size_t(rows) * ldp);
+    ASSERT_TRUE(cuda::launchEmbedding(dtable.p, hidden, dtokens.p, rows, dx.p, nullptr, nullptr, 0,
+                                      dpartials.p, ldp)
+                    .ok());
+    cuda::RmsNormArgs norm;
+    norm.x = dx.p;
+    norm.rows = rows;
+    norm.hidden = hidden;
+    norm.weight = dweight.p;
+    norm.eps = eps;
+    norm.out = dout.p;
+    norm.partials = dpartials.p;
+    norm.partials_stride = ldp;
+    ASSERT_TRUE(cuda::launchRmsNorm(norm, nullptr).ok());
+    const std::vector<float> x = dx.read(), partials = dpartials.read();
+    const std::vector<__nv_bfloat16> out = dout.read();
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < hidden; ++i)
+        ASSERT_EQ(x[size_t(r) * hidden + i],
+                  __bfloat162float(table[size_t(tokens[size_t(r)]) * hidden + i]));
+      const std::vector<float> want = hostPartials(x.data() + size_t(r) * hidden, hidden);
+      for (size_t p = 0; p < want.size(); ++p)
+        ASSERT_EQ(bitsOf(partials[size_t(r) * ldp + p]), bitsOf(want[p]))
+            << "hidden " << hidden << ", row " << r << ", partial " << p;
+      const float inv = 1.0f / std::sqrt(hostRowSum(want) / float(hidden) + eps);
+      for (int i = 0; i < hidden; ++i) {
+        const float v = x[size_t(r) * hidden + i];
+        const __nv_bfloat16 o =
+            __float2bfloat16_rn(__bfloat162float(norm_weight[size_t(i)]) * (v * inv));
+        uint16_t a, b;
+        std::memcpy(&a, &o, 2);
+        std::memcpy(&b, &out[size_t(r) * hidden + i], 2);
+        ASSERT_EQ(a, b) << "hidden " << hidden << ", row " << r << ", element " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace bulkhead
