@@ -14,6 +14,8 @@
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   times   bench-engine --kernel-times on both shapes at batch 1 and 32: where a step's
 #           device time goes, launch by launch, with and without the checks
+#   residual the GPU tests of products that add into the residual stream, then the kernel times
+#           of both shapes with them (compare with `times`)
 #   schedules bench-engine on both shapes with each other product schedule (pipelined,
 #           two_tiles) in every bucket, no comparison columns
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -93,6 +95,15 @@ for group in "$@"; do
         m=$(model $shape)
         run "kernel-times-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
           --batch 1,32 --steps 32 --kernel-times
+      done
+      ;;
+    residual)
+      run gpu-tests-residual 240 "$bundle/gpu_tests" \
+        --gtest_filter='*ResidualEpilogue*:NormPartials*:*residual*:*KernelTimes*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        run "kernel-times-$shape-residual" 150 "$bh" bench-engine --model "$m" --backend cuda \
+          --batch 1,32 --steps 32 --kernel-times --no-compare --residual-in-products
       done
       ;;
     schedules)
