@@ -150,8 +150,8 @@ Status launchRmsNorm(const RmsNormArgs& args, cudaStream_t stream) {
       args.hidden > 2 * kMaxPairs * kThreads)
     return invalidArgument("rms norm of " + std::to_string(args.rows) + " rows of " +
                            std::to_string(args.hidden));
-  if (args.partials != nullptr &&
-      (args.delta != nullptr || args.partials_stride < normTiles(args.hidden)))
+  if (args.partials != nullptr && (args.delta != nullptr || args.delta_role >= 0 ||
+                                   args.partials_stride < normTiles(args.hidden)))
     return invalidArgument("rms norm from partials " + std::to_string(args.partials_stride) +
                            " apart, with a delta to add: the residual is already summed");
   if (args.rows == 0) return okStatus();

@@ -95,7 +95,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_gemm_schedules = o.gemm_schedules;
   options.cuda_cublas_products = v.cublas;
   options.cuda_kernel_times = v.kernel_times;
-  options.cuda_residual_in_products = o.residual_in_products;
+  options.cuda_residual_in_products = o.residual_in_products && !v.cublas;  // ours only
   BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
   const BackendLimits& limits = backend->limits();
   const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
