@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host, from a bundle made by tools/gpu/bundle.sh: the measurements the open issues
 # still wait for, in groups that each fit one device call (10 minutes). Models are made there.
-# Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR GROUP...
+# Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR|tar:OUTDIR GROUP...
 #   cpu     the CPU backend on that host's cores (the broker at GPU speed): sample-bench,
 #           step-bench (defaults; the broker not watching for replies awake) and serve-bench on
 #           tiny-v152k
@@ -27,6 +27,12 @@
 set -uo pipefail
 bundle=$1 out=$2
 shift 2
+# OUTDIR as tar:DIR: the runs' files go to a scratch folder and end up in DIR/results.tgz (one
+# file, however many runs; also when the script is stopped by a timeout's TERM).
+if [[ $out == tar:* ]]; then
+  tar_to=${out#tar:} out=$(mktemp -d)
+  trap 'tar czf "$tar_to/results.tgz" -C "$out" .; exit' EXIT TERM INT
+fi
 export LD_LIBRARY_PATH=$bundle/lib BULKHEAD_FIXTURES_DIR=$bundle/fixtures
 bh=$bundle/bulkhead
 model() {  # model SHAPE: made once per host
