@@ -43,6 +43,104 @@ __device__ __forceinline__ uint4 load16(const __nv_bfloat16* p, bool valid) {
   return valid ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
 }
 
+// Eight inputs of a normed token (GemmNormedInput) as load16 would give them from the norm
+// kernel's output: bf16(w * (x * inv)), the norm kernel's expression.
+__device__ __forceinline__ uint4 normedLoad(const float* x, const __nv_bfloat16* w, float inv,
+                                            bool valid) {
+  if (!valid) return make_uint4(0, 0, 0, 0);
+  const float4 lo = reinterpret_cast<const float4*>(x)[0],
+               hi = reinterpret_cast<const float4*>(x)[1];
+  const uint4 wv = *reinterpret_cast<const uint4*>(w);
+  const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 pair;
+    memcpy(&pair, &words[i], 4);
+    const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(pair.x) * (v[2 * i] * inv),
+                                                   __bfloat162float(pair.y) * (v[2 * i + 1] * inv));
+    memcpy(&out[i], &o, 4);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// The check tile of a normed product: the norm's side of its consumers' checks and the norm
+// weight's fold, for the k blocks of this warp's lane and the tokens of this block's group. The
+// lanes (g, c) of a warp hold token g's inputs 8c .. 8c + 7 of a k block, as the product's lanes.
+template <int kGroups>
+__device__ void normedChecks(const GemmNormedInput& nin, const float (&inv)[kGroups], int m0, int m,
+                             int k, int first_kb, int lanes) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, k_blocks = (k + 31) / 32;
+  double sums[kGroups][6] = {};  // per consumer: expected, then bound (3 on)
+  unsigned long long fold = 0, words = 0;
+  for (int kb = first_kb; kb < k_blocks; kb += lanes) {
+    const int k0 = 32 * kb + 8 * c;
+    if (k0 >= k) continue;
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+      const int token = m0 + 8 * t + g;
+      if (token >= m) continue;
+      const uint4 packed =
+          normedLoad(nin.x + size_t(token) * nin.ldx + k0, nin.weight + k0, inv[t], true);
+      const uint32_t in_words[4] = {packed.x, packed.y, packed.z, packed.w};
+      float xn[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 pair;
+        memcpy(&pair, &in_words[i], 4);
+        xn[2 * i] = __bfloat162float(pair.x);
+        xn[2 * i + 1] = __bfloat162float(pair.y);
+      }
+#pragma unroll
+      for (int s = 0; s < 3; ++s) {
+        if (nin.consumers[s].role < 0) continue;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          sums[t][s] += double(nin.consumers[s].colsum[k0 + j]) * xn[j];
+          sums[t][3 + s] += double(nin.consumers[s].abssum[k0 + j]) * fabsf(xn[j]);
+        }
+      }
+      if (nin.weight_fold != nullptr) {
+        // Once a token row, as the norm kernel folds the weight once a row.
+        const uint32_t* w_words = reinterpret_cast<const uint32_t*>(nin.weight + k0);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          fold += foldTerm(w_words[i], nin.weight_salt, uint32_t(k0 / 2 + i));
+        words += 4;
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t) {
+    // Token g's sums over its lanes c, then one atomic add a role from lane c = 0.
+#pragma unroll
+    for (int i = 0; i < 6; ++i)
+      for (int offset = 1; offset < 4; offset *= 2)
+        sums[t][i] += __shfl_xor_sync(0xffffffffu, sums[t][i], offset);
+    const int token = m0 + 8 * t + g;
+    if (c != 0 || token >= m) continue;
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      if (nin.consumers[s].role < 0) continue;
+      ProductCheck& p =
+          nin.checks.products[size_t(token) * nin.checks.roles + nin.consumers[s].role];
+      atomicAdd(&p.expected, sums[t][s]);
+      atomicAdd(&p.bound, sums[t][3 + s]);
+    }
+  }
+  if (nin.weight_fold != nullptr) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      fold += __shfl_xor_sync(0xffffffffu, fold, offset);
+      words += __shfl_xor_sync(0xffffffffu, words, offset);
+    }
+    if (lane == 0) {
+      atomicAdd(&nin.weight_fold->sum, fold);
+      atomicAdd(&nin.weight_fold->words, words);
+    }
+  }
+}
+
 // The fold's integer mma: d += a (16 x 32 bytes) * b (32 x 8 keys), wrapping.
 __device__ __forceinline__ void foldMma(uint32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                         uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -66,11 +164,11 @@ __device__ __forceinline__ uint32_t foldKeys(int g, int first) {
 // load each token once from the L2 cache instead of once a tile. Every output gets the same
 // operations in the same order in all of them: only when loads are issued and how many tiles
 // share them change.
-template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual>
+template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, bool kNormed>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
-               GemmResidual res) {
+               GemmResidual res, GemmNormedInput nin) {
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
   constexpr int kSets = kPipelined ? 2 : 1;
@@ -93,12 +191,17 @@ __global__ void __launch_bounds__(kThreads)
     w_hi[i] = w + size_t(row_hi[i] ? n0 + 16 * i + g + 8 : 0) * k + 8 * c;
   }
   const __nv_bfloat16* x_row[kGroups];
+  const float* xf_row[kGroups];  // normed: the residual's rows
   bool token[kGroups];
 #pragma unroll
   for (int t = 0; t < kGroups; ++t) {
     token[t] = m0 + 8 * t + g < m;
-    x_row[t] = x + size_t(token[t] ? m0 + 8 * t + g : 0) * k + 8 * c;
+    if constexpr (kNormed)
+      xf_row[t] = nin.x + size_t(token[t] ? m0 + 8 * t + g : 0) * nin.ldx + 8 * c;
+    else
+      x_row[t] = x + size_t(token[t] ? m0 + 8 * t + g : 0) * k + 8 * c;
   }
+  float inv[kGroups] = {};  // normed: token g's 1 / rms
   // The blocks of the first token group fold what they load: every word once a launch. A tile
   // lies within one weight (the boundaries are multiples of 16).
   const bool folding = fold.weights > 0 && blockIdx.y == 0;
@@ -127,8 +230,13 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int kb = base + u * lanes;
 #pragma unroll
-      for (int t = 0; t < kGroups; ++t)
-        b[set][u][t] = load16(x_row[t] + 32 * kb, inK(kb) && token[t]);
+      for (int t = 0; t < kGroups; ++t) {
+        if constexpr (kNormed)
+          b[set][u][t] = normedLoad(xf_row[t] + 32 * kb, nin.weight + 32 * kb + 8 * c, inv[t],
+                                    inK(kb) && token[t]);
+        else
+          b[set][u][t] = load16(x_row[t] + 32 * kb, inK(kb) && token[t]);
+      }
     }
   };
   // One round's multiplies and fold (its weights already loaded; its tokens too unless asked to
@@ -166,9 +274,26 @@ __global__ void __launch_bounds__(kThreads)
   // loop keeps one shape (the compiler schedules its loads together).
   const int round = lanes * kUnroll;
   int base = rank * kWarps + warp;
-  if (base < k_blocks) loadWeights(0, base);
+  // Normed: the last tile of blocks is the check tile (no weight rows).
+  const bool check_tile = kNormed && int(blockIdx.x) / splits == int(gridDim.x) / splits - 1;
+  if (base < k_blocks && !check_tile) loadWeights(0, base);
   gridDependencyWait();
   allowDependentLaunch();
+  if constexpr (kNormed) {
+    // Each token's 1 / rms from its partials, as the norm kernel takes it; a warp-wide sum a
+    // token, lane g keeping token g's.
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t)
+      for (int tt = 0; tt < 8 && m0 + 8 * t + tt < m; ++tt) {
+        const float total =
+            rowSumOfSquares(nin.partials + size_t(m0 + 8 * t + tt) * nin.ldp, normTiles(k));
+        if (g == tt) inv[t] = 1.0f / sqrtf(total / float(k) + nin.eps);
+      }
+    if (check_tile) {
+      normedChecks<kGroups>(nin, inv, m0, m, k, base, lanes);
+      return;  // the whole cluster: every block of the check tile returns here
+    }
+  }
   if constexpr (!kPipelined) {
     if (base < k_blocks) {
       multiply(0, base, true);
@@ -308,9 +433,10 @@ __global__ void __launch_bounds__(kThreads)
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
-                   const GemmResidual& res) {
+                   const GemmResidual& res, const GemmNormedInput& nin) {
   cudaLaunchConfig_t config = {};
-  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles;
+  const bool normed = nin.x != nullptr;
+  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + (normed ? 1 : 0);
   config.gridDim = dim3(unsigned(blocks * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
@@ -326,10 +452,17 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   config.attrs = attrs;
   config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
   if (res.x != nullptr)
-    return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true>, x, m,
-                              w, n, k, y, ldy, fold, splits, res);
-  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false>, x, m,
-                            w, n, k, y, ldy, fold, splits, res);
+    return cudaLaunchKernelEx(&config,
+                              gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, false>, x, m,
+                              w, n, k, y, ldy, fold, splits, res, nin);
+  if constexpr (kGroups == 1) {
+    if (normed)
+      return cudaLaunchKernelEx(&config,
+                                gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, true>, x, m,
+                                w, n, k, y, ldy, fold, splits, res, nin);
+  }
+  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, false>,
+                            x, m, w, n, k, y, ldy, fold, splits, res, nin);
 }
 
 }  // namespace
@@ -393,10 +526,10 @@ int gemmSplits(int n, int k) {
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule,
-                  int forced_splits, const GemmResidual& residual) {
-  const bool to_residual = residual.x != nullptr;
+                  int forced_splits, const GemmResidual& residual, const GemmNormedInput& normed) {
+  const bool to_residual = residual.x != nullptr, is_normed = normed.x != nullptr;
   if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || (!to_residual && ldy < n) ||
-      uintptr_t(x) % 16 != 0 || uintptr_t(w) % 16 != 0)
+      (!is_normed && uintptr_t(x) % 16 != 0) || uintptr_t(w) % 16 != 0)
     return invalidArgument("product of " + std::to_string(m) + "x" + std::to_string(k) + " by " +
                            std::to_string(n) + "x" + std::to_string(k) + " (k a multiple of 8, " +
                            "16-byte aligned operands)");
@@ -415,6 +548,18 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " outputs a row, rows " + std::to_string(residual.ldx) +
                            " apart, partials " + std::to_string(residual.ldp) +
                            " apart, check role " + std::to_string(residual.role));
+  if (is_normed && (to_residual || m > kMaxNormedRows || normed.ldx < k || normed.ldx % 4 != 0 ||
+                    uintptr_t(normed.x) % 16 != 0 || uintptr_t(normed.weight) % 16 != 0 ||
+                    normed.partials == nullptr || normed.ldp < normTiles(k)))
+    return invalidArgument("normed product of " + std::to_string(m) + " rows (at most " +
+                           std::to_string(kMaxNormedRows) + ", not into the residual) of " +
+                           std::to_string(k) + " inputs, rows " + std::to_string(normed.ldx) +
+                           " apart, 16-byte aligned");
+  for (const ConsumerSums& consumer : normed.consumers)
+    if (is_normed && consumer.role >= 0 &&
+        (consumer.colsum == nullptr || consumer.abssum == nullptr ||
+         consumer.role >= normed.checks.roles || normed.checks.products == nullptr))
+      return invalidArgument("normed product's check of role " + std::to_string(consumer.role));
   if (forced_splits < 0 || forced_splits > kMaxSplits)
     return invalidArgument("product split over " + std::to_string(forced_splits) +
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
@@ -422,30 +567,34 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   cudaError_t launched;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
-      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
     else if (m <= 16)
-      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
     else if (m <= 32)
-      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
     else
-      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kTwoTiles) {
     if (m <= 8)
-      launched = launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched =
+          launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
     else if (m <= 16)
-      launched = launch<2, 2, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched =
+          launch<2, 2, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
     else if (m <= 32)
-      launched = launch<4, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched =
+          launch<4, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
     else
-      launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+      launched =
+          launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (m <= 8)
-    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   else if (m <= 16)
-    launched = launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+    launched = launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   else if (m <= 32)
-    launched = launch<4, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+    launched = launch<4, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   else
-    launched = launch<8, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual);
+    launched = launch<8, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   BULKHEAD_CUDA_RETURN_IF_ERROR(launched);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();

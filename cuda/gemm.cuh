@@ -75,6 +75,26 @@ struct GemmResidual {
   long long fault = -1;
 };
 
+// A product whose input is the RMSNorm of the residual stream, normalised as its tokens load
+// rather than read from a norm kernel's output (steps of 1 to 8 rows): input row r is
+// bf16(weight[i] * (x[r][i] * inv_r)), inv_r from the row's norm partials (cuda/norm_partials.cuh)
+// as the norm kernel takes it, so the same bits. One more tile of blocks adds the norm's side of
+// the checks: its consumers' expected and bound (one ConsumerSums a weight of the product, in
+// row order, as GemmFold's weights) and the norm weight's fold, once a token row.
+struct GemmNormedInput {
+  const float* x = nullptr;  // null: the input is the bf16 x
+  int ldx = 0;
+  const float* partials = nullptr;
+  int ldp = 0;
+  const __nv_bfloat16* weight = nullptr;  // k values
+  float eps = 0;
+  uint32_t weight_salt = 0;
+  FoldAccount* weight_fold = nullptr;  // null: not folded
+  ConsumerSums consumers[3];
+  CheckView checks;
+};
+inline constexpr int kMaxNormedRows = 8;
+
 // How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
 // blocks to keep the GPU's memory busy on a small weight, without splitting a long row thinner
 // than 32 k blocks a block.
@@ -107,12 +127,13 @@ inline const char* gemmScheduleName(GemmSchedule s) {
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
-// `ldy` apart (unused with a residual). Device memory, asynchronous on `stream`. splits: 0 takes
-// gemmSplits(n, k), as every step does; 1 to 8 forces that many (another fixed sum order, still
-// the same for every row count: for `bulkhead bench-gemm` to compare).
+// `ldy` apart (unused with a residual); x unused with a normed input. Device memory, asynchronous
+// on `stream`. splits: 0 takes gemmSplits(n, k), as every step does; 1 to 8 forces that many
+// (another fixed sum order, still the same for every row count: for `bulkhead bench-gemm` to
+// compare).
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
                   GemmSchedule schedule = GemmSchedule::kInUse, int splits = 0,
-                  const GemmResidual& residual = {});
+                  const GemmResidual& residual = {}, const GemmNormedInput& normed = {});
 
 }  // namespace bulkhead::cuda

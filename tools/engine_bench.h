@@ -26,6 +26,7 @@ struct EngineBenchOptions {
   // with compare, unchecked: a table per batch size of where a step's device time goes.
   bool kernel_times = false;
   bool residual_in_products = false;  // CudaBackend::Options::residual_in_products (ours only)
+  bool norm_in_products = false;      // CudaBackend::Options::norm_in_products (ours only)
   std::string json_path;
 };
 

@@ -33,6 +33,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.device = options.cuda_device;
     cuda.kernel_times = options.cuda_kernel_times;
     cuda.residual_in_products = options.cuda_residual_in_products;
+    cuda.norm_in_products = options.cuda_norm_in_products;
     if (!options.cuda_gemm_schedules.empty()) {
       BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_schedules,
                                 cuda::parseGemmSchedules(options.cuda_gemm_schedules));

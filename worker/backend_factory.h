@@ -23,6 +23,7 @@ struct BackendOptions {
   std::string cuda_gemm_schedules;
   bool cuda_kernel_times = false;          // CudaBackend::Options::kernel_times
   bool cuda_residual_in_products = false;  // CudaBackend::Options::residual_in_products
+  bool cuda_norm_in_products = false;      // CudaBackend::Options::norm_in_products
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

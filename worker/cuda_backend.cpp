@@ -169,6 +169,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (options.residual_in_products && options.cublas_products)
     return invalidArgument("cuBLAS products cannot add into the residual stream");
   b->residual_in_products_ = options.residual_in_products;
+  if (options.norm_in_products && !options.residual_in_products)
+    return invalidArgument("norms in the products need the residual in the products");
+  b->norm_in_products_ = options.norm_in_products;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
@@ -636,8 +639,45 @@ Status CudaBackend::applyFault(const Weight& w, float* y, int rows, int ldy) {
   return cuda::launchFlipExponentBit(y, index, d_->stream.get());
 }
 
+bool CudaBackend::adjacentGroup(std::initializer_list<const Weight*> group) {
+  const Weight& first = **group.begin();
+  const std::byte* next = static_cast<const std::byte*>(first.ptr);
+  int n = 0;
+  for (const Weight* w : group) {
+    if (w->ptr != next || w->tensor->shape[1] != first.tensor->shape[1] || n % 16 != 0)
+      return false;
+    next = static_cast<const std::byte*>(w->ptr) + w->tensor->data.size();
+    n += int(w->tensor->shape[0]);
+  }
+  return true;
+}
+
+Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
+    const cuda::RmsNormArgs& norm, std::initializer_list<const Weight*> group,
+    const char* mark_name) {
+  if (!norm_in_products_ || norm.rows > cuda::kMaxNormedRows || norm.partials == nullptr ||
+      norm.out_row != nullptr || d_->cublas != nullptr || !adjacentGroup(group)) {
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, d_->stream.get()));
+    BULKHEAD_RETURN_IF_ERROR(mark(mark_name));
+    return static_cast<const cuda::GemmNormedInput*>(nullptr);
+  }
+  cuda::GemmNormedInput& in = normed_input_;
+  in = {};
+  in.x = norm.x;
+  in.ldx = norm.hidden;
+  in.partials = norm.partials;
+  in.ldp = norm.partials_stride;
+  in.weight = norm.weight;
+  in.eps = norm.eps;
+  in.weight_salt = norm.weight_salt;
+  in.weight_fold = norm.weight_fold >= 0 ? norm.checks.folds + norm.weight_fold : nullptr;
+  for (int c = 0; c < 3; ++c) in.consumers[c] = norm.consumers[c];
+  in.checks = norm.checks;
+  return static_cast<const cuda::GemmNormedInput*>(&in);
+}
+
 Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
-                             float* y, int ldy) {
+                             float* y, int ldy, const cuda::GemmNormedInput* normed) {
   // One product over the group when its slots lie one after another (one weight matrix), else
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
@@ -668,16 +708,19 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
   const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
+  if (normed != nullptr && (!adjacent || d_->cublas != nullptr))
+    return internalError("a normed input for products that are not one of ours");
   if (d_->cublas != nullptr) {
     if (!adjacent || ldy != n)
       return unimplemented("cuBLAS products need a group's weights adjacent and its output packed");
     BULKHEAD_RETURN_IF_ERROR(
         d_->cublas->run(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, false));
   } else if (adjacent) {
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(input, rows,
-                                              static_cast<const __nv_bfloat16*>(first.ptr), n, k, y,
-                                              ldy, stream, fused, schedule));
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
+        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused,
+        schedule, 0, {}, normed != nullptr ? *normed : cuda::GemmNormedInput{}));
   }
+
   int column = 0;
   for (const Weight* w : group) {
     const int wn = int(w->tensor->shape[0]);
@@ -758,9 +801,9 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   norm.consumers[1] = consumer(L.k);
   norm.consumers[2] = consumer(L.v);
   norm.checks = d.view;
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
-  BULKHEAD_RETURN_IF_ERROR(mark("norm (input)"));
-  BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, n, qkv, d.qkv_stride));
+  BULKHEAD_ASSIGN_OR_RETURN(const cuda::GemmNormedInput* normed,
+                            normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
+  BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, n, qkv, d.qkv_stride, normed));
   BULKHEAD_RETURN_IF_ERROR(mark("product q/k/v"));
 
   cuda::QkvArgs qa;
@@ -824,9 +867,8 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   norm.consumers[0] = consumer(L.gate);
   norm.consumers[1] = consumer(L.up);
   norm.consumers[2] = {};
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
-  BULKHEAD_RETURN_IF_ERROR(mark("norm (post-attention)"));
-  BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter));
+  BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
+  BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
   BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
 
   cuda::SiluMulArgs sa;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/gemm.cuh"
+#include "cuda/rms_norm.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
@@ -54,6 +55,10 @@ class CudaBackend final : public Backend {
     // The norms then sum in another order than without (either way the same numbers whatever
     // the batch, graphs or chunking; not the same as each other). Not with cuBLAS products.
     bool residual_in_products = false;
+    // With residual_in_products: in steps of 1 to 8 rows, the q/k/v and gate/up products
+    // normalise their own tokens as they load them (cuda/gemm.cuh GemmNormedInput) instead of
+    // reading a norm kernel's output: two launches a layer fewer, the same numbers.
+    bool norm_in_products = false;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -132,8 +137,19 @@ class CudaBackend final : public Backend {
   Status launchOutput(int tokens, int logits_rows, bool aligned);
   // y = x · wᵀ for each weight of `group` (one product when their slots are adjacent), outputs
   // side by side in rows `ldy` floats apart; then the armed compute fault, if one is.
+  // With `normed`, the group's input is the norm it describes, not x (one product: the group's
+  // slots adjacent, ours, at most cuda::kMaxNormedRows rows).
   Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
-                  int ldy);
+                  int ldy, const cuda::GemmNormedInput* normed = nullptr);
+  // Whether the group's slots lie one after another, each but the last ending on a 16-row tile
+  // (one product for the group).
+  static bool adjacentGroup(std::initializer_list<const Weight*> group);
+  // The input norm of `norm`'s args, run by the products of `group` themselves when this step
+  // may (norm_in_products, few rows, the group one product); else launched as its own kernel.
+  // Returns the normed input to pass to products(), or null.
+  Result<const cuda::GemmNormedInput*> normFor(const cuda::RmsNormArgs& norm,
+                                               std::initializer_list<const Weight*> group,
+                                               const char* mark_name);
   // x · wᵀ added into the residual stream (Options::residual_in_products), with the armed
   // compute fault, if one is, applied in the product.
   Status residualProduct(const Weight& w, const void* x, int rows);
@@ -160,6 +176,8 @@ class CudaBackend final : public Backend {
   bool graphs_ = true;
   bool kernel_times_ = false;
   bool residual_in_products_ = false;
+  bool norm_in_products_ = false;
+  cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;
   uint64_t graph_launches_ = 0;

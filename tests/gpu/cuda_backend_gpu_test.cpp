@@ -35,12 +35,14 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 // CudaBackend::Options::residual_in_products for the backends a test makes: the model case's
 // (CudaBackendModels sets it for each test).
 bool residual_in_products = false;
+bool norm_in_products = false;  // and CudaBackend::Options::norm_in_products
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
                                          cuda::GemmScheduleBuckets schedules = {}) {
   CudaBackend::Options options;
   options.residual_in_products = residual_in_products;
+  options.norm_in_products = norm_in_products;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -110,6 +112,7 @@ struct ModelCase {
   std::string name;
   std::string shape;      // empty: the golden fixture
   bool residual = false;  // CudaBackend::Options::residual_in_products
+  bool normed = false;    // CudaBackend::Options::norm_in_products
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -120,6 +123,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
   void SetUp() override {
     if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
     residual_in_products = GetParam().residual;
+    norm_in_products = GetParam().normed;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -134,7 +138,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     vocab_ = backend_->limits().vocab_size;
   }
 
-  void TearDown() override { residual_in_products = false; }
+  void TearDown() override { residual_in_products = norm_in_products = false; }
 
   test::TempDir tmp_;
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -254,6 +258,7 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   CudaBackend::Options options;
   options.kernel_times = true;
   options.residual_in_products = GetParam().residual;
+  options.norm_in_products = GetParam().normed;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto created = CudaBackend::create(checkpoint_, options);
@@ -278,10 +283,12 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   EXPECT_EQ(launches["product lm_head"], steps);
   EXPECT_EQ(launches["logits rows out"], steps);
   EXPECT_EQ(launches["count product checks"], steps);
-  for (const char* kind :
-       {"norm (input)", "product q/k/v", "q/k/v bias, rope, cache", "attention", "product o",
-        "norm (post-attention)", "product gate/up", "silu", "product down"})
+  for (const char* kind : {"product q/k/v", "q/k/v bias, rope, cache", "attention", "product o",
+                           "product gate/up", "silu", "product down"})
     EXPECT_EQ(launches[kind], steps * layers) << kind;
+  // Every step has at most 8 rows: with the norms in the products, none launches on its own.
+  for (const char* kind : {"norm (input)", "norm (post-attention)"})
+    EXPECT_EQ(launches[kind], GetParam().normed ? 0 : steps * layers) << kind;
   EXPECT_TRUE(timed.takeLaunchTimes().empty()) << "taken twice";
 }
 
@@ -567,7 +574,9 @@ INSTANTIATE_TEST_SUITE_P(
                     ModelCase{"qwen2_v152k", "tiny-v152k"},
                     ModelCase{"qwen7b_layer", "qwen2.5-7b-layer"},
                     ModelCase{"fixture_qwen2_residual", "", true},
-                    ModelCase{"qwen7b_layer_residual", "qwen2.5-7b-layer", true}),
+                    ModelCase{"qwen7b_layer_residual", "qwen2.5-7b-layer", true},
+                    ModelCase{"fixture_qwen2_normed", "", true, true},
+                    ModelCase{"qwen7b_layer_normed", "qwen2.5-7b-layer", true, true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -221,5 +221,110 @@ TEST(NormPartials, EmbeddingKeepsThemAndTheNormUsesThem) {
   }
 }
 
+// A product of 1 to 8 rows that normalises its own tokens gives the rows the norm kernel's output
+// gives the same product, in every schedule, and the norm's side of the checks: its consumers'
+// expected and bound, and the norm weight's fold once a row.
+TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    int k, n, rows;
+  };
+  for (const Case cs :
+       {Case{896, 1152, 1}, Case{896, 1152, 8}, Case{200, 96, 3}, Case{3584, 4608, 5}}) {
+    const int k = cs.k, n = cs.n, rows = cs.rows, vocab = 40, ldp = cuda::normTiles(k);
+    const int roles = 4, segments = 3, segment_rows = n / segments;  // n / 3: multiples of 16
+    ASSERT_EQ(segment_rows % 16, 0);
+    std::mt19937 rng{uint32_t(k + n + rows)};
+    std::normal_distribution<float> value(0.0f, 1.0f);
+    std::vector<__nv_bfloat16> table(size_t(vocab) * k), norm_weight(static_cast<size_t>(k)),
+        w(size_t(n) * k);
+    for (auto& v : table) v = __float2bfloat16(value(rng));
+    for (auto& v : norm_weight) v = __float2bfloat16(1.0f + 0.1f * value(rng));
+    for (auto& v : w) v = __float2bfloat16(0.05f * value(rng));
+    std::vector<float> sums(size_t(2 * segments) * k);
+    for (auto& v : sums) v = value(rng);
+    std::vector<uint32_t> tokens(static_cast<size_t>(rows));
+    for (auto& t : tokens) t = rng() % vocab;
+    test::DeviceBuffer<__nv_bfloat16> dtable(table), dnorm(norm_weight), dw(w),
+        dxn(size_t(rows) * k);
+    test::DeviceBuffer<float> dsums(sums), dx(size_t(rows) * k), dpartials(size_t(rows) * ldp),
+        dy(size_t(rows) * n);
+    test::DeviceBuffer<uint32_t> dtokens(tokens);
+    test::DeviceBuffer<cuda::ProductCheck> checks(size_t(rows) * roles);
+    test::DeviceBuffer<cuda::FoldAccount> fold(1);
+    ASSERT_TRUE(cuda::launchEmbedding(dtable.p, k, dtokens.p, rows, dx.p, nullptr, nullptr, 0,
+                                      dpartials.p, ldp)
+                    .ok());
+    cuda::CheckView view{checks.p, roles, fold.p};
+    cuda::ConsumerSums consumers[3];
+    for (int s = 0; s < segments; ++s)
+      consumers[s] = {1 + s, dsums.p + size_t(2 * s) * k, dsums.p + size_t(2 * s + 1) * k};
+    auto clear = [&] {
+      ASSERT_EQ(cudaMemset(checks.p, 0, checks.n * sizeof(cuda::ProductCheck)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(fold.p, 0, sizeof(cuda::FoldAccount)), cudaSuccess);
+    };
+    // The norm kernel, then the product of its output.
+    clear();
+    cuda::RmsNormArgs norm;
+    norm.x = dx.p;
+    norm.rows = rows;
+    norm.hidden = k;
+    norm.weight = dnorm.p;
+    norm.weight_salt = 77;
+    norm.weight_fold = 0;
+    norm.eps = 1e-6f;
+    norm.out = dxn.p;
+    norm.partials = dpartials.p;
+    norm.partials_stride = ldp;
+    for (int s = 0; s < segments; ++s) norm.consumers[s] = consumers[s];
+    norm.checks = view;
+    ASSERT_TRUE(cuda::launchRmsNorm(norm, nullptr).ok());
+    ASSERT_TRUE(cuda::launchGemm(dxn.p, rows, dw.p, n, k, dy.p, n, nullptr).ok());
+    const std::vector<float> want = dy.read();
+    const std::vector<cuda::ProductCheck> want_checks = checks.read();
+    const cuda::FoldAccount want_fold = fold.read()[0];
+    ASSERT_EQ(want_fold.words, uint64_t(rows) * uint64_t(k / 2));
+    cuda::GemmNormedInput normed;
+    normed.x = dx.p;
+    normed.ldx = k;
+    normed.partials = dpartials.p;
+    normed.ldp = ldp;
+    normed.weight = dnorm.p;
+    normed.eps = norm.eps;
+    normed.weight_salt = norm.weight_salt;
+    normed.weight_fold = fold.p;
+    for (int s = 0; s < segments; ++s) normed.consumers[s] = consumers[s];
+    normed.checks = view;
+    for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) {
+      const std::string how = "k " + std::to_string(k) + ", " + std::to_string(rows) + " rows, " +
+                              cuda::gemmScheduleName(schedule);
+      clear();
+      ASSERT_EQ(cudaMemset(dy.p, 0xff, dy.n * 4), cudaSuccess);
+      const Status launched = cuda::launchGemm(nullptr, rows, dw.p, n, k, dy.p, n, nullptr, {},
+                                               schedule, 0, {}, normed);
+      ASSERT_TRUE(launched.ok()) << launched.toString();
+      const std::vector<float> got = dy.read();
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(bitsOf(got[i]), bitsOf(want[i])) << how << ": output " << i;
+      const std::vector<cuda::ProductCheck> got_checks = checks.read();
+      for (size_t i = 0; i < got_checks.size(); ++i) {
+        const cuda::ProductCheck &a = got_checks[i], &b = want_checks[i];
+        EXPECT_NEAR(a.expected, b.expected, 1e-9 * (1 + std::fabs(b.expected))) << how << " " << i;
+        EXPECT_NEAR(a.bound, b.bound, 1e-9 * (1 + std::fabs(b.bound))) << how << " " << i;
+        EXPECT_EQ(i % roles == 0, b.expected == 0.0) << "role 0 is no consumer's";
+      }
+      const cuda::FoldAccount got_fold = fold.read()[0];
+      EXPECT_EQ(got_fold.sum, want_fold.sum) << how;
+      EXPECT_EQ(got_fold.words, want_fold.words) << how;
+    }
+    // More rows than the normed products take are refused, not computed wrongly.
+    if (rows == 8) {
+      EXPECT_FALSE(cuda::launchGemm(nullptr, 9, dw.p, n, k, dy.p, n, nullptr, {},
+                                    cuda::GemmSchedule::kInUse, 0, {}, normed)
+                       .ok());
+    }
+  }
+}
+
 }  // namespace
 }  // namespace bulkhead
