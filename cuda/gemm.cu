@@ -65,6 +65,12 @@ __device__ __forceinline__ uint4 normedLoad(const float* x, const __nv_bfloat16*
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// Whether a normed product has the norm's side of any check to add (a check tile).
+__host__ __device__ inline bool normedHasChecks(const GemmNormedInput& nin) {
+  return nin.weight_fold != nullptr || nin.consumers[0].role >= 0 || nin.consumers[1].role >= 0 ||
+         nin.consumers[2].role >= 0;
+}
+
 // The check tile of a normed product: the norm's side of its consumers' checks and the norm
 // weight's fold, for the k blocks of this warp's lane and the tokens of this block's group. The
 // lanes (g, c) of a warp hold token g's inputs 8c .. 8c + 7 of a k block, as the product's lanes.
@@ -274,8 +280,9 @@ __global__ void __launch_bounds__(kThreads)
   // loop keeps one shape (the compiler schedules its loads together).
   const int round = lanes * kUnroll;
   int base = rank * kWarps + warp;
-  // Normed: the last tile of blocks is the check tile (no weight rows).
-  const bool check_tile = kNormed && int(blockIdx.x) / splits == int(gridDim.x) / splits - 1;
+  // Normed with checks: the last tile of blocks is the check tile (no weight rows).
+  const bool check_tile =
+      kNormed && normedHasChecks(nin) && int(blockIdx.x) / splits == int(gridDim.x) / splits - 1;
   if (base < k_blocks && !check_tile) loadWeights(0, base);
   gridDependencyWait();
   allowDependentLaunch();
@@ -435,8 +442,8 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin) {
   cudaLaunchConfig_t config = {};
-  const bool normed = nin.x != nullptr;
-  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + (normed ? 1 : 0);
+  const bool check_tile = nin.x != nullptr && normedHasChecks(nin);
+  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + (check_tile ? 1 : 0);
   config.gridDim = dim3(unsigned(blocks * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
@@ -456,7 +463,7 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
                               gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, false>, x, m,
                               w, n, k, y, ldy, fold, splits, res, nin);
   if constexpr (kGroups == 1) {
-    if (normed)
+    if (nin.x != nullptr)
       return cudaLaunchKernelEx(&config,
                                 gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, true>, x, m,
                                 w, n, k, y, ldy, fold, splits, res, nin);

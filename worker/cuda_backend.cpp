@@ -656,7 +656,8 @@ Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
     const cuda::RmsNormArgs& norm, std::initializer_list<const Weight*> group,
     const char* mark_name) {
   if (!norm_in_products_ || norm.rows > cuda::kMaxNormedRows || norm.partials == nullptr ||
-      norm.out_row != nullptr || d_->cublas != nullptr || !adjacentGroup(group)) {
+      norm.out_row != nullptr || d_->cublas != nullptr || !adjacentGroup(group) ||
+      (*group.begin())->tensor->shape[1] != int64_t(norm.hidden) || norm.hidden % 4 != 0) {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, d_->stream.get()));
     BULKHEAD_RETURN_IF_ERROR(mark(mark_name));
     return static_cast<const cuda::GemmNormedInput*>(nullptr);

@@ -280,7 +280,7 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
     norm.checks = view;
     ASSERT_TRUE(cuda::launchRmsNorm(norm, nullptr).ok());
     ASSERT_TRUE(cuda::launchGemm(dxn.p, rows, dw.p, n, k, dy.p, n, nullptr).ok());
-    const std::vector<float> want = dy.read();
+    const std::vector<float> want_default = dy.read();
     const std::vector<cuda::ProductCheck> want_checks = checks.read();
     const cuda::FoldAccount want_fold = fold.read()[0];
     ASSERT_EQ(want_fold.words, uint64_t(rows) * uint64_t(k / 2));
@@ -295,13 +295,31 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
     normed.weight_fold = fold.p;
     for (int s = 0; s < segments; ++s) normed.consumers[s] = consumers[s];
     normed.checks = view;
-    for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) {
+    // Every schedule at the shape's own splits; the one in use also split over 4 and 8 blocks
+    // (another sum order: compared with the norm kernel's output through the same splits).
+    struct Run {
+      cuda::GemmSchedule schedule;
+      int splits;
+    };
+    std::vector<Run> runs;
+    for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) runs.push_back({schedule, 0});
+    runs.push_back({cuda::GemmSchedule::kInUse, 4});
+    runs.push_back({cuda::GemmSchedule::kInUse, 8});
+    for (const auto [schedule, splits] : runs) {
       const std::string how = "k " + std::to_string(k) + ", " + std::to_string(rows) + " rows, " +
-                              cuda::gemmScheduleName(schedule);
+                              cuda::gemmScheduleName(schedule) + ", splits " +
+                              std::to_string(splits);
+      std::vector<float> want = want_default;
+      if (splits != 0) {
+        ASSERT_TRUE(cuda::launchGemm(dxn.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
+                                     cuda::GemmSchedule::kInUse, splits)
+                        .ok());
+        want = dy.read();
+      }
       clear();
       ASSERT_EQ(cudaMemset(dy.p, 0xff, dy.n * 4), cudaSuccess);
       const Status launched = cuda::launchGemm(nullptr, rows, dw.p, n, k, dy.p, n, nullptr, {},
-                                               schedule, 0, {}, normed);
+                                               schedule, splits, {}, normed);
       ASSERT_TRUE(launched.ok()) << launched.toString();
       const std::vector<float> got = dy.read();
       for (size_t i = 0; i < got.size(); ++i)
