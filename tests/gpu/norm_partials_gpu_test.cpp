@@ -71,6 +71,10 @@ struct ResidualCase {
   int n, k, rows, splits;
 };
 
+void PrintTo(const ResidualCase& c, std::ostream* os) {
+  *os << c.n << "x" << c.k << ", " << c.rows << " rows, splits " << c.splits;
+}
+
 class ResidualEpilogue : public testing::TestWithParam<ResidualCase> {};
 
 TEST_P(ResidualEpilogue, AddsItsOutputsWithTheirPartialsChecksAndFault) {
