@@ -13,6 +13,7 @@
 
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -147,6 +148,97 @@ __device__ void normedChecks(const GemmNormedInput& nin, const float (&inv)[kGro
   }
 }
 
+// Eight inputs of an activated token (GemmActivatedInput) as load16 would give them from the
+// activation kernel's output: that kernel's expression.
+__device__ __forceinline__ float silu(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+__device__ __forceinline__ uint4 activatedLoad(const float* gate, const float* up, bool valid) {
+  if (!valid) return make_uint4(0, 0, 0, 0);
+  const float4 g_lo = reinterpret_cast<const float4*>(gate)[0],
+               g_hi = reinterpret_cast<const float4*>(gate)[1];
+  const float4 u_lo = reinterpret_cast<const float4*>(up)[0],
+               u_hi = reinterpret_cast<const float4*>(up)[1];
+  const float g[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
+  const float u[8] = {u_lo.x, u_lo.y, u_lo.z, u_lo.w, u_hi.x, u_hi.y, u_hi.z, u_hi.w};
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 o =
+        __halves2bfloat162(__float2bfloat16_rn(silu(g[2 * i], u[2 * i])),
+                           __float2bfloat16_rn(silu(g[2 * i + 1], u[2 * i + 1])));
+    memcpy(&out[i], &o, 4);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+__host__ __device__ inline bool activatedHasChecks(const GemmActivatedInput& a) {
+  return a.gate_role >= 0 || a.up_role >= 0 || a.consumer.role >= 0;
+}
+
+// The check tile of an activated product: the gate and up products' produced sums and this
+// product's expected and bound, for the k blocks of this warp's lane and the tokens of this
+// block's group (lanes as the product's: token g, inputs 8c .. 8c + 7 of a k block).
+template <int kGroups>
+__device__ void activatedChecks(const GemmActivatedInput& a, int m0, int m, int k, int first_kb,
+                                int lanes) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, k_blocks = (k + 31) / 32;
+  double sums[kGroups][6] = {};  // gate, up, gate^2, up^2, expected, bound
+  for (int kb = first_kb; kb < k_blocks; kb += lanes) {
+    const int k0 = 32 * kb + 8 * c;
+    if (k0 >= k) continue;
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+      const int token = m0 + 8 * t + g;
+      if (token >= m) continue;
+      const float* gate = a.gate_up + size_t(token) * a.ld + k0;
+      const uint4 packed = activatedLoad(gate, gate + k, true);
+      const uint32_t in_words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 pair;
+        memcpy(&pair, &in_words[i], 4);
+        const float act[2] = {__bfloat162float(pair.x), __bfloat162float(pair.y)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * i + h;
+          const double gj = gate[j], uj = gate[k + j];
+          sums[t][0] += gj;
+          sums[t][1] += uj;
+          sums[t][2] += gj * gj;
+          sums[t][3] += uj * uj;
+          if (a.consumer.role >= 0) {
+            sums[t][4] += double(a.consumer.colsum[k0 + j]) * act[h];
+            sums[t][5] += double(a.consumer.abssum[k0 + j]) * fabsf(act[h]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t) {
+#pragma unroll
+    for (int i = 0; i < 6; ++i)
+      for (int offset = 1; offset < 4; offset *= 2)
+        sums[t][i] += __shfl_xor_sync(0xffffffffu, sums[t][i], offset);
+    const int token = m0 + 8 * t + g;
+    if (c != 0 || token >= m) continue;
+    ProductCheck* row = a.checks.products + size_t(token) * a.checks.roles;
+    if (a.gate_role >= 0) {
+      atomicAdd(&row[a.gate_role].produced, sums[t][0]);
+      atomicAdd(&row[a.gate_role].produced_sq, sums[t][2]);
+    }
+    if (a.up_role >= 0) {
+      atomicAdd(&row[a.up_role].produced, sums[t][1]);
+      atomicAdd(&row[a.up_role].produced_sq, sums[t][3]);
+    }
+    if (a.consumer.role >= 0) {
+      atomicAdd(&row[a.consumer.role].expected, sums[t][4]);
+      atomicAdd(&row[a.consumer.role].bound, sums[t][5]);
+    }
+  }
+}
+
 // The fold's integer mma: d += a (16 x 32 bytes) * b (32 x 8 keys), wrapping.
 __device__ __forceinline__ void foldMma(uint32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                         uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -170,11 +262,16 @@ __device__ __forceinline__ uint32_t foldKeys(int g, int first) {
 // load each token once from the L2 cache instead of once a tile. Every output gets the same
 // operations in the same order in all of them: only when loads are issued and how many tiles
 // share them change.
-template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, bool kNormed>
+// kInput: kTokenInput (bf16 x), kNormedInput (GemmNormedInput), kActivatedInput
+// (GemmActivatedInput).
+constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
+
+template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
-               GemmResidual res, GemmNormedInput nin) {
+               GemmResidual res, GemmNormedInput nin, GemmActivatedInput act) {
+  constexpr bool kNormed = kInput == kNormedInput, kActivated = kInput == kActivatedInput;
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
   constexpr int kSets = kPipelined ? 2 : 1;
@@ -197,13 +294,15 @@ __global__ void __launch_bounds__(kThreads)
     w_hi[i] = w + size_t(row_hi[i] ? n0 + 16 * i + g + 8 : 0) * k + 8 * c;
   }
   const __nv_bfloat16* x_row[kGroups];
-  const float* xf_row[kGroups];  // normed: the residual's rows
+  const float* xf_row[kGroups];  // normed: the residual's rows; activated: the gate's
   bool token[kGroups];
 #pragma unroll
   for (int t = 0; t < kGroups; ++t) {
     token[t] = m0 + 8 * t + g < m;
     if constexpr (kNormed)
       xf_row[t] = nin.x + size_t(token[t] ? m0 + 8 * t + g : 0) * nin.ldx + 8 * c;
+    else if constexpr (kActivated)
+      xf_row[t] = act.gate_up + size_t(token[t] ? m0 + 8 * t + g : 0) * act.ld + 8 * c;
     else
       x_row[t] = x + size_t(token[t] ? m0 + 8 * t + g : 0) * k + 8 * c;
   }
@@ -240,6 +339,9 @@ __global__ void __launch_bounds__(kThreads)
         if constexpr (kNormed)
           b[set][u][t] = normedLoad(xf_row[t] + 32 * kb, nin.weight + 32 * kb + 8 * c, inv[t],
                                     inK(kb) && token[t]);
+        else if constexpr (kActivated)
+          b[set][u][t] =
+              activatedLoad(xf_row[t] + 32 * kb, xf_row[t] + k + 32 * kb, inK(kb) && token[t]);
         else
           b[set][u][t] = load16(x_row[t] + 32 * kb, inK(kb) && token[t]);
       }
@@ -280,12 +382,19 @@ __global__ void __launch_bounds__(kThreads)
   // loop keeps one shape (the compiler schedules its loads together).
   const int round = lanes * kUnroll;
   int base = rank * kWarps + warp;
-  // Normed with checks: the last tile of blocks is the check tile (no weight rows).
+  // Normed or activated with checks: the last tile of blocks is the check tile (no weight rows).
   const bool check_tile =
-      kNormed && normedHasChecks(nin) && int(blockIdx.x) / splits == int(gridDim.x) / splits - 1;
+      ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act))) &&
+      int(blockIdx.x) / splits == int(gridDim.x) / splits - 1;
   if (base < k_blocks && !check_tile) loadWeights(0, base);
   gridDependencyWait();
   allowDependentLaunch();
+  if constexpr (kActivated) {
+    if (check_tile) {
+      activatedChecks<kGroups>(act, m0, m, k, base, lanes);
+      return;  // the whole cluster, as below
+    }
+  }
   if constexpr (kNormed) {
     // Each token's 1 / rms from its partials, as the norm kernel takes it; a warp-wide sum a
     // token, lane g keeping token g's.
@@ -440,9 +549,11 @@ __global__ void __launch_bounds__(kThreads)
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
-                   const GemmResidual& res, const GemmNormedInput& nin) {
+                   const GemmResidual& res, const GemmNormedInput& nin,
+                   const GemmActivatedInput& act) {
   cudaLaunchConfig_t config = {};
-  const bool check_tile = nin.x != nullptr && normedHasChecks(nin);
+  const bool check_tile = (nin.x != nullptr && normedHasChecks(nin)) ||
+                          (act.gate_up != nullptr && activatedHasChecks(act));
   const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + (check_tile ? 1 : 0);
   config.gridDim = dim3(unsigned(blocks * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
   config.blockDim = dim3(kThreads);
@@ -458,18 +569,20 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   }
   config.attrs = attrs;
   config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
-  if (res.x != nullptr)
-    return cudaLaunchKernelEx(&config,
-                              gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, false>, x, m,
-                              w, n, k, y, ldy, fold, splits, res, nin);
-  if constexpr (kGroups == 1) {
+  auto go = [&](auto kernel) {
+    return cudaLaunchKernelEx(&config, kernel, x, m, w, n, k, y, ldy, fold, splits, res, nin, act);
+  };
+  if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
+    if (act.gate_up != nullptr)
+      return res.x != nullptr
+                 ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kActivatedInput>)
+                 : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kActivatedInput>);
     if (nin.x != nullptr)
-      return cudaLaunchKernelEx(&config,
-                                gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, true>, x, m,
-                                w, n, k, y, ldy, fold, splits, res, nin);
+      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput>);
   }
-  return cudaLaunchKernelEx(&config, gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, false>,
-                            x, m, w, n, k, y, ldy, fold, splits, res, nin);
+  if (res.x != nullptr)
+    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput>);
+  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput>);
 }
 
 }  // namespace
@@ -533,10 +646,12 @@ int gemmSplits(int n, int k) {
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule,
-                  int forced_splits, const GemmResidual& residual, const GemmNormedInput& normed) {
-  const bool to_residual = residual.x != nullptr, is_normed = normed.x != nullptr;
+                  int forced_splits, const GemmResidual& residual, const GemmNormedInput& normed,
+                  const GemmActivatedInput& activated) {
+  const bool to_residual = residual.x != nullptr, is_normed = normed.x != nullptr,
+             is_activated = activated.gate_up != nullptr;
   if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || (!to_residual && ldy < n) ||
-      (!is_normed && uintptr_t(x) % 16 != 0) || uintptr_t(w) % 16 != 0)
+      (!is_normed && !is_activated && uintptr_t(x) % 16 != 0) || uintptr_t(w) % 16 != 0)
     return invalidArgument("product of " + std::to_string(m) + "x" + std::to_string(k) + " by " +
                            std::to_string(n) + "x" + std::to_string(k) + " (k a multiple of 8, " +
                            "16-byte aligned operands)");
@@ -562,6 +677,19 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            std::to_string(kMaxNormedRows) + ", not into the residual) of " +
                            std::to_string(k) + " inputs, rows " + std::to_string(normed.ldx) +
                            " apart, 16-byte aligned");
+  if (is_activated &&
+      (is_normed || m > kMaxNormedRows || activated.ld < 2 * k || activated.ld % 4 != 0 ||
+       uintptr_t(activated.gate_up) % 16 != 0 ||
+       ((activated.gate_role >= 0 || activated.up_role >= 0 || activated.consumer.role >= 0) &&
+        activated.checks.products == nullptr) ||
+       std::max({activated.gate_role, activated.up_role, activated.consumer.role}) >=
+           activated.checks.roles ||
+       (activated.consumer.role >= 0 &&
+        (activated.consumer.colsum == nullptr || activated.consumer.abssum == nullptr))))
+    return invalidArgument("activated product of " + std::to_string(m) + " rows (at most " +
+                           std::to_string(kMaxNormedRows) + ") of " + std::to_string(k) +
+                           " inputs, gate/up rows " + std::to_string(activated.ld) +
+                           " apart, 16-byte aligned, with its checks' roles and sums");
   for (const ConsumerSums& consumer : normed.consumers)
     if (is_normed && consumer.role >= 0 &&
         (consumer.colsum == nullptr || consumer.abssum == nullptr ||
@@ -574,34 +702,42 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   cudaError_t launched;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
-      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
     else if (m <= 16)
-      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
     else if (m <= 32)
-      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
     else
-      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
   } else if (schedule == GemmSchedule::kTwoTiles) {
     if (m <= 8)
-      launched =
-          launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
+                                        normed, activated);
     else if (m <= 16)
-      launched =
-          launch<2, 2, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<2, 2, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
+                                        normed, activated);
     else if (m <= 32)
-      launched =
-          launch<4, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<4, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
+                                        normed, activated);
     else
-      launched =
-          launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+      launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
+                                        normed, activated);
   } else if (m <= 8)
-    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+    launched =
+        launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);
   else if (m <= 16)
-    launched = launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+    launched =
+        launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);
   else if (m <= 32)
-    launched = launch<4, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+    launched =
+        launch<4, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);
   else
-    launched = launch<8, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+    launched =
+        launch<8, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);
   BULKHEAD_CUDA_RETURN_IF_ERROR(launched);
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return okStatus();

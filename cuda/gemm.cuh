@@ -95,6 +95,19 @@ struct GemmNormedInput {
 };
 inline constexpr int kMaxNormedRows = 8;
 
+// A product whose input is the MLP's activation, silu(gate) * up, computed as its tokens load
+// from the gate/up product's fp32 output rather than read from the activation kernel's (steps of
+// 1 to kMaxNormedRows rows): input row r is the activation kernel's very expression (cuda/
+// activation.cu), so the same bits. One more tile of blocks adds that kernel's side of the
+// checks: the gate and up products' produced sums, and this product's expected and bound.
+struct GemmActivatedInput {
+  const float* gate_up = nullptr;  // [row][ld]: gate at [0, k), up at [k, 2k); null: bf16 x
+  int ld = 0;
+  int gate_role = -1, up_role = -1;  // -1: no check
+  ConsumerSums consumer;             // this product's weight
+  CheckView checks;
+};
+
 // How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
 // blocks to keep the GPU's memory busy on a small weight, without splitting a long row thinner
 // than 32 k blocks a block.
@@ -127,13 +140,14 @@ inline const char* gemmScheduleName(GemmSchedule s) {
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
-// `ldy` apart (unused with a residual); x unused with a normed input. Device memory, asynchronous
-// on `stream`. splits: 0 takes gemmSplits(n, k), as every step does; 1 to 8 forces that many
-// (another fixed sum order, still the same for every row count: for `bulkhead bench-gemm` to
-// compare).
+// `ldy` apart (unused with a residual); x unused with a normed or activated input. Device memory,
+// asynchronous on `stream`. splits: 0 takes gemmSplits(n, k), as every step does; 1 to 8 forces
+// that many (another fixed sum order, still the same for every row count: for `bulkhead bench-gemm`
+// to compare).
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
                   GemmSchedule schedule = GemmSchedule::kInUse, int splits = 0,
-                  const GemmResidual& residual = {}, const GemmNormedInput& normed = {});
+                  const GemmResidual& residual = {}, const GemmNormedInput& normed = {},
+                  const GemmActivatedInput& activated = {});
 
 }  // namespace bulkhead::cuda

@@ -27,6 +27,7 @@ struct EngineBenchOptions {
   bool kernel_times = false;
   bool residual_in_products = false;  // CudaBackend::Options::residual_in_products (ours only)
   bool norm_in_products = false;      // CudaBackend::Options::norm_in_products (ours only)
+  bool silu_in_products = false;      // CudaBackend::Options::silu_in_products (ours only)
   std::string json_path;
 };
 

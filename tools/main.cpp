@@ -213,6 +213,9 @@ int main(int argc, char** argv) {
   engine_bench->add_flag("--norm-in-products", engine_opts.norm_in_products,
                          "CUDA, with --residual-in-products: steps of 1-8 rows normalise their "
                          "q/k/v and gate/up inputs in those products, without norm launches");
+  engine_bench->add_flag("--silu-in-products", engine_opts.silu_in_products,
+                         "CUDA: steps of 1-8 rows compute the MLP's activation in the down "
+                         "product, without activation launches");
   engine_bench->add_flag("--kernel-times", engine_opts.kernel_times,
                          "CUDA: then where a decode step's device time goes, launch by launch "
                          "(an event after each, no graphs), with and without the checks");

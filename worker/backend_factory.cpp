@@ -34,6 +34,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.kernel_times = options.cuda_kernel_times;
     cuda.residual_in_products = options.cuda_residual_in_products;
     cuda.norm_in_products = options.cuda_norm_in_products;
+    cuda.silu_in_products = options.cuda_silu_in_products;
     if (!options.cuda_gemm_schedules.empty()) {
       BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_schedules,
                                 cuda::parseGemmSchedules(options.cuda_gemm_schedules));

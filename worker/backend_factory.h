@@ -24,6 +24,7 @@ struct BackendOptions {
   bool cuda_kernel_times = false;          // CudaBackend::Options::kernel_times
   bool cuda_residual_in_products = false;  // CudaBackend::Options::residual_in_products
   bool cuda_norm_in_products = false;      // CudaBackend::Options::norm_in_products
+  bool cuda_silu_in_products = false;      // CudaBackend::Options::silu_in_products
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

@@ -172,6 +172,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (options.norm_in_products && !options.residual_in_products)
     return invalidArgument("norms in the products need the residual in the products");
   b->norm_in_products_ = options.norm_in_products;
+  if (options.silu_in_products && options.cublas_products)
+    return invalidArgument("cuBLAS products cannot compute their own activation");
+  b->silu_in_products_ = options.silu_in_products;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
@@ -678,7 +681,8 @@ Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
 }
 
 Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
-                             float* y, int ldy, const cuda::GemmNormedInput* normed) {
+                             float* y, int ldy, const cuda::GemmNormedInput* normed,
+                             const cuda::GemmActivatedInput* activated) {
   // One product over the group when its slots lie one after another (one weight matrix), else
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
@@ -709,8 +713,8 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
   const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
-  if (normed != nullptr && (!adjacent || d_->cublas != nullptr))
-    return internalError("a normed input for products that are not one of ours");
+  if ((normed != nullptr || activated != nullptr) && (!adjacent || d_->cublas != nullptr))
+    return internalError("a computed input for products that are not one of ours");
   if (d_->cublas != nullptr) {
     if (!adjacent || ldy != n)
       return unimplemented("cuBLAS products need a group's weights adjacent and its output packed");
@@ -719,7 +723,8 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   } else if (adjacent) {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
         input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused,
-        schedule, 0, {}, normed != nullptr ? *normed : cuda::GemmNormedInput{}));
+        schedule, 0, {}, normed != nullptr ? *normed : cuda::GemmNormedInput{},
+        activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
   }
 
   int column = 0;
@@ -735,7 +740,8 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   return okStatus();
 }
 
-Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows) {
+Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows,
+                                    const cuda::GemmActivatedInput* activated) {
   CudaState& d = *d_;
   const int n = int(w.tensor->shape[0]), k = int(w.tensor->shape[1]);
   const bool checks = limits_.checks_weight_reads;
@@ -757,10 +763,10 @@ Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows) {
     residual.fault =
         (long long)(s / uint64_t(n) % uint64_t(rows)) * n + (long long)(s % uint64_t(n));
   }
-  return cuda::launchGemm(static_cast<const __nv_bfloat16*>(x), rows,
-                          static_cast<const __nv_bfloat16*>(w.ptr), n, k, nullptr, 0,
-                          d.stream.get(), fold, gemm_schedules_[size_t(cuda::gemmBucket(rows))], 0,
-                          residual);
+  return cuda::launchGemm(
+      static_cast<const __nv_bfloat16*>(x), rows, static_cast<const __nv_bfloat16*>(w.ptr), n, k,
+      nullptr, 0, d.stream.get(), fold, gemm_schedules_[size_t(cuda::gemmBucket(rows))], 0,
+      residual, {}, activated != nullptr ? *activated : cuda::GemmActivatedInput{});
 }
 
 cuda::ConsumerSums CudaBackend::consumer(const Weight& w) const {
@@ -881,10 +887,19 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   sa.up_role = role(L.up);
   sa.down = consumer(L.down);
   sa.checks = d.view;
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
-  BULKHEAD_RETURN_IF_ERROR(mark("silu"));
-  BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.down, sa.out, n)
-                                    : products({&L.down}, sa.out, n, delta, c.hidden_size));
+  // In few rows (silu_in_products), the down product computes the activation as it loads it.
+  cuda::GemmActivatedInput activated;
+  const cuda::GemmActivatedInput* computed = nullptr;
+  if (silu_in_products_ && n <= cuda::kMaxNormedRows && d.cublas == nullptr && inter % 4 == 0) {
+    activated = {gate_up, 2 * inter, sa.gate_role, sa.up_role, sa.down, d.view};
+    computed = &activated;
+  } else {
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
+    BULKHEAD_RETURN_IF_ERROR(mark("silu"));
+  }
+  BULKHEAD_RETURN_IF_ERROR(
+      residual ? residualProduct(L.down, sa.out, n, computed)
+               : products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, computed));
   return mark("product down");
 }
 

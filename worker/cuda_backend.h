@@ -59,6 +59,10 @@ class CudaBackend final : public Backend {
     // normalise their own tokens as they load them (cuda/gemm.cuh GemmNormedInput) instead of
     // reading a norm kernel's output: two launches a layer fewer, the same numbers.
     bool norm_in_products = false;
+    // In steps of 1 to 8 rows, the down product computes silu(gate) * up as its tokens load
+    // (cuda/gemm.cuh GemmActivatedInput) instead of reading the activation kernel's output: one
+    // launch a layer fewer, the same numbers.
+    bool silu_in_products = false;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -140,7 +144,8 @@ class CudaBackend final : public Backend {
   // With `normed`, the group's input is the norm it describes, not x (one product: the group's
   // slots adjacent, ours, at most cuda::kMaxNormedRows rows).
   Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
-                  int ldy, const cuda::GemmNormedInput* normed = nullptr);
+                  int ldy, const cuda::GemmNormedInput* normed = nullptr,
+                  const cuda::GemmActivatedInput* activated = nullptr);
   // Whether the group's slots lie one after another, each but the last ending on a 16-row tile
   // (one product for the group).
   static bool adjacentGroup(std::initializer_list<const Weight*> group);
@@ -152,7 +157,8 @@ class CudaBackend final : public Backend {
                                                const char* mark_name);
   // x · wᵀ added into the residual stream (Options::residual_in_products), with the armed
   // compute fault, if one is, applied in the product.
-  Status residualProduct(const Weight& w, const void* x, int rows);
+  Status residualProduct(const Weight& w, const void* x, int rows,
+                         const cuda::GemmActivatedInput* activated = nullptr);
   Status applyFault(const Weight& w, float* y, int rows, int ldy);
   cuda::ConsumerSums consumer(const Weight& w) const;
   WeightReadVerdict verifySlots() const;
@@ -177,6 +183,7 @@ class CudaBackend final : public Backend {
   bool kernel_times_ = false;
   bool residual_in_products_ = false;
   bool norm_in_products_ = false;
+  bool silu_in_products_ = false;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;

@@ -36,6 +36,7 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 // (CudaBackendModels sets it for each test).
 bool residual_in_products = false;
 bool norm_in_products = false;  // and CudaBackend::Options::norm_in_products
+bool silu_in_products = false;  // and CudaBackend::Options::silu_in_products
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -43,6 +44,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   CudaBackend::Options options;
   options.residual_in_products = residual_in_products;
   options.norm_in_products = norm_in_products;
+  options.silu_in_products = silu_in_products;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -113,6 +115,7 @@ struct ModelCase {
   std::string shape;      // empty: the golden fixture
   bool residual = false;  // CudaBackend::Options::residual_in_products
   bool normed = false;    // CudaBackend::Options::norm_in_products
+  bool silu = false;      // CudaBackend::Options::silu_in_products
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -124,6 +127,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
     residual_in_products = GetParam().residual;
     norm_in_products = GetParam().normed;
+    silu_in_products = GetParam().silu;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -138,7 +142,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     vocab_ = backend_->limits().vocab_size;
   }
 
-  void TearDown() override { residual_in_products = norm_in_products = false; }
+  void TearDown() override { residual_in_products = norm_in_products = silu_in_products = false; }
 
   test::TempDir tmp_;
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -259,6 +263,7 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   options.kernel_times = true;
   options.residual_in_products = GetParam().residual;
   options.norm_in_products = GetParam().normed;
+  options.silu_in_products = GetParam().silu;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto created = CudaBackend::create(checkpoint_, options);
@@ -284,8 +289,9 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   EXPECT_EQ(launches["logits rows out"], steps);
   EXPECT_EQ(launches["count product checks"], steps);
   for (const char* kind : {"product q/k/v", "q/k/v bias, rope, cache", "attention", "product o",
-                           "product gate/up", "silu", "product down"})
+                           "product gate/up", "product down"})
     EXPECT_EQ(launches[kind], steps * layers) << kind;
+  EXPECT_EQ(launches["silu"], GetParam().silu ? 0 : steps * layers);
   // Every step has at most 8 rows: with the norms in the products, none launches on its own.
   for (const char* kind : {"norm (input)", "norm (post-attention)"})
     EXPECT_EQ(launches[kind], GetParam().normed ? 0 : steps * layers) << kind;
@@ -576,7 +582,10 @@ INSTANTIATE_TEST_SUITE_P(
                     ModelCase{"fixture_qwen2_residual", "", true},
                     ModelCase{"qwen7b_layer_residual", "qwen2.5-7b-layer", true},
                     ModelCase{"fixture_qwen2_normed", "", true, true},
-                    ModelCase{"qwen7b_layer_normed", "qwen2.5-7b-layer", true, true}),
+                    ModelCase{"qwen7b_layer_normed", "qwen2.5-7b-layer", true, true},
+                    ModelCase{"llama_untied_silu", "tiny-llama", false, false, true},
+                    ModelCase{"fixture_qwen2_fused", "", true, true, true},
+                    ModelCase{"qwen7b_layer_fused", "qwen2.5-7b-layer", true, true, true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace

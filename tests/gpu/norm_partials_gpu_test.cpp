@@ -10,8 +10,11 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "cuda/activation.cuh"
 #include "cuda/embedding.cuh"
 #include "cuda/gemm.cuh"
 #include "cuda/norm_partials.cuh"
@@ -345,6 +348,106 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
                                     cuda::GemmSchedule::kInUse, 0, {}, normed)
                        .ok());
     }
+  }
+}
+
+// A product of 1 to 8 rows that computes the MLP's activation as it loads its tokens gives the
+// rows the activation kernel's output gives the same product (plain and into the residual), in
+// every schedule and at 4 and 8 splits, and that kernel's side of the checks: the gate and up
+// products' produced sums, and this product's expected and bound.
+TEST(ActivatedProduct, GivesTheActivationKernelsRowsAndChecks) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    int inter, n, rows;
+  };
+  for (const Case cs :
+       {Case{4864, 896, 1}, Case{4864, 896, 8}, Case{200, 48, 3}, Case{18944, 3584, 5}}) {
+    const int k = cs.inter, n = cs.n, rows = cs.rows, roles = 4, gate_role = 1, up_role = 2,
+              down_role = 3;
+    std::mt19937 rng{uint32_t(k + n + rows)};
+    std::normal_distribution<float> value(0.0f, 2.0f);
+    std::vector<float> gate_up(size_t(rows) * 2 * k), sums(size_t(2) * k),
+        residual(size_t(rows) * n);
+    for (auto& v : gate_up) v = value(rng);
+    for (auto& v : sums) v = value(rng);
+    for (auto& v : residual) v = value(rng);
+    std::vector<__nv_bfloat16> w(size_t(n) * k);
+    for (auto& v : w) v = __float2bfloat16(0.02f * value(rng));
+    test::DeviceBuffer<float> dgate_up(gate_up), dsums(sums), dy(size_t(rows) * n),
+        dstream(residual), dpartials(size_t(rows) * cuda::normTiles(n));
+    test::DeviceBuffer<__nv_bfloat16> dw(w), dact(size_t(rows) * k);
+    test::DeviceBuffer<cuda::ProductCheck> checks(size_t(rows) * roles);
+    const cuda::CheckView view{checks.p, roles, nullptr};
+    const cuda::ConsumerSums down{down_role, dsums.p, dsums.p + k};
+    auto clear = [&] {
+      ASSERT_EQ(cudaMemset(checks.p, 0, checks.n * sizeof(cuda::ProductCheck)), cudaSuccess);
+    };
+    cuda::GemmResidual into;
+    into.x = dstream.p;
+    into.ldx = n;
+    into.partials = dpartials.p;
+    into.ldp = cuda::normTiles(n);
+    // The activation kernel, then the products of its output (plain, then into the residual).
+    clear();
+    cuda::SiluMulArgs sa;
+    sa.gate_up = dgate_up.p;
+    sa.rows = rows;
+    sa.inter = k;
+    sa.out = dact.p;
+    sa.gate_role = gate_role;
+    sa.up_role = up_role;
+    sa.down = down;
+    sa.checks = view;
+    ASSERT_TRUE(cuda::launchSiluMul(sa, nullptr).ok());
+    const std::vector<cuda::ProductCheck> want_checks = checks.read();
+    cuda::GemmActivatedInput activated{dgate_up.p, 2 * k, gate_role, up_role, down, view};
+    for (const bool to_residual : {false, true}) {
+      struct Run {
+        cuda::GemmSchedule schedule;
+        int splits;
+      };
+      std::vector<Run> runs;
+      for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) runs.push_back({schedule, 0});
+      runs.push_back({cuda::GemmSchedule::kInUse, 4});
+      runs.push_back({cuda::GemmSchedule::kInUse, 8});
+      for (const auto [schedule, splits] : runs) {
+        const std::string how = "k " + std::to_string(k) + ", " + std::to_string(rows) + " rows, " +
+                                cuda::gemmScheduleName(schedule) + ", splits " +
+                                std::to_string(splits) + (to_residual ? ", residual" : "");
+        auto reset = [&] {
+          ASSERT_EQ(
+              cudaMemcpy(dstream.p, residual.data(), residual.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+          ASSERT_EQ(cudaMemset(dy.p, 0xff, dy.n * 4), cudaSuccess);
+        };
+        reset();
+        ASSERT_TRUE(cuda::launchGemm(dact.p, rows, dw.p, n, k, dy.p, n, nullptr, {}, schedule,
+                                     splits, to_residual ? into : cuda::GemmResidual{})
+                        .ok());
+        const std::vector<float> want = to_residual ? dstream.read() : dy.read();
+        reset();
+        clear();
+        const Status launched =
+            cuda::launchGemm(nullptr, rows, dw.p, n, k, dy.p, n, nullptr, {}, schedule, splits,
+                             to_residual ? into : cuda::GemmResidual{}, {}, activated);
+        ASSERT_TRUE(launched.ok()) << launched.toString();
+        const std::vector<float> got = to_residual ? dstream.read() : dy.read();
+        for (size_t i = 0; i < got.size(); ++i)
+          ASSERT_EQ(bitsOf(got[i]), bitsOf(want[i])) << how << ": output " << i;
+        const std::vector<cuda::ProductCheck> got_checks = checks.read();
+        for (size_t i = 0; i < got_checks.size(); ++i) {
+          const cuda::ProductCheck &a = got_checks[i], &b = want_checks[i];
+          for (const auto& [x, y] :
+               {std::pair{a.produced, b.produced}, std::pair{a.produced_sq, b.produced_sq},
+                std::pair{a.expected, b.expected}, std::pair{a.bound, b.bound}})
+            EXPECT_NEAR(x, y, 1e-9 * (1 + std::fabs(y))) << how << ", check " << i;
+        }
+      }
+    }
+    EXPECT_FALSE(cuda::launchGemm(nullptr, 9, dw.p, n, k, dy.p, n, nullptr, {},
+                                  cuda::GemmSchedule::kInUse, 0, {}, {}, activated)
+                     .ok())
+        << "9 rows";
   }
 }
 
