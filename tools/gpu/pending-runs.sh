@@ -14,9 +14,9 @@
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   times   bench-engine --kernel-times on both shapes at batch 1 and 32: where a step's
 #           device time goes, launch by launch, with and without the checks
-#   residual the GPU tests of products that add into the residual stream and of those that
-#           normalise their own tokens, then both shapes' kernel times with the first, and
-#           bench-engine with both (compare with `times` and `engine`)
+#   residual the GPU tests of products that add into the residual stream, normalise their own
+#           tokens or compute their own activation, then both shapes' kernel times with the
+#           first, and bench-engine with all three (compare with `times` and `engine`)
 #   schedules bench-engine on both shapes with each other product schedule (pipelined,
 #           two_tiles) in every bucket, no comparison columns
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -106,13 +106,14 @@ for group in "$@"; do
       ;;
     residual)
       run gpu-tests-residual 300 "$bundle/gpu_tests" \
-        --gtest_filter='*ResidualEpilogue*:NormPartials*:NormedProduct*:*residual*:*normed*:*KernelTimes*'
+        --gtest_filter='*ResidualEpilogue*:NormPartials*:NormedProduct*:ActivatedProduct*:*residual*:*normed*:*silu*:*fused*:*KernelTimes*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         run "kernel-times-$shape-residual" 150 "$bh" bench-engine --model "$m" --backend cuda \
           --batch 1,32 --steps 32 --kernel-times --no-compare --residual-in-products
-        run "bench-engine-$shape-normed" 200 "$bh" bench-engine --model "$m" --backend cuda \
-          --batch 1,8,32,64 --kernel-times --residual-in-products --norm-in-products
+        run "bench-engine-$shape-fused" 200 "$bh" bench-engine --model "$m" --backend cuda \
+          --batch 1,8,32,64 --kernel-times --residual-in-products --norm-in-products \
+          --silu-in-products
       done
       ;;
     schedules)
