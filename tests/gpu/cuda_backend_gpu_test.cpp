@@ -472,8 +472,11 @@ TEST_P(CudaBackendModels, AFaultyMultiplyFailsTheArithmeticCheckOfThatStepOnly) 
   // The flipped exponent bit makes an output below 2 in magnitude enormous, and one above 2
   // almost zero: a change of ordinary size, far inside the worst-case bound of a wide product
   // (qwen2.5-7b-layer), that the usual-rounding check and the second computation must catch.
-  const auto tokens = randomTokens(12, vocab_, 11);
+  // Steps of 12 rows and of 6 (where the model case computes norms and the activation in the
+  // products, those paths' checks must catch it).
+  const auto twelve = randomTokens(12, vocab_, 11), six = randomTokens(6, vocab_, 12);
   for (uint64_t i = 0; i < 40; ++i) {
+    const auto& tokens = i % 2 == 0 ? twelve : six;
     const uint64_t selector = i * 7919 + i * i * 104729;
     auto role = backend_->computeFault(selector);
     ASSERT_TRUE(role.ok());
