@@ -256,16 +256,18 @@ __device__ __forceinline__ uint32_t foldKeys(int g, int first) {
   return keys;
 }
 
+// Where a product's tokens come from (the kernel's kInput): bf16 x, a normed input
+// (GemmNormedInput) or an activated one (GemmActivatedInput).
+constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
+
 // kGroups groups of 8 tokens per block; kUnroll k blocks loaded together. kPipelined: two sets of
 // registers, so that one round's loads are in flight while the round before multiplies. kTiles:
 // weight tiles of 16 rows per warp, multiplied by the same token fragments, so that many rows
 // load each token once from the L2 cache instead of once a tile. Every output gets the same
 // operations in the same order in all of them: only when loads are issued and how many tiles
-// share them change.
-// kInput: kTokenInput (bf16 x), kNormedInput (GemmNormedInput), kActivatedInput
-// (GemmActivatedInput).
-constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
-
+// share them change. kResidual: the epilogue adds into the residual stream (GemmResidual);
+// kInput: where the tokens come from (a normed or activated input has one more tile of blocks,
+// its check tile, when it has checks to add).
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
