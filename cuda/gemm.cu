@@ -77,11 +77,11 @@ __host__ __device__ inline bool normedHasChecks(const GemmNormedInput& nin) {
 // lanes (g, c) of a warp hold token g's inputs 8c .. 8c + 7 of a k block, as the product's lanes.
 template <int kGroups>
 __device__ void normedChecks(const GemmNormedInput& nin, const float (&inv)[kGroups], int m0, int m,
-                             int k, int first_kb, int lanes) {
+                             int k, int first_kb, int stride) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, k_blocks = (k + 31) / 32;
   double sums[kGroups][6] = {};  // per consumer: expected, then bound (3 on)
   unsigned long long fold = 0, words = 0;
-  for (int kb = first_kb; kb < k_blocks; kb += lanes) {
+  for (int kb = first_kb; kb < k_blocks; kb += stride) {
     const int k0 = 32 * kb + 8 * c;
     if (k0 >= k) continue;
 #pragma unroll
@@ -181,10 +181,10 @@ __host__ __device__ inline bool activatedHasChecks(const GemmActivatedInput& a) 
 // block's group (lanes as the product's: token g, inputs 8c .. 8c + 7 of a k block).
 template <int kGroups>
 __device__ void activatedChecks(const GemmActivatedInput& a, int m0, int m, int k, int first_kb,
-                                int lanes) {
+                                int stride) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, k_blocks = (k + 31) / 32;
   double sums[kGroups][6] = {};  // gate, up, gate^2, up^2, expected, bound
-  for (int kb = first_kb; kb < k_blocks; kb += lanes) {
+  for (int kb = first_kb; kb < k_blocks; kb += stride) {
     const int k0 = 32 * kb + 8 * c;
     if (k0 >= k) continue;
 #pragma unroll
@@ -266,7 +266,7 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // load each token once from the L2 cache instead of once a tile. Every output gets the same
 // operations in the same order in all of them: only when loads are issued and how many tiles
 // share them change. kResidual: the epilogue adds into the residual stream (GemmResidual);
-// kInput: where the tokens come from (a normed or activated input has one more tile of blocks,
+// kInput: where the tokens come from (a normed or activated input has more blocks,
 // its check tile, when it has checks to add).
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput>
 __global__ void __launch_bounds__(kThreads)
@@ -384,16 +384,20 @@ __global__ void __launch_bounds__(kThreads)
   // loop keeps one shape (the compiler schedules its loads together).
   const int round = lanes * kUnroll;
   int base = rank * kWarps + warp;
-  // Normed or activated with checks: the last tile of blocks is the check tile (no weight rows).
+  // Normed or activated with checks: the clusters past the weight's tiles are the check tile
+  // (no weight rows), their lanes interleaved over the k blocks.
+  const int weight_tiles = ((n + 15) / 16 + kTiles - 1) / kTiles;
   const bool check_tile =
       ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act))) &&
-      int(blockIdx.x) / splits == int(gridDim.x) / splits - 1;
+      int(blockIdx.x) / splits >= weight_tiles;
+  const int check_first = (int(blockIdx.x) / splits - weight_tiles) * lanes + base,
+            check_stride = (int(gridDim.x) / splits - weight_tiles) * lanes;
   if (base < k_blocks && !check_tile) loadWeights(0, base);
   gridDependencyWait();
   allowDependentLaunch();
   if constexpr (kActivated) {
     if (check_tile) {
-      activatedChecks<kGroups>(act, m0, m, k, base, lanes);
+      activatedChecks<kGroups>(act, m0, m, k, check_first, check_stride);
       return;  // the whole cluster, as below
     }
   }
@@ -408,7 +412,7 @@ __global__ void __launch_bounds__(kThreads)
         if (g == tt) inv[t] = 1.0f / sqrtf(total / float(k) + nin.eps);
       }
     if (check_tile) {
-      normedChecks<kGroups>(nin, inv, m0, m, k, base, lanes);
+      normedChecks<kGroups>(nin, inv, m0, m, k, check_first, check_stride);
       return;  // the whole cluster: every block of the check tile returns here
     }
   }
@@ -554,9 +558,13 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
                    const GemmResidual& res, const GemmNormedInput& nin,
                    const GemmActivatedInput& act) {
   cudaLaunchConfig_t config = {};
-  const bool check_tile = (nin.x != nullptr && normedHasChecks(nin)) ||
-                          (act.gate_up != nullptr && activatedHasChecks(act));
-  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + (check_tile ? 1 : 0);
+  const bool checks = (nin.x != nullptr && normedHasChecks(nin)) ||
+                      (act.gate_up != nullptr && activatedHasChecks(act));
+  // The check tile: enough clusters that a warp of it takes at most 8 k blocks (its loads are
+  // not unrolled as the product's are, and it should finish no later than the product).
+  const int lanes = splits * kWarps, k_blocks = (k + 31) / 32;
+  const int check_clusters = checks ? (k_blocks + 8 * lanes - 1) / (8 * lanes) : 0;
+  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + check_clusters;
   config.gridDim = dim3(unsigned(blocks * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
   config.blockDim = dim3(kThreads);
   config.stream = stream;

@@ -78,7 +78,7 @@ struct GemmResidual {
 // A product whose input is the RMSNorm of the residual stream, normalised as its tokens load
 // rather than read from a norm kernel's output (steps of 1 to 8 rows): input row r is
 // bf16(weight[i] * (x[r][i] * inv_r)), inv_r from the row's norm partials (cuda/norm_partials.cuh)
-// as the norm kernel takes it, so the same bits. One more tile of blocks adds the norm's side of
+// as the norm kernel takes it, so the same bits. More blocks (a check tile) add the norm's side of
 // the checks: its consumers' expected and bound (one ConsumerSums a weight of the product, in
 // row order, as GemmFold's weights) and the norm weight's fold, once a token row.
 struct GemmNormedInput {
@@ -98,7 +98,7 @@ inline constexpr int kMaxNormedRows = 8;
 // A product whose input is the MLP's activation, silu(gate) * up, computed as its tokens load
 // from the gate/up product's fp32 output rather than read from the activation kernel's (steps of
 // 1 to kMaxNormedRows rows): input row r is the activation kernel's very expression (cuda/
-// activation.cu), so the same bits. One more tile of blocks adds that kernel's side of the
+// activation.cu), so the same bits. More blocks (a check tile) add that kernel's side of the
 // checks: the gate and up products' produced sums, and this product's expected and bound.
 struct GemmActivatedInput {
   const float* gate_up = nullptr;  // [row][ld]: gate at [0, k), up at [k, 2k); null: bf16 x
