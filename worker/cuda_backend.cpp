@@ -633,12 +633,24 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   return okStatus();
 }
 
+long long CudaBackend::faultOutput(uint64_t n, int rows) const {
+  // Output (s % n) of token (s / n % rows).
+  const uint64_t s = (fault_selector_ / uint64_t(product_roles_)) & 0x7fffffffffffull;
+  return (long long)(s / n % uint64_t(rows) * n + s % n);
+}
+
+cuda::GemmFold CudaBackend::foldAlone(const Weight& w) const {
+  cuda::GemmFold f;
+  if (w.fold >= 0 && limits_.checks_weight_reads)
+    f = {1, {d_->view.folds + w.fold}, {w.salt}, {int(w.tensor->shape[0])}};
+  return f;
+}
+
 Status CudaBackend::applyFault(const Weight& w, float* y, int rows, int ldy) {
   if (w.product != fault_role_) return okStatus();
-  // Output (s % n) of token (s / n % rows), as CpuBackend picks it.
   const uint64_t n = uint64_t(w.tensor->shape[0]);
-  const uint64_t s = (fault_selector_ / uint64_t(product_roles_)) & 0x7fffffffffffull;
-  const size_t index = size_t(s / n % uint64_t(rows)) * size_t(ldy) + size_t(s % n);
+  const auto output = uint64_t(faultOutput(n, rows));
+  const size_t index = size_t(output / n) * size_t(ldy) + size_t(output % n);
   return cuda::launchFlipExponentBit(y, index, d_->stream.get());
 }
 
@@ -687,15 +699,10 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
   const int k = int(first.tensor->shape[1]);
-  // One product needs the slots adjacent, and its fold needs each weight but the last to end
-  // on a 16-row tile.
-  bool adjacent = true;
+  const bool adjacent = adjacentGroup(group);
   int n = 0;
-  const std::byte* next = static_cast<const std::byte*>(first.ptr);
   cuda::GemmFold fused;
   for (const Weight* w : group) {
-    adjacent = adjacent && w->ptr == next && int(w->tensor->shape[1]) == k && n % 16 == 0;
-    next = static_cast<const std::byte*>(w->ptr) + w->tensor->data.size();
     n += int(w->tensor->shape[0]);
     if (fused.weights < 3 && w->fold >= 0 && limits_.checks_weight_reads) {
       fused.account[fused.weights] = d_->view.folds + w->fold;
@@ -704,12 +711,6 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     }
   }
   if (fused.weights != int(group.size())) fused = {};
-  auto alone = [&](const Weight& w) {
-    cuda::GemmFold f;
-    if (w.fold >= 0 && limits_.checks_weight_reads)
-      f = {1, {d_->view.folds + w.fold}, {w.salt}, {int(w.tensor->shape[0])}};
-    return f;
-  };
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
   const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
@@ -733,7 +734,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     if (!adjacent && d_->cublas == nullptr)
       BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(input, rows,
                                                 static_cast<const __nv_bfloat16*>(w->ptr), wn, k,
-                                                y + column, ldy, stream, alone(*w), schedule));
+                                                y + column, ldy, stream, foldAlone(*w), schedule));
     BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
     column += wn;
   }
@@ -745,8 +746,6 @@ Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows,
   CudaState& d = *d_;
   const int n = int(w.tensor->shape[0]), k = int(w.tensor->shape[1]);
   const bool checks = limits_.checks_weight_reads;
-  cuda::GemmFold fold;
-  if (w.fold >= 0 && checks) fold = {1, {d.view.folds + w.fold}, {w.salt}, {n}};
   cuda::GemmResidual residual;
   residual.x = d.x.get<float>();
   residual.ldx = config().hidden_size;
@@ -757,15 +756,10 @@ Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows,
     residual.roles = d.view.roles;
     residual.role = w.product;
   }
-  if (w.product == fault_role_) {
-    // Output (s % n) of token (s / n % rows), as CpuBackend picks it (applyFault).
-    const uint64_t s = (fault_selector_ / uint64_t(product_roles_)) & 0x7fffffffffffull;
-    residual.fault =
-        (long long)(s / uint64_t(n) % uint64_t(rows)) * n + (long long)(s % uint64_t(n));
-  }
+  if (w.product == fault_role_) residual.fault = faultOutput(uint64_t(n), rows);
   return cuda::launchGemm(
       static_cast<const __nv_bfloat16*>(x), rows, static_cast<const __nv_bfloat16*>(w.ptr), n, k,
-      nullptr, 0, d.stream.get(), fold, gemm_schedules_[size_t(cuda::gemmBucket(rows))], 0,
+      nullptr, 0, d.stream.get(), foldAlone(w), gemm_schedules_[size_t(cuda::gemmBucket(rows))], 0,
       residual, {}, activated != nullptr ? *activated : cuda::GemmActivatedInput{});
 }
 

@@ -160,6 +160,11 @@ class CudaBackend final : public Backend {
   Status residualProduct(const Weight& w, const void* x, int rows,
                          const cuda::GemmActivatedInput* activated = nullptr);
   Status applyFault(const Weight& w, float* y, int rows, int ldy);
+  // The armed fault's output of a product of n outputs over `rows` rows: row * n + column, as
+  // CpuBackend picks it.
+  long long faultOutput(uint64_t n, int rows) const;
+  // The fold of one weight's words loaded by a product of its own (none without checks).
+  cuda::GemmFold foldAlone(const Weight& w) const;
   cuda::ConsumerSums consumer(const Weight& w) const;
   WeightReadVerdict verifySlots() const;
   WeightReadVerdict verdictOfStep() const;
