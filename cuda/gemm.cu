@@ -66,6 +66,30 @@ __device__ __forceinline__ uint4 normedLoad(const float* x, const __nv_bfloat16*
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// The eight bf16 inputs a uint4 of tokens holds, widened, in k order.
+__device__ __forceinline__ void unpackTokens(const uint4& packed, float (&out)[8]) {
+  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 pair;
+    memcpy(&pair, &words[i], 4);
+    out[2 * i] = __bfloat162float(pair.x);
+    out[2 * i + 1] = __bfloat162float(pair.y);
+  }
+}
+
+// A check tile's per-token sums added over the 4 lanes (c) that hold a token's inputs: every
+// lane of the warp must reach it.
+template <int kGroups>
+__device__ __forceinline__ void sumOverTokenLanes(double (&sums)[kGroups][6]) {
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t)
+#pragma unroll
+    for (int i = 0; i < 6; ++i)
+      for (int offset = 1; offset < 4; offset *= 2)
+        sums[t][i] += __shfl_xor_sync(0xffffffffu, sums[t][i], offset);
+}
+
 // Whether a normed product has the norm's side of any check to add (a check tile).
 __host__ __device__ inline bool normedHasChecks(const GemmNormedInput& nin) {
   return nin.weight_fold != nullptr || nin.consumers[0].role >= 0 || nin.consumers[1].role >= 0 ||
@@ -88,17 +112,9 @@ __device__ void normedChecks(const GemmNormedInput& nin, const float (&inv)[kGro
     for (int t = 0; t < kGroups; ++t) {
       const int token = m0 + 8 * t + g;
       if (token >= m) continue;
-      const uint4 packed =
-          normedLoad(nin.x + size_t(token) * nin.ldx + k0, nin.weight + k0, inv[t], true);
-      const uint32_t in_words[4] = {packed.x, packed.y, packed.z, packed.w};
       float xn[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        __nv_bfloat162 pair;
-        memcpy(&pair, &in_words[i], 4);
-        xn[2 * i] = __bfloat162float(pair.x);
-        xn[2 * i + 1] = __bfloat162float(pair.y);
-      }
+      unpackTokens(normedLoad(nin.x + size_t(token) * nin.ldx + k0, nin.weight + k0, inv[t], true),
+                   xn);
 #pragma unroll
       for (int s = 0; s < 3; ++s) {
         if (nin.consumers[s].role < 0) continue;
@@ -118,13 +134,9 @@ __device__ void normedChecks(const GemmNormedInput& nin, const float (&inv)[kGro
       }
     }
   }
+  sumOverTokenLanes(sums);  // then one atomic add a role from lane c = 0
 #pragma unroll
   for (int t = 0; t < kGroups; ++t) {
-    // Token g's sums over its lanes c, then one atomic add a role from lane c = 0.
-#pragma unroll
-    for (int i = 0; i < 6; ++i)
-      for (int offset = 1; offset < 4; offset *= 2)
-        sums[t][i] += __shfl_xor_sync(0xffffffffu, sums[t][i], offset);
     const int token = m0 + 8 * t + g;
     if (c != 0 || token >= m) continue;
 #pragma unroll
@@ -192,35 +204,25 @@ __device__ void activatedChecks(const GemmActivatedInput& a, int m0, int m, int 
       const int token = m0 + 8 * t + g;
       if (token >= m) continue;
       const float* gate = a.gate_up + size_t(token) * a.ld + k0;
-      const uint4 packed = activatedLoad(gate, gate + k, true);
-      const uint32_t in_words[4] = {packed.x, packed.y, packed.z, packed.w};
+      float act[8];
+      unpackTokens(activatedLoad(gate, gate + k, true), act);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        __nv_bfloat162 pair;
-        memcpy(&pair, &in_words[i], 4);
-        const float act[2] = {__bfloat162float(pair.x), __bfloat162float(pair.y)};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = 2 * i + h;
-          const double gj = gate[j], uj = gate[k + j];
-          sums[t][0] += gj;
-          sums[t][1] += uj;
-          sums[t][2] += gj * gj;
-          sums[t][3] += uj * uj;
-          if (a.consumer.role >= 0) {
-            sums[t][4] += double(a.consumer.colsum[k0 + j]) * act[h];
-            sums[t][5] += double(a.consumer.abssum[k0 + j]) * fabsf(act[h]);
-          }
+      for (int j = 0; j < 8; ++j) {
+        const double gj = gate[j], uj = gate[k + j];
+        sums[t][0] += gj;
+        sums[t][1] += uj;
+        sums[t][2] += gj * gj;
+        sums[t][3] += uj * uj;
+        if (a.consumer.role >= 0) {
+          sums[t][4] += double(a.consumer.colsum[k0 + j]) * act[j];
+          sums[t][5] += double(a.consumer.abssum[k0 + j]) * fabsf(act[j]);
         }
       }
     }
   }
+  sumOverTokenLanes(sums);
 #pragma unroll
   for (int t = 0; t < kGroups; ++t) {
-#pragma unroll
-    for (int i = 0; i < 6; ++i)
-      for (int offset = 1; offset < 4; offset *= 2)
-        sums[t][i] += __shfl_xor_sync(0xffffffffu, sums[t][i], offset);
     const int token = m0 + 8 * t + g;
     if (c != 0 || token >= m) continue;
     ProductCheck* row = a.checks.products + size_t(token) * a.checks.roles;
