@@ -70,6 +70,24 @@ float withTopExponentBitFlipped(float v) {
   return f;
 }
 
+// The launches a computed-input test compares: every schedule at the shape's own splits, and
+// the one in use also split over 4 and 8 blocks (another sum order: its reference goes through
+// the same splits).
+struct ScheduleRun {
+  cuda::GemmSchedule schedule;
+  int splits;
+  std::string name() const {
+    return std::string(cuda::gemmScheduleName(schedule)) + ", splits " + std::to_string(splits);
+  }
+};
+std::vector<ScheduleRun> scheduleRuns() {
+  std::vector<ScheduleRun> runs;
+  for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) runs.push_back({schedule, 0});
+  runs.push_back({cuda::GemmSchedule::kInUse, 4});
+  runs.push_back({cuda::GemmSchedule::kInUse, 8});
+  return runs;
+}
+
 struct ResidualCase {
   int n, k, rows, splits;
 };
@@ -302,20 +320,10 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
     normed.weight_fold = fold.p;
     for (int s = 0; s < segments; ++s) normed.consumers[s] = consumers[s];
     normed.checks = view;
-    // Every schedule at the shape's own splits; the one in use also split over 4 and 8 blocks
-    // (another sum order: compared with the norm kernel's output through the same splits).
-    struct Run {
-      cuda::GemmSchedule schedule;
-      int splits;
-    };
-    std::vector<Run> runs;
-    for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) runs.push_back({schedule, 0});
-    runs.push_back({cuda::GemmSchedule::kInUse, 4});
-    runs.push_back({cuda::GemmSchedule::kInUse, 8});
-    for (const auto [schedule, splits] : runs) {
-      const std::string how = "k " + std::to_string(k) + ", " + std::to_string(rows) + " rows, " +
-                              cuda::gemmScheduleName(schedule) + ", splits " +
-                              std::to_string(splits);
+    for (const ScheduleRun& run : scheduleRuns()) {
+      const auto [schedule, splits] = run;
+      const std::string how =
+          "k " + std::to_string(k) + ", " + std::to_string(rows) + " rows, " + run.name();
       std::vector<float> want = want_default;
       if (splits != 0) {
         ASSERT_TRUE(cuda::launchGemm(dxn.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
@@ -402,18 +410,10 @@ TEST(ActivatedProduct, GivesTheActivationKernelsRowsAndChecks) {
     const std::vector<cuda::ProductCheck> want_checks = checks.read();
     cuda::GemmActivatedInput activated{dgate_up.p, 2 * k, gate_role, up_role, down, view};
     for (const bool to_residual : {false, true}) {
-      struct Run {
-        cuda::GemmSchedule schedule;
-        int splits;
-      };
-      std::vector<Run> runs;
-      for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) runs.push_back({schedule, 0});
-      runs.push_back({cuda::GemmSchedule::kInUse, 4});
-      runs.push_back({cuda::GemmSchedule::kInUse, 8});
-      for (const auto [schedule, splits] : runs) {
+      for (const ScheduleRun& run : scheduleRuns()) {
+        const auto [schedule, splits] = run;
         const std::string how = "k " + std::to_string(k) + ", " + std::to_string(rows) + " rows, " +
-                                cuda::gemmScheduleName(schedule) + ", splits " +
-                                std::to_string(splits) + (to_residual ? ", residual" : "");
+                                run.name() + (to_residual ? ", residual" : "");
         auto reset = [&] {
           ASSERT_EQ(
               cudaMemcpy(dstream.p, residual.data(), residual.size() * 4, cudaMemcpyHostToDevice),
