@@ -2,7 +2,8 @@
 // parallel splits (few rows, long contexts) several blocks per (row, head), each taking splits
 // z, z + kSplitBlocks, ... In each chunk of 128 positions, thread t scores position chunk + t;
 // the chunk's maximum and sum go through fixed trees; then thread (part, d) accumulates dimension
-// d over positions part, part + parts, ... in order. A split's parts are added in part order;
+// d over positions part, part + parts, ... in order (from the chunk's value rows, which thread t
+// staged in shared memory with its key row). A split's parts are added in part order;
 // splits are folded in split order by foldSplit.
 #include "cuda/attention.cuh"
 
@@ -60,12 +61,21 @@ __device__ __forceinline__ void foldSplit(SplitResult& into, const SplitResult& 
   into.max = m;
 }
 
+// A chunk's value rows are staged here, position t's by thread t, 16 bytes at a time: piece i
+// of row t at slot i ^ (t % pieces), so that neither the stores (eight rows at a time) nor the
+// reads (one row, consecutive dimensions) fall in the same banks.
 template <int HD>
 struct Shared {
+  static constexpr int kPieces = HD / 8;
   float q[HD];
   float probs[kChunk];
   float warp_values[kWarps];
   float partial[kThreads];
+  uint4 values[kChunk][kPieces];
+  __device__ float value(uint32_t position, int d) const {
+    const int slot = (d / 8) ^ int(position % kPieces);
+    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&values[position][slot])[d % 8]);
+  }
 };
 
 // The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
@@ -74,18 +84,24 @@ template <int HD>
 __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const CacheRows& rows,
                                                    Shared<HD>& sh, uint32_t begin, uint32_t end) {
   constexpr int kParts = kThreads / HD;
-  constexpr int kUnroll = 8;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
   for (uint32_t chunk = begin; chunk < end; chunk += kChunk) {
     const uint32_t count = min(uint32_t(kChunk), end - chunk);
     float score = -INFINITY;
     if (uint32_t(t) < count) {
-      // The key row in 16-byte pieces, all loads issued before the dot product uses them.
-      const uint4* k = reinterpret_cast<const uint4*>(a.k_cache + rows.at(chunk + t));
-      uint4 pieces[HD / 8];
+      // The key and value rows in 16-byte pieces, all loads issued before the dot product uses
+      // them: a chunk waits for the cache once, not once a position.
+      const size_t at = rows.at(chunk + t);
+      const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
+                  *v = reinterpret_cast<const uint4*>(a.v_cache + at);
+      uint4 pieces[HD / 8], values[HD / 8];
 #pragma unroll
       for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
       float dot = 0.0f;
 #pragma unroll
       for (int i = 0; i < HD / 8; ++i) {
@@ -118,20 +134,11 @@ __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const
     running_sum = fmaf(running_sum, alpha, chunk_sum);
     running_max = new_max;
     acc *= alpha;
-    // Positions part, part + kParts, ... in order; loads in groups of kUnroll, so they are in
-    // flight together, the multiply-adds still one after another.
-    uint32_t i = part;
-    for (; i + (kUnroll - 1) * kParts < count; i += kUnroll * kParts) {
-      float v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        v[u] = __bfloat162float(a.v_cache[rows.at(chunk + i + u * kParts) + d]);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) acc = fmaf(sh.probs[i + u * kParts], v[u], acc);
-    }
-    for (; i < count; i += kParts)
-      acc = fmaf(sh.probs[i], __bfloat162float(a.v_cache[rows.at(chunk + i) + d]), acc);
-    __syncthreads();  // probs and warp_values are rewritten by the next chunk
+    // Positions part, part + kParts, ... in order, from the staged values (the syncs above
+    // follow their stores).
+#pragma unroll 8
+    for (uint32_t i = part; i < count; i += kParts) acc = fmaf(sh.probs[i], sh.value(i, d), acc);
+    __syncthreads();  // probs, values and warp_values are rewritten by the next chunk
   }
   sh.partial[t] = acc;
   __syncthreads();

@@ -235,10 +235,10 @@ TEST(NormPartials, EmbeddingKeepsThemAndTheNormUsesThem) {
       const int o = out_row[size_t(r)];
       for (int i = 0; i < hidden && o >= 0; ++i) {
         const float v = x[size_t(r) * hidden + i];
-        const __nv_bfloat16 o =
+        const __nv_bfloat16 want_out =
             __float2bfloat16_rn(__bfloat162float(norm_weight[size_t(i)]) * (v * inv));
         uint16_t a, b;
-        std::memcpy(&a, &o, 2);
+        std::memcpy(&a, &want_out, 2);
         std::memcpy(&b, &out[size_t(o) * hidden + i], 2);
         ASSERT_EQ(a, b) << "hidden " << hidden << ", row " << r << ", element " << i;
       }
