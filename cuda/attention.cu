@@ -78,21 +78,30 @@ struct Shared {
   }
 };
 
+// The cache row of thread t's position in the chunk from `chunk` (0 past `end`).
+__device__ __forceinline__ size_t chunkRow(const CacheRows& rows, uint32_t chunk, uint32_t end) {
+  const uint32_t p = chunk + threadIdx.x;
+  return p < end ? rows.at(p) : 0;
+}
+
 // The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
-// begin. Every thread of the block calls it; the result's total is valid in the threads of part 0.
+// begin. Every thread of the block calls it, with chunkRow(rows, begin, end) (looked up early by
+// the caller); the result's total is valid in the threads of part 0.
 template <int HD>
 __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const CacheRows& rows,
-                                                   Shared<HD>& sh, uint32_t begin, uint32_t end) {
+                                                   Shared<HD>& sh, uint32_t begin, uint32_t end,
+                                                   size_t at) {
   constexpr int kParts = kThreads / HD;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
   for (uint32_t chunk = begin; chunk < end; chunk += kChunk) {
     const uint32_t count = min(uint32_t(kChunk), end - chunk);
+    // The next chunk's block table entries load while this chunk is worked on.
+    const size_t next_at = chunkRow(rows, chunk + kChunk, end);
     float score = -INFINITY;
     if (uint32_t(t) < count) {
       // The key and value rows in 16-byte pieces, all loads issued before the dot product uses
       // them: a chunk waits for the cache once, not once a position.
-      const size_t at = rows.at(chunk + t);
       const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
                   *v = reinterpret_cast<const uint4*>(a.v_cache + at);
       uint4 pieces[HD / 8], values[HD / 8];
@@ -139,6 +148,7 @@ __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const
 #pragma unroll 8
     for (uint32_t i = part; i < count; i += kParts) acc = fmaf(sh.probs[i], sh.value(i, d), acc);
     __syncthreads();  // probs, values and warp_values are rewritten by the next chunk
+    at = next_at;
   }
   sh.partial[t] = acc;
   __syncthreads();
@@ -181,21 +191,29 @@ template <int HD, bool kParallel>
 __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   __shared__ Shared<HD> sh;
   __shared__ bool last;
-  gridDependencyWait();
-  allowDependentLaunch();
   const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x, d = t % HD;
   const int kvh = h / (a.heads / a.kv_heads);
+  // The positions and block tables are the step's inputs: read, with the first chunk's table
+  // entries, before the wait for the kernel before (which writes the queries and the cache).
   const uint32_t len = a.positions[r] + 1;
   const uint32_t splits = (len + kAttentionSplit - 1) / kAttentionSplit;
   const int first = kParallel ? int(blockIdx.z) : 0, step = kParallel ? kSplitBlocks : 1;
-  if (uint32_t(first) >= splits) return;  // the whole block: nothing of this row is left
   const CacheRows rows{a.block_tables + a.row_table[r], size_t(kvh) * a.block_size * HD,
                        size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
+  auto splitEnd = [&](uint32_t s) { return min(len, (s + 1) * uint32_t(kAttentionSplit)); };
+  const size_t first_at =
+      uint32_t(first) < splits
+          ? chunkRow(rows, uint32_t(first) * kAttentionSplit, splitEnd(uint32_t(first)))
+          : 0;
+  gridDependencyWait();
+  allowDependentLaunch();
+  if (uint32_t(first) >= splits) return;  // the whole block: nothing of this row is left
   if (t < HD) sh.q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
   __syncthreads();
   auto range = [&](uint32_t s) {
-    return attendRange<HD>(a, rows, sh, s * kAttentionSplit,
-                           min(len, (s + 1) * uint32_t(kAttentionSplit)));
+    const uint32_t begin = s * kAttentionSplit;
+    return attendRange<HD>(a, rows, sh, begin, splitEnd(s),
+                           s == uint32_t(first) ? first_at : chunkRow(rows, begin, splitEnd(s)));
   };
   if (!kParallel || splits == 1) {
     SplitResult folded = range(0);
