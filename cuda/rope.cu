@@ -13,15 +13,15 @@ namespace {
 constexpr int kThreads = 256;
 
 // grid: (blocks per row, rows); one thread per item of a row: a pair of q, a pair of k, or an
-// element of v, in that order.
+// element of v, in that order. Everything but the products' outputs (the position, its cos and
+// sin, the biases, the cache slot) loads before the wait for the kernel before, and each thread
+// folds one word of the biases (q's words, then k's, then v's: a row's threads cover them all
+// once, there being more items than words).
 __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
-  gridDependencyWait();
-  allowDependentLaunch();
   const int r = blockIdx.y, half = a.head_dim / 2;
   const int q_dim = a.heads * a.head_dim, kv_dim = a.kv_heads * a.head_dim;
   const int q_pairs = a.heads * half, k_pairs = a.kv_heads * half;
   const int item = blockIdx.x * kThreads + threadIdx.x;
-  float* row = a.qkv + size_t(r) * a.stride;
   const uint32_t p = a.positions[r];
   const int head_stride = a.block_size * a.head_dim;
   // This position's place in the cache: head h of k at k_at + h * head_stride.
@@ -32,25 +32,57 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
     k_at = a.k_cache + slot;
     v_at = a.v_cache + slot;
   }
-  double produced[6] = {};  // the q, k and v products' sums, then their sums of squares
-  if (item < q_pairs + k_pairs) {
-    const bool is_q = item < q_pairs;
-    const int pair = is_q ? item : item - q_pairs, h = pair / half, i = pair % half;
-    const int e = h * a.head_dim + i;  // within q, or within k
-    float* u = is_q ? row : row + q_dim;
-    const __nv_bfloat16* bias = a.bias[is_q ? 0 : 1];
-    float x0 = u[e], x1 = u[e + half];
-    produced[is_q ? 0 : 1] = double(x0) + double(x1);
-    produced[is_q ? 3 : 4] = double(x0) * double(x0) + double(x1) * double(x1);
+  const bool is_pair = item < q_pairs + k_pairs, is_q = item < q_pairs;
+  const bool is_v = !is_pair && item < q_pairs + k_pairs + kv_dim;
+  const int pair = is_q ? item : item - q_pairs, h = pair / half, i = pair % half;
+  const int e = is_pair ? h * a.head_dim + i : item - q_pairs - k_pairs;  // within q, k or v
+  float bias0 = 0.0f, bias1 = 0.0f, c = 0.0f, sn = 0.0f;
+  const __nv_bfloat16* bias = is_q ? a.bias[0] : is_pair ? a.bias[1] : a.bias[2];
+  if (is_pair) {
     if (bias != nullptr) {
-      x0 = __fadd_rn(x0, __bfloat162float(bias[e]));
-      x1 = __fadd_rn(x1, __bfloat162float(bias[e + half]));
+      bias0 = __bfloat162float(bias[e]);
+      bias1 = __bfloat162float(bias[e + half]);
     }
-    const float c = a.cos_table[size_t(p) * half + i], s = a.sin_table[size_t(p) * half + i];
+    c = a.cos_table[size_t(p) * half + i];
+    sn = a.sin_table[size_t(p) * half + i];
+  } else if (is_v && bias != nullptr) {
+    bias0 = __bfloat162float(bias[e]);
+  }
+  unsigned long long fold[3] = {}, fold_words[3] = {};
+  {
+    const int words[3] = {q_dim / 2, kv_dim / 2, kv_dim / 2};
+    int w = item;
+#pragma unroll
+    for (int b = 0; b < 3; w -= words[b], ++b) {
+      if (w < 0 || w >= words[b]) continue;
+      if (a.bias[b] != nullptr && a.bias_fold[b] >= 0) {
+        fold[b] =
+            foldTerm(reinterpret_cast<const uint32_t*>(a.bias[b])[w], a.bias_salt[b], uint32_t(w));
+        fold_words[b] = 1;
+      }
+    }
+  }
+  gridDependencyWait();
+  allowDependentLaunch();
+  float* row = a.qkv + size_t(r) * a.stride;
+  double produced[6] = {};  // the q, k and v products' sums, then their sums of squares
+  if (is_pair) {
+    float* u = is_q ? row : row + q_dim;
+    float x0 = u[e], x1 = u[e + half];
+    const double sum = double(x0) + double(x1),
+                 sq = double(x0) * double(x0) + double(x1) * double(x1);
+    produced[0] = is_q ? sum : 0.0;
+    produced[1] = is_q ? 0.0 : sum;
+    produced[3] = is_q ? sq : 0.0;
+    produced[4] = is_q ? 0.0 : sq;
+    if (bias != nullptr) {
+      x0 = __fadd_rn(x0, bias0);
+      x1 = __fadd_rn(x1, bias1);
+    }
     // As the CPU engine computes it: two rounded multiplies, then one rounded subtraction or
     // addition (the _rn intrinsics are never contracted into fused multiply-adds).
-    const float r0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    const float r1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+    const float r0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+    const float r1 = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn));
     if (is_q || k_at == nullptr) {
       u[e] = r0;
       u[e + half] = r1;
@@ -59,34 +91,38 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
       dst[i] = __float2bfloat16_rn(r0);
       dst[i + half] = __float2bfloat16_rn(r1);
     }
-  } else if (item < q_pairs + k_pairs + kv_dim) {
-    const int e = item - q_pairs - k_pairs;
+  } else if (is_v) {
     float v = row[q_dim + kv_dim + e];
     produced[2] = double(v);
     produced[5] = double(v) * double(v);
-    if (a.bias[2] != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[2][e]));
+    if (bias != nullptr) v = __fadd_rn(v, bias0);
     if (v_at != nullptr)
       v_at[size_t(e / a.head_dim) * head_stride + e % a.head_dim] = __float2bfloat16_rn(v);
     else
       row[q_dim + kv_dim + e] = v;
   }
-  // The row's first block also loads every bias word once, for the in-step check of the biases.
-  if (blockIdx.x == 0) {
-    for (int i = 0; i < 3; ++i) {
-      if (a.bias[i] == nullptr || a.bias_fold[i] < 0) continue;
-      const int words = (i == 0 ? q_dim : kv_dim) / 2;
-      foldVector(reinterpret_cast<const uint32_t*>(a.bias[i]), words, a.bias_salt[i],
-                 a.checks.folds + a.bias_fold[i]);
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    if (a.bias[b] == nullptr || a.bias_fold[b] < 0) continue;
+    for (int offset = 16; offset > 0; offset /= 2) {
+      fold[b] += __shfl_xor_sync(0xffffffffu, fold[b], offset);
+      fold_words[b] += __shfl_xor_sync(0xffffffffu, fold_words[b], offset);
+    }
+    if (threadIdx.x % 32 == 0 && fold_words[b] > 0) {
+      FoldAccount* account = a.checks.folds + a.bias_fold[b];
+      atomicAdd(&account->sum, fold[b]);
+      atomicAdd(&account->words, fold_words[b]);
     }
   }
   if (a.product_role[0] < 0 && a.product_role[1] < 0 && a.product_role[2] < 0) return;
   warpSums(produced);
   if (threadIdx.x % 32 != 0) return;
-  for (int i = 0; i < 3; ++i) {
-    if (a.product_role[i] < 0) continue;
-    ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.product_role[i]];
-    atomicAdd(&p.produced, produced[i]);
-    atomicAdd(&p.produced_sq, produced[3 + i]);
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    if (a.product_role[b] < 0) continue;
+    ProductCheck& pc = a.checks.products[size_t(r) * a.checks.roles + a.product_role[b]];
+    atomicAdd(&pc.produced, produced[b]);
+    atomicAdd(&pc.produced_sq, produced[3 + b]);
   }
 }
 

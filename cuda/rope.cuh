@@ -6,8 +6,8 @@
 // The cos/sin tables are computed once on the host with the CPU engine's float arithmetic
 // (ropeTables), so both backends rotate by the same values. Each element by one fixed sequence of
 // operations: rows are independent of each other. The kernel reads the products' outputs, so it
-// adds their produced sums to the arithmetic checks, and it folds the bias words (a row's first
-// block loads each once for that).
+// adds their produced sums to the arithmetic checks, and it folds the bias words (each once a
+// row, spread over the row's threads).
 #pragma once
 
 #include <cuda_bf16.h>
