@@ -636,7 +636,7 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     }
     if (!known)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: in_use, pipelined, two_tiles)");
+                             "\" (known: plain, pipelined, two_tiles)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }

@@ -113,15 +113,16 @@ struct GemmActivatedInput {
 // than 32 k blocks a block.
 int gemmSplits(int n, int k);
 
-// When a warp issues its loads. Both give every output the same sequence of operations (the same
-// bits); a step always uses kInUse, and `bulkhead bench-gemm` measures the others against it.
+// When a warp issues its loads. All give every output the same sequence of operations (the same
+// bits); a step uses its bucket's (kDefaultGemmSchedules unless asked otherwise), and
+// `bulkhead bench-gemm` measures each against cuBLAS.
 enum class GemmSchedule {
-  kInUse,      // a round's loads, then its multiplies
+  kPlain,      // a round's loads, then its multiplies
   kPipelined,  // the next round's loads in flight while a round multiplies (half the unroll)
   kTwoTiles,   // two weight tiles a warp, multiplied by each token fragment it loads (half the
                // unroll): the tokens are read from the L2 cache half as often
 };
-inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kInUse, GemmSchedule::kPipelined,
+inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
                                                   GemmSchedule::kTwoTiles};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
@@ -129,12 +130,16 @@ using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
 inline int gemmBucket(int rows) {
   return rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
 }
-// "NAME" for every bucket, or four names, comma-separated, one a bucket: in_use, pipelined,
+// The fastest of each bucket in bench-engine on Qwen2.5 0.5B and 7B shapes (H100, cuda/
+// PERFORMANCE.md): pipelined at 1-8 and 33 or more rows, plain at 17-32; 9-16 not yet measured.
+inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
+    GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kPipelined};
+// "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
 // two_tiles.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
-  return s == GemmSchedule::kInUse       ? "in_use"
+  return s == GemmSchedule::kPlain       ? "plain"
          : s == GemmSchedule::kPipelined ? "pipelined"
                                          : "two_tiles";
 }
@@ -146,7 +151,7 @@ inline const char* gemmScheduleName(GemmSchedule s) {
 // to compare).
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
-                  GemmSchedule schedule = GemmSchedule::kInUse, int splits = 0,
+                  GemmSchedule schedule = GemmSchedule::kPlain, int splits = 0,
                   const GemmResidual& residual = {}, const GemmNormedInput& normed = {},
                   const GemmActivatedInput& activated = {});
 

@@ -85,6 +85,38 @@ uint64_t stepWeightBytes(const Checkpoint& ckpt, uint32_t batch) {
   return bytes;
 }
 
+// The prompts of `steps` (each from position 0, its logits row the prompt's last), in steps of at
+// most `max_tokens` tokens: each prompt in chunks of up to that many, as many sequences' chunks
+// a step as fit. `dst` gets the last chunks' logits rows, one a sequence.
+Status prefill(Backend& backend, std::span<const SequenceStep> steps, std::span<float* const> dst,
+               uint32_t max_tokens) {
+  const uint32_t prompt = uint32_t(steps.front().tokens.size());
+  const uint32_t chunk = std::min(prompt, max_tokens);
+  std::vector<SequenceStep> part;
+  std::vector<float*> part_dst;
+  for (uint32_t begin = 0; begin < prompt; begin += chunk) {
+    const uint32_t len = std::min(chunk, prompt - begin);
+    const bool last = begin + len == prompt;
+    const uint32_t last_row[] = {len - 1};
+    for (size_t s0 = 0; s0 < steps.size();) {
+      const size_t n = std::min<size_t>(steps.size() - s0, max_tokens / len);
+      part.clear();
+      part_dst.clear();
+      for (size_t s = s0; s < s0 + n; ++s) {
+        SequenceStep step = steps[s];
+        step.start_position = begin;
+        step.tokens = steps[s].tokens.subspan(begin, len);
+        step.logits_rows = last ? std::span<const uint32_t>(last_row) : std::span<const uint32_t>();
+        if (last) part_dst.push_back(dst[s]);
+        part.push_back(step);
+      }
+      BULKHEAD_RETURN_IF_ERROR(runStep(backend, part, part_dst));
+      s0 += n;
+    }
+  }
+  return okStatus();
+}
+
 // One backend, every batch size: prefill, warm-up, timed decode steps.
 Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
                                       std::shared_ptr<const Checkpoint> ckpt, const Variant& v) {
@@ -93,6 +125,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_graphs = o.graphs;
   options.cuda_programmatic_launch = o.programmatic_launch;
   options.cuda_gemm_schedules = o.gemm_schedules;
+  options.max_step_tokens = o.max_step_tokens;
   options.cuda_cublas_products = v.cublas;
   options.cuda_kernel_times = v.kernel_times;
   options.cuda_residual_in_products = o.residual_in_products && !v.cublas;  // ours only
@@ -116,9 +149,6 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
                                std::to_string(uint64_t(batch) * blocks_each) +
                                " KV blocks, the backend has " +
                                std::to_string(limits.kv_block_count));
-    if (uint64_t(batch) * o.prompt > limits.max_step_tokens)
-      return invalidArgument("batch " + std::to_string(batch) + " x prompt " +
-                             std::to_string(o.prompt) + " exceeds one step's tokens");
     std::vector<std::vector<uint32_t>> tables(batch), prompts(batch);
     std::vector<uint32_t> last_row = {o.prompt - 1}, first_row = {0};
     std::vector<std::array<uint32_t, 1>> next(batch);
@@ -137,7 +167,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
     }
     Measured m;
     auto start = Clock::now();
-    BULKHEAD_RETURN_IF_ERROR(runStep(*backend, steps, dst));
+    BULKHEAD_RETURN_IF_ERROR(prefill(*backend, steps, dst, limits.max_step_tokens));
     m.prefill_tokens_per_s = double(batch) * o.prompt / (usSince(start) * 1e-6);
     std::vector<double> us;
     for (uint32_t step = 0; step < kWarmupSteps + o.steps; ++step) {
@@ -239,7 +269,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
       "steps per batch size\n",
       o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off",
       o.programmatic_launch ? "on" : "off",
-      o.gemm_schedules.empty() ? "in_use" : o.gemm_schedules.c_str(),
+      o.gemm_schedules.empty() ? "default" : o.gemm_schedules.c_str(),
       o.residual_in_products ? "on" : "off", o.norm_in_products ? "on" : "off",
       o.silu_in_products ? "on" : "off", o.prompt, o.steps);
   if (read_bytes_per_s > 0)
@@ -256,7 +286,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
       {"backend", o.backend},
       {"graphs", o.graphs},
       {"programmatic_launch", o.programmatic_launch},
-      {"gemm_schedules", o.gemm_schedules.empty() ? "in_use" : o.gemm_schedules},
+      {"gemm_schedules", o.gemm_schedules.empty() ? "default" : o.gemm_schedules},
       {"residual_in_products", o.residual_in_products},
       {"norm_in_products", o.norm_in_products},
       {"silu_in_products", o.silu_in_products},

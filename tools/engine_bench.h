@@ -1,8 +1,9 @@
 // bench-engine: the backend alone, in process (no worker, no gRPC). For each batch size: the
-// prefill of every sequence's prompt in one step, then timed decode steps of one token each, with
-// the weight bandwidth they reach as a share of the device's read bandwidth measured in the same
-// run. On CUDA it runs the same steps again without the in-step checks, and through cuBLAS
-// products, so the price of the checks and of invariance are each one column.
+// prefill of every sequence's prompt (in as few steps as the step's tokens allow), then timed
+// decode steps of one token each, with the weight bandwidth they reach as a share of the device's
+// read bandwidth measured in the same run. On CUDA it runs the same steps again without the in-step
+// checks, and through cuBLAS products, so the price of the checks and of invariance are each one
+// column.
 #pragma once
 
 #include <string>
@@ -18,8 +19,9 @@ struct EngineBenchOptions {
   std::vector<uint32_t> batches = {1, 8, 32, 64};
   bool graphs = true;
   bool programmatic_launch = false;  // CudaBackend::Options::programmatic_launch
-  std::string gemm_schedules;        // BackendOptions::cuda_gemm_schedules (empty: in_use)
+  std::string gemm_schedules;        // BackendOptions::cuda_gemm_schedules (empty: the default)
   uint32_t prompt = 128;             // tokens prefilled per sequence
+  uint32_t max_step_tokens = 0;      // BackendOptions::max_step_tokens (0: the backend's)
   uint32_t steps = 64;               // timed decode steps per batch size (after 8 untimed)
   bool compare = true;               // CUDA: also without checks, and through cuBLAS
   // Then the same decode steps with each launch timed (Backend::takeLaunchTimes), checked and,

@@ -84,13 +84,13 @@ struct Path {
   const char* label;  // the table's column
   const char* json;   // the JSON field, before "_us"
   bool cublas = false;
-  cuda::GemmSchedule schedule = cuda::GemmSchedule::kInUse;
+  cuda::GemmSchedule schedule = cuda::GemmSchedule::kPlain;
   bool folding = false;
   int splits = 0;  // 0: gemmSplits, as a step
 };
 const Path kPaths[] = {
-    {"in_use", "in_use"},
-    {"+fold", "in_use_folding", false, cuda::GemmSchedule::kInUse, true},
+    {"plain", "plain"},
+    {"+fold", "plain_folding", false, cuda::GemmSchedule::kPlain, true},
     {"pipelined", "pipelined", false, cuda::GemmSchedule::kPipelined},
     {"+fold", "pipelined_folding", false, cuda::GemmSchedule::kPipelined, true},
     {"two_tiles", "two_tiles", false, cuda::GemmSchedule::kTwoTiles},
@@ -220,7 +220,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf("%28s splits (in_use/pipelined/two_tiles us), a step uses %d:", "",
+      std::printf("%28s splits (plain/pipelined/two_tiles us), a step uses %d:", "",
                   cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {
@@ -228,7 +228,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
         for (const auto schedule : cuda::kGemmSchedules) {
           const Path path{"", "", false, schedule, false, splits};
           BULKHEAD_ASSIGN_OR_RETURN(const double us, time(path));
-          std::printf(schedule == cuda::GemmSchedule::kInUse ? "%.2f" : "/%.2f", us);
+          std::printf(schedule == cuda::GemmSchedule::kPlain ? "%.2f" : "/%.2f", us);
           row["splits"].push_back(
               {{"splits", splits}, {"schedule", cuda::gemmScheduleName(schedule)}, {"us", us}});
         }

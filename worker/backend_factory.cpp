@@ -15,6 +15,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
   if (name == "cpu" || name == "auto") {
     CpuBackend::Options cpu;
     cpu.kv_blocks = options.kv_blocks;
+    if (options.max_step_tokens > 0) cpu.max_step_tokens = options.max_step_tokens;
     cpu.threads = options.cpu_threads;
     cpu.check_weight_reads = options.check_weight_reads;
     cpu.attention_scale_factor = options.attention_scale_factor;
@@ -25,6 +26,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
 #ifdef BULKHEAD_HAVE_CUDA
     CudaBackend::Options cuda;
     cuda.kv_blocks = options.kv_blocks;
+    if (options.max_step_tokens > 0) cuda.max_step_tokens = options.max_step_tokens;
     cuda.check_weight_reads = options.check_weight_reads;
     cuda.attention_scale_factor = options.attention_scale_factor;
     cuda.cuda_graphs = options.cuda_graphs;

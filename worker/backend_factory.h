@@ -10,7 +10,8 @@
 namespace bulkhead {
 
 struct BackendOptions {
-  uint32_t kv_blocks = 0;    // 0: the backend's default for its memory budget
+  uint32_t kv_blocks = 0;        // 0: the backend's default for its memory budget
+  uint32_t max_step_tokens = 0;  // 0: the backend's default
   unsigned cpu_threads = 0;  // the CPU backend's kernel threads (0: CpuBackend::defaultThreads())
   // Check every step's weight reads (off only to measure what the checks cost).
   bool check_weight_reads = true;
@@ -19,7 +20,7 @@ struct BackendOptions {
   bool cuda_programmatic_launch = true;  // CudaBackend::Options::programmatic_launch
   bool cuda_cublas_products = false;     // CudaBackend::Options::cublas_products
   int cuda_device = 0;                   // the CUDA device ordinal the worker uses
-  // The CUDA product's schedule per bucket of rows (cuda::parseGemmSchedules); empty: in_use.
+  // The CUDA product's schedule per bucket of rows (cuda::parseGemmSchedules); empty: the default.
   std::string cuda_gemm_schedules;
   bool cuda_kernel_times = false;          // CudaBackend::Options::kernel_times
   bool cuda_residual_in_products = false;  // CudaBackend::Options::residual_in_products

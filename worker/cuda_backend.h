@@ -44,7 +44,7 @@ class CudaBackend final : public Backend {
     bool cublas_products = false;
     // The product's schedule per bucket of rows (cuda/gemm.cuh): the same bits in each, so it
     // changes speed only.
-    cuda::GemmScheduleBuckets gemm_schedules = {};
+    cuda::GemmScheduleBuckets gemm_schedules = cuda::kDefaultGemmSchedules;
     // Measurement (bench-engine --kernel-times): a timed event after every launch of a step, so
     // that takeLaunchTimes() says where the device time goes. Steps then run uncaptured (no
     // graphs) and each launch waits for the event before it: slower, the same numbers.

@@ -42,7 +42,7 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   for (auto& v : x) v = __float2bfloat16(input(rng));
   test::DeviceBuffer<__nv_bfloat16> dw(w), dx(x);
   test::DeviceBuffer<float> dy(size_t(kMaxRows) * n);
-  auto product = [&](int m, cuda::GemmSchedule schedule = cuda::GemmSchedule::kInUse,
+  auto product = [&](int m, cuda::GemmSchedule schedule = cuda::GemmSchedule::kPlain,
                      int splits = 0) {
     EXPECT_EQ(cudaMemset(dy.p, 0xff, size_t(kMaxRows) * n * 4), cudaSuccess);
     const Status s = cuda::launchGemm(dx.p, m, dw.p, n, k, dy.p, n, nullptr, {}, schedule, splits);
@@ -76,7 +76,7 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   // the same bits whatever the number of rows.
   if (!big) {
     for (int splits : {1, 2, 4, 8}) {
-      const std::vector<float> split_all = product(kMaxRows, cuda::GemmSchedule::kInUse, splits);
+      const std::vector<float> split_all = product(kMaxRows, cuda::GemmSchedule::kPlain, splits);
       test::expectMatchesProduct(split_all, x, w, n, k, {0, kMaxRows - 1});
       for (auto schedule : cuda::kGemmSchedules) {
         for (int m : {1, 9, 64}) {
@@ -88,7 +88,7 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
       }
     }
     EXPECT_FALSE(
-        cuda::launchGemm(dx.p, 1, dw.p, n, k, dy.p, n, nullptr, {}, cuda::GemmSchedule::kInUse, 9)
+        cuda::launchGemm(dx.p, 1, dw.p, n, k, dy.p, n, nullptr, {}, cuda::GemmSchedule::kPlain, 9)
             .ok());
   }
 
@@ -201,7 +201,7 @@ TEST(GemmProgrammatic, ReadsTheTokensTheKernelBeforeWroteInEverySchedule) {
     return dy.read(0, size_t(m) * n);
   };
   for (int m : {1, 64, kMaxRows}) {
-    const std::vector<float> want = run(m, cuda::GemmSchedule::kInUse);  // launched in order
+    const std::vector<float> want = run(m, cuda::GemmSchedule::kPlain);  // launched in order
     cuda::setProgrammaticLaunch(stream, true);
     for (auto schedule : cuda::kGemmSchedules) {
       for (int repeat = 0; repeat < 20; ++repeat)
@@ -218,19 +218,19 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   auto all = cuda::parseGemmSchedules("two_tiles");
   ASSERT_TRUE(all.ok()) << all.status().toString();
   for (const cuda::GemmSchedule s : *all) EXPECT_EQ(s, cuda::GemmSchedule::kTwoTiles);
-  auto each = cuda::parseGemmSchedules("in_use,pipelined,two_tiles,in_use");
+  auto each = cuda::parseGemmSchedules("plain,pipelined,two_tiles,plain");
   ASSERT_TRUE(each.ok()) << each.status().toString();
-  EXPECT_EQ((*each)[0], cuda::GemmSchedule::kInUse);
+  EXPECT_EQ((*each)[0], cuda::GemmSchedule::kPlain);
   EXPECT_EQ((*each)[1], cuda::GemmSchedule::kPipelined);
   EXPECT_EQ((*each)[2], cuda::GemmSchedule::kTwoTiles);
-  EXPECT_EQ((*each)[3], cuda::GemmSchedule::kInUse);
+  EXPECT_EQ((*each)[3], cuda::GemmSchedule::kPlain);
   EXPECT_EQ(cuda::gemmBucket(1), 0);
   EXPECT_EQ(cuda::gemmBucket(8), 0);
   EXPECT_EQ(cuda::gemmBucket(9), 1);
   EXPECT_EQ(cuda::gemmBucket(32), 2);
   EXPECT_EQ(cuda::gemmBucket(33), 3);
-  for (const char* bad : {"", "fast", "in_use,pipelined", "in_use,,two_tiles,in_use",
-                          "in_use,pipelined,two_tiles,in_use,in_use"}) {
+  for (const char* bad : {"", "fast", "plain,pipelined", "plain,,two_tiles,plain",
+                          "plain,pipelined,two_tiles,plain,plain"}) {
     const auto parsed = cuda::parseGemmSchedules(bad);
     EXPECT_FALSE(parsed.ok()) << "\"" << bad << "\" was accepted";
     if (!parsed.ok()) {

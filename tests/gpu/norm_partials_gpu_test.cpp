@@ -83,8 +83,8 @@ struct ScheduleRun {
 std::vector<ScheduleRun> scheduleRuns() {
   std::vector<ScheduleRun> runs;
   for (const cuda::GemmSchedule schedule : cuda::kGemmSchedules) runs.push_back({schedule, 0});
-  runs.push_back({cuda::GemmSchedule::kInUse, 4});
-  runs.push_back({cuda::GemmSchedule::kInUse, 8});
+  runs.push_back({cuda::GemmSchedule::kPlain, 4});
+  runs.push_back({cuda::GemmSchedule::kPlain, 8});
   return runs;
 }
 
@@ -112,7 +112,7 @@ TEST_P(ResidualEpilogue, AddsItsOutputsWithTheirPartialsChecksAndFault) {
   test::DeviceBuffer<__nv_bfloat16> dw(w), dx(x);
   test::DeviceBuffer<float> dy(size_t(rows) * n);
   ASSERT_TRUE(cuda::launchGemm(dx.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
-                               cuda::GemmSchedule::kInUse, splits)
+                               cuda::GemmSchedule::kPlain, splits)
                   .ok());
   const std::vector<float> y = dy.read();
   // The fault on an output below 1 in magnitude, so that the flipped exponent bit makes it large
@@ -327,7 +327,7 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
       std::vector<float> want = want_default;
       if (splits != 0) {
         ASSERT_TRUE(cuda::launchGemm(dxn.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
-                                     cuda::GemmSchedule::kInUse, splits)
+                                     cuda::GemmSchedule::kPlain, splits)
                         .ok());
         want = dy.read();
       }
@@ -353,7 +353,7 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
     // More rows than the normed products take are refused, not computed wrongly.
     if (rows == 8) {
       EXPECT_FALSE(cuda::launchGemm(nullptr, 9, dw.p, n, k, dy.p, n, nullptr, {},
-                                    cuda::GemmSchedule::kInUse, 0, {}, normed)
+                                    cuda::GemmSchedule::kPlain, 0, {}, normed)
                        .ok());
     }
   }
@@ -445,7 +445,7 @@ TEST(ActivatedProduct, GivesTheActivationKernelsRowsAndChecks) {
       }
     }
     EXPECT_FALSE(cuda::launchGemm(nullptr, 9, dw.p, n, k, dy.p, n, nullptr, {},
-                                  cuda::GemmSchedule::kInUse, 0, {}, {}, activated)
+                                  cuda::GemmSchedule::kPlain, 0, {}, {}, activated)
                      .ok())
         << "9 rows";
   }

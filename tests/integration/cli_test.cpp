@@ -111,6 +111,15 @@ TEST(Cli, BenchEngineReportsEveryBatchSize) {
                 row["batch"].get<double>() / (row["step_p50_ms"].get<double>() * 1e-3),
                 1e-6 * row["tokens_per_s"].get<double>());
   }
+  // Prompts longer than a step holds are prefilled in chunks: 3 x 40 tokens in steps of 32.
+  auto chunked =
+      runBulkhead(dir, {"bench-engine", "--model", test::fixtureDir("tiny-qwen2"), "--backend",
+                        "cpu", "--batch", "3", "--prompt", "40", "--max-step-tokens", "32",
+                        "--steps", "2", "--json", dir.file("chunked.json")});
+  ASSERT_EQ(chunked.exit_code, 0) << chunked.err;
+  const auto chunked_report = nlohmann::json::parse(test::readFile(dir.file("chunked.json")));
+  ASSERT_EQ(chunked_report["results"].size(), 1u) << chunked_report.dump();
+  EXPECT_GT(chunked_report["results"][0]["prefill_tokens_per_s"].get<double>(), 0);
   auto bad = runBulkhead(dir, {"bench-engine", "--model", test::fixtureDir("tiny-qwen2"),
                                "--backend", "cpu", "--batch", "1", "--prompt", "100000"});
   EXPECT_NE(bad.exit_code, 0);

@@ -17,10 +17,11 @@
 #   residual the GPU tests of products that add into the residual stream, normalise their own
 #           tokens or compute their own activation, then both shapes' kernel times with the
 #           first, and bench-engine with all three (compare with `times` and `engine`)
-#   schedules bench-engine on both shapes with each other product schedule (pipelined,
+#   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles) in every bucket, no comparison columns
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
-#           (batch 1 and 8: attention's splits side by side)
+#           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
+#           side by side)
 #   serve   serve-bench through a broker with the CUDA backend on both
 #   cuda    tests, engine and serve
 #   start   a 7B worker's start, phase by phase, then chaos with the CUDA backend on the 7B
@@ -119,7 +120,7 @@ for group in "$@"; do
     schedules)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
-        for schedule in pipelined two_tiles; do
+        for schedule in plain pipelined two_tiles; do
           run "bench-engine-$shape-$schedule" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1,8,32,64 --no-compare --gemm-schedules $schedule
         done
@@ -129,7 +130,7 @@ for group in "$@"; do
       run gpu-tests-long 200 "$bundle/gpu_tests" --gtest_filter='*LongContext*'
       m=$(model qwen2.5-7b)
       run bench-engine-qwen2.5-7b-long 300 "$bh" bench-engine --model "$m" --backend cuda \
-        --batch 1,8 --prompt 8192 --steps 32 --no-compare
+        --batch 1,8 --prompt 8192 --steps 32 --no-compare --max-step-tokens 8192
       ;;
     serve)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
