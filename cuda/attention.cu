@@ -72,6 +72,7 @@ struct Shared {
   float warp_values[kWarps];
   float partial[kThreads];
   uint4 values[kChunk][kPieces];
+  uint4 fresh_k[kPieces], fresh_v[kPieces];  // rope_in: the row's own key and value (bf16)
   __device__ float value(uint32_t position, int d) const {
     const int slot = (d / 8) ^ int(position % kPieces);
     return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&values[position][slot])[d % 8]);
@@ -87,10 +88,10 @@ __device__ __forceinline__ size_t chunkRow(const CacheRows& rows, uint32_t chunk
 // The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
 // begin. Every thread of the block calls it, with chunkRow(rows, begin, end) (looked up early by
 // the caller); the result's total is valid in the threads of part 0.
-template <int HD>
+template <int HD, bool kRope>
 __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const CacheRows& rows,
                                                    Shared<HD>& sh, uint32_t begin, uint32_t end,
-                                                   size_t at) {
+                                                   size_t at, uint32_t fresh) {
   constexpr int kParts = kThreads / HD;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
@@ -102,15 +103,26 @@ __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const
     if (uint32_t(t) < count) {
       // The key and value rows in 16-byte pieces, all loads issued before the dot product uses
       // them: a chunk waits for the cache once, not once a position.
-      const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
-                  *v = reinterpret_cast<const uint4*>(a.v_cache + at);
-      uint4 pieces[HD / 8], values[HD / 8];
+      uint4 pieces[HD / 8];
+      if (kRope && chunk + t == fresh) {
+        // The row's own position (rope_in) from shared memory: the cache's copy is written by
+        // another block of this launch.
 #pragma unroll
-      for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
+        for (int i = 0; i < HD / 8; ++i) {
+          pieces[i] = sh.fresh_k[i];
+          sh.values[t][i ^ (t % (HD / 8))] = sh.fresh_v[i];
+        }
+      } else {
+        const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
+                    *v = reinterpret_cast<const uint4*>(a.v_cache + at);
+        uint4 values[HD / 8];
 #pragma unroll
-      for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
+        for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
 #pragma unroll
-      for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
+        for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
+      }
       float dot = 0.0f;
 #pragma unroll
       for (int i = 0; i < HD / 8; ++i) {
@@ -187,7 +199,153 @@ __device__ __forceinline__ void finish(const AttentionArgs& a, const SplitResult
   }
 }
 
-template <int HD, bool kParallel>
+// rope_in: what one block loads of the q/k/v kernel's inputs before the wait (biases, cos and
+// sin, the bias words it folds), items q pairs [0, HD / 2), k pairs [HD / 2, HD), v elements
+// [HD, 2 HD), kItems a thread; bias words q's head [0, HD / 2), the KV head's k [HD / 2, HD) and
+// v [HD, 3 HD / 2), kWords a thread.
+template <int HD>
+struct Fresh {
+  static constexpr int kItems = (2 * HD + kThreads - 1) / kThreads;
+  static constexpr int kWords = (3 * HD / 2 + kThreads - 1) / kThreads;
+  float bias0[kItems] = {}, bias1[kItems] = {}, c[kItems] = {}, s[kItems] = {};
+  unsigned long long fold[3] = {}, words[3] = {};
+};
+
+// Every block computes its own q and its KV head's new key and value; the owner (the block of
+// the row's first split) adds q's produced sums and folds q's bias words for its head, and the
+// leader (the owner of the KV head's first q head) does so for k and v and writes the cache.
+template <int HD>
+__device__ __forceinline__ void freshLoad(const AttentionArgs& a, Fresh<HD>& f, uint32_t p, int h,
+                                          int kvh, bool owner, bool leader) {
+  constexpr int half = HD / 2;
+  const QkvArgs& q = a.rope;
+#pragma unroll
+  for (int u = 0; u < Fresh<HD>::kItems; ++u) {
+    const int i = int(threadIdx.x) + u * kThreads;
+    if (i >= 2 * HD) break;
+    const bool is_q = i < half, is_k = !is_q && i < HD;
+    const int j = is_q ? i : is_k ? i - half : i - HD;
+    const int e = (is_q ? h : kvh) * HD + j;
+    const __nv_bfloat16* bias = is_q ? q.bias[0] : is_k ? q.bias[1] : q.bias[2];
+    if (bias != nullptr) {
+      f.bias0[u] = __bfloat162float(bias[e]);
+      if (i < HD) f.bias1[u] = __bfloat162float(bias[e + half]);
+    }
+    if (i < HD) {
+      f.c[u] = q.cos_table[size_t(p) * half + j];
+      f.s[u] = q.sin_table[size_t(p) * half + j];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < Fresh<HD>::kWords; ++u) {
+    const int w = int(threadIdx.x) + u * kThreads, b = w / half, j = w % half;
+    if (w >= 3 * half || !(b == 0 ? owner : leader)) continue;
+    const __nv_bfloat16* bias = b == 0 ? q.bias[0] : b == 1 ? q.bias[1] : q.bias[2];
+    const int fold = b == 0 ? q.bias_fold[0] : b == 1 ? q.bias_fold[1] : q.bias_fold[2];
+    if (bias == nullptr || fold < 0) continue;
+    const uint32_t salt = b == 0 ? q.bias_salt[0] : b == 1 ? q.bias_salt[1] : q.bias_salt[2];
+    const uint32_t index = uint32_t((b == 0 ? h : kvh) * half + j);
+    const unsigned long long term =
+        foldTerm(reinterpret_cast<const uint32_t*>(bias)[index], salt, index);
+    f.fold[0] += b == 0 ? term : 0;
+    f.fold[1] += b == 1 ? term : 0;
+    f.fold[2] += b == 2 ? term : 0;
+    f.words[0] += b == 0;
+    f.words[1] += b == 1;
+    f.words[2] += b == 2;
+  }
+}
+
+// After the wait: the q/k/v kernel's expressions for this block's items into sh.q, sh.fresh_k
+// and sh.fresh_v (the cache too, from the leader), then the sums and folds. Every thread of the
+// block calls it; the caller syncs before the shared values are read.
+template <int HD>
+__device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh<HD>& f,
+                                             Shared<HD>& sh, int r, int h, int kvh, uint32_t p,
+                                             bool owner, bool leader) {
+  constexpr int half = HD / 2;
+  const QkvArgs& q = a.rope;
+  const int q_dim = a.heads * HD, kv_dim = a.kv_heads * HD;
+  const float* row = q.qkv + size_t(r) * q.stride;
+  const size_t head_stride = size_t(q.block_size) * HD;
+  const size_t slot = size_t(q.row_block[r]) * q.kv_heads * head_stride +
+                      size_t(p % uint32_t(q.block_size)) * HD + size_t(kvh) * head_stride;
+  __nv_bfloat16 *fresh_k = reinterpret_cast<__nv_bfloat16*>(sh.fresh_k),
+                *fresh_v = reinterpret_cast<__nv_bfloat16*>(sh.fresh_v);
+  double produced[6] = {};  // the q, k and v products' sums, then their sums of squares
+#pragma unroll
+  for (int u = 0; u < Fresh<HD>::kItems; ++u) {
+    const int i = int(threadIdx.x) + u * kThreads;
+    if (i >= 2 * HD) break;
+    const bool is_q = i < half, is_k = !is_q && i < HD;
+    const int j = is_q ? i : is_k ? i - half : i - HD;
+    const __nv_bfloat16* bias = is_q ? q.bias[0] : is_k ? q.bias[1] : q.bias[2];
+    if (i < HD) {
+      const float* x = is_q ? row + h * HD : row + q_dim + kvh * HD;
+      float x0 = x[j], x1 = x[j + half];
+      const bool adds = is_q ? owner : leader;
+      const double sum = adds ? double(x0) + double(x1) : 0.0,
+                   sq = adds ? double(x0) * double(x0) + double(x1) * double(x1) : 0.0;
+      produced[0] += is_q ? sum : 0.0;
+      produced[1] += is_q ? 0.0 : sum;
+      produced[3] += is_q ? sq : 0.0;
+      produced[4] += is_q ? 0.0 : sq;
+      if (bias != nullptr) {
+        x0 = __fadd_rn(x0, f.bias0[u]);
+        x1 = __fadd_rn(x1, f.bias1[u]);
+      }
+      // The q/k/v kernel's rotation (cuda/rope.cu), never contracted.
+      const float r0 = __fsub_rn(__fmul_rn(x0, f.c[u]), __fmul_rn(x1, f.s[u]));
+      const float r1 = __fadd_rn(__fmul_rn(x1, f.c[u]), __fmul_rn(x0, f.s[u]));
+      if (is_q) {
+        sh.q[j] = r0;
+        sh.q[j + half] = r1;
+      } else {
+        const __nv_bfloat16 k0 = __float2bfloat16_rn(r0), k1 = __float2bfloat16_rn(r1);
+        fresh_k[j] = k0;
+        fresh_k[j + half] = k1;
+        if (leader) {
+          q.k_cache[slot + j] = k0;
+          q.k_cache[slot + j + half] = k1;
+        }
+      }
+    } else {
+      float v = row[q_dim + kv_dim + kvh * HD + j];
+      produced[2] += leader ? double(v) : 0.0;
+      produced[5] += leader ? double(v) * double(v) : 0.0;
+      if (bias != nullptr) v = __fadd_rn(v, f.bias0[u]);
+      const __nv_bfloat16 vb = __float2bfloat16_rn(v);
+      fresh_v[j] = vb;
+      if (leader) q.v_cache[slot + j] = vb;
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    unsigned long long fold = f.fold[b], words = f.words[b];
+    for (int offset = 16; offset > 0; offset /= 2) {
+      fold += __shfl_xor_sync(0xffffffffu, fold, offset);
+      words += __shfl_xor_sync(0xffffffffu, words, offset);
+    }
+    const int account = b == 0 ? q.bias_fold[0] : b == 1 ? q.bias_fold[1] : q.bias_fold[2];
+    if (threadIdx.x % 32 == 0 && words > 0 && account >= 0) {
+      atomicAdd(&q.checks.folds[account].sum, fold);
+      atomicAdd(&q.checks.folds[account].words, words);
+    }
+  }
+  if (q.product_role[0] < 0 && q.product_role[1] < 0 && q.product_role[2] < 0) return;
+  warpSums(produced);
+  if (threadIdx.x % 32 != 0) return;
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    const int role = b == 0 ? q.product_role[0] : b == 1 ? q.product_role[1] : q.product_role[2];
+    if (role < 0 || (b == 0 ? !owner : !leader)) continue;
+    ProductCheck& pc = q.checks.products[size_t(r) * q.checks.roles + role];
+    atomicAdd(&pc.produced, produced[b]);
+    atomicAdd(&pc.produced_sq, produced[3 + b]);
+  }
+}
+
+template <int HD, bool kParallel, bool kRope>
 __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   __shared__ Shared<HD> sh;
   __shared__ bool last;
@@ -205,15 +363,23 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
       uint32_t(first) < splits
           ? chunkRow(rows, uint32_t(first) * kAttentionSplit, splitEnd(uint32_t(first)))
           : 0;
+  const bool owner = first == 0, leader = owner && h % (a.heads / a.kv_heads) == 0;
+  Fresh<HD> fresh;
+  if (kRope && uint32_t(first) < splits) freshLoad<HD>(a, fresh, len - 1, h, kvh, owner, leader);
   gridDependencyWait();
   allowDependentLaunch();
   if (uint32_t(first) >= splits) return;  // the whole block: nothing of this row is left
-  if (t < HD) sh.q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
+  if (kRope)
+    freshCompute<HD>(a, fresh, sh, r, h, kvh, len - 1, owner, leader);
+  else if (t < HD)
+    sh.q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
   __syncthreads();
+  const uint32_t fresh_position = len - 1;
   auto range = [&](uint32_t s) {
     const uint32_t begin = s * kAttentionSplit;
-    return attendRange<HD>(a, rows, sh, begin, splitEnd(s),
-                           s == uint32_t(first) ? first_at : chunkRow(rows, begin, splitEnd(s)));
+    return attendRange<HD, kRope>(
+        a, rows, sh, begin, splitEnd(s),
+        s == uint32_t(first) ? first_at : chunkRow(rows, begin, splitEnd(s)), fresh_position);
   };
   if (!kParallel || splits == 1) {
     SplitResult folded = range(0);
@@ -252,14 +418,19 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   finish<HD>(a, folded);
 }
 
-template <int HD>
-cudaError_t launchHeadDim(const AttentionArgs& a, cudaStream_t stream) {
+template <int HD, bool kRope>
+cudaError_t launchVariant(const AttentionArgs& a, cudaStream_t stream) {
   if (a.parallel_splits)
-    return launchKernel(attentionKernel<HD, true>,
+    return launchKernel(attentionKernel<HD, true, kRope>,
                         dim3(unsigned(a.heads), unsigned(a.rows), unsigned(kSplitBlocks)), kThreads,
                         stream, a);
-  return launchKernel(attentionKernel<HD, false>, dim3(unsigned(a.heads), unsigned(a.rows)),
+  return launchKernel(attentionKernel<HD, false, kRope>, dim3(unsigned(a.heads), unsigned(a.rows)),
                       kThreads, stream, a);
+}
+
+template <int HD>
+cudaError_t launchHeadDim(const AttentionArgs& a, cudaStream_t stream) {
+  return a.rope_in ? launchVariant<HD, true>(a, stream) : launchVariant<HD, false>(a, stream);
 }
 
 }  // namespace
@@ -275,6 +446,16 @@ Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
     return invalidArgument("attention of " + std::to_string(a.heads) + " heads over " +
                            std::to_string(a.kv_heads) + " kv heads of " +
                            std::to_string(a.head_dim));
+  if (a.rope_in &&
+      (a.rope.qkv == nullptr || a.rope.k_cache == nullptr || a.rope.v_cache == nullptr ||
+       a.rope.row_block == nullptr || a.rope.block_size != a.block_size ||
+       a.rope.heads != a.heads || a.rope.kv_heads != a.kv_heads || a.rope.head_dim != a.head_dim ||
+       a.rope.positions != a.positions || a.rope.k_cache != a.k_cache ||
+       a.rope.v_cache != a.v_cache ||
+       int64_t(a.heads + 2 * a.kv_heads) * a.head_dim > a.rope.stride))
+    return invalidArgument(
+        "attention with the q/k/v kernel's work: its arguments must be the "
+        "attention's heads, positions, cache and block size");
   if (a.rows == 0) return okStatus();
   if (a.parallel_splits && (a.rows > kAttentionParallelRows || a.split_partials == nullptr ||
                             a.split_counts == nullptr || a.max_splits <= 0))

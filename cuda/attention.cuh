@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "cuda/rope.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/status.h"
 
@@ -47,6 +48,15 @@ struct AttentionArgs {
   float* split_partials = nullptr;
   unsigned* split_counts = nullptr;
   int max_splits = 0;  // the most splits a row may have (positions[r] < max_splits * split)
+  // The q/k/v kernel's work done here instead (rope_in): for steps whose every row is its
+  // sequence's only row (decode steps), where no row attends to another's new key. Each block
+  // adds its head's biases and rotates its q from the product's raw output (rope.qkv, which q
+  // then points into), computes its KV head's new key and value for the row's own position
+  // (used from shared memory, the same bf16 values the cache gets), and the first block of each
+  // KV head writes them to the cache; the products' produced sums and the bias folds are added
+  // once a row as the q/k/v kernel adds them. The same bits as that kernel then this one.
+  bool rope_in = false;
+  QkvArgs rope;
 };
 
 // Whether the kernel supports this head size.

@@ -30,6 +30,7 @@ struct EngineBenchOptions {
   bool residual_in_products = false;  // CudaBackend::Options::residual_in_products (ours only)
   bool norm_in_products = false;      // CudaBackend::Options::norm_in_products (ours only)
   bool silu_in_products = false;      // CudaBackend::Options::silu_in_products (ours only)
+  bool rope_in_attention = false;     // CudaBackend::Options::rope_in_attention
   std::string json_path;
 };
 

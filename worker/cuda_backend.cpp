@@ -118,7 +118,7 @@ struct CudaState {
   std::unique_ptr<cuda::Matmul> cublas;  // Options::cublas_products
   // Decode steps captured as graphs, by (rows, whether the destinations are 16-byte aligned,
   // whether attention runs splits side by side).
-  std::map<std::tuple<int, bool, bool>, cuda::GraphExec> graphs;
+  std::map<std::tuple<int, bool, bool, bool>, cuda::GraphExec> graphs;
   // Attention's splits side by side (cuda/attention.cuh): partials and counts.
   DeviceMemory split_partials, split_counts;
   int max_splits = 0;
@@ -175,6 +175,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (options.silu_in_products && options.cublas_products)
     return invalidArgument("cuBLAS products cannot compute their own activation");
   b->silu_in_products_ = options.silu_in_products;
+  b->rope_in_attention_ = options.rope_in_attention;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
@@ -588,6 +589,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   pending_.parallel_attention =
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
+  pending_.decode_rows = n == batch.size();
   BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
                                                 d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
@@ -606,7 +608,8 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   // A decode step (a token and its logits row per sequence) runs as a graph, captured the
   // first time its size is seen; the same launches either way, so the same numbers.
   if (graphs_ && fault_role_ < 0 && mapped && size_t(m) == n && n <= kMaxGraphRows) {
-    const std::tuple<int, bool, bool> key{m, aligned, pending_.parallel_attention};
+    const std::tuple<int, bool, bool, bool> key{m, aligned, pending_.parallel_attention,
+                                                pending_.decode_rows};
     auto graph = d.graphs.find(key);
     if (graph == d.graphs.end()) {
       BULKHEAD_CUDA_RETURN_IF_ERROR(
@@ -830,8 +833,12 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   qa.row_block = d.input<uint32_t>(d.in.row_block);
   qa.block_size = int(limits_.kv_block_size);
   qa.checks = d.view;
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchQkv(qa, stream));
-  BULKHEAD_RETURN_IF_ERROR(mark("q/k/v bias, rope, cache"));
+  // In decode steps the attention kernel can do this kernel's work (rope_in_attention).
+  const bool rope_in = rope_in_attention_ && pending_.decode_rows;
+  if (!rope_in) {
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchQkv(qa, stream));
+    BULKHEAD_RETURN_IF_ERROR(mark("q/k/v bias, rope, cache"));
+  }
 
   cuda::AttentionArgs aa;
   aa.q = qkv;
@@ -854,6 +861,8 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   aa.split_partials = d.split_partials.get<float>();
   aa.split_counts = d.split_counts.get<unsigned>();
   aa.max_splits = d.max_splits;
+  aa.rope_in = rope_in;
+  aa.rope = qa;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
   BULKHEAD_RETURN_IF_ERROR(mark("attention"));
   BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, aa.out, n)

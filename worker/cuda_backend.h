@@ -63,6 +63,10 @@ class CudaBackend final : public Backend {
     // (cuda/gemm.cuh GemmActivatedInput) instead of reading the activation kernel's output: one
     // launch a layer fewer, the same numbers.
     bool silu_in_products = false;
+    // In decode steps (every row its sequence's only one), the attention kernel does the q/k/v
+    // kernel's work itself (cuda/attention.cuh AttentionArgs::rope_in): biases, rotation, the
+    // new key and value into the cache. One launch a layer fewer, the same numbers.
+    bool rope_in_attention = false;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -189,6 +193,7 @@ class CudaBackend final : public Backend {
   bool residual_in_products_ = false;
   bool norm_in_products_ = false;
   bool silu_in_products_ = false;
+  bool rope_in_attention_ = false;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;
@@ -214,6 +219,8 @@ class CudaBackend final : public Backend {
     bool aligned = true;  // every logits destination 16-byte aligned
     // Few rows, one over a long context: attention runs each row's splits side by side.
     bool parallel_attention = false;
+    // Every row is its sequence's only row (a decode step): no row attends to another's key.
+    bool decode_rows = false;
     std::vector<RowOutput> rows;
     std::vector<bool> copied_out;    // rows outside the registered arena: through the fallback
     std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold

@@ -35,8 +35,9 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 // CudaBackend::Options::residual_in_products for the backends a test makes: the model case's
 // (CudaBackendModels sets it for each test).
 bool residual_in_products = false;
-bool norm_in_products = false;  // and CudaBackend::Options::norm_in_products
-bool silu_in_products = false;  // and CudaBackend::Options::silu_in_products
+bool norm_in_products = false;   // and CudaBackend::Options::norm_in_products
+bool silu_in_products = false;   // and CudaBackend::Options::silu_in_products
+bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -45,6 +46,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.residual_in_products = residual_in_products;
   options.norm_in_products = norm_in_products;
   options.silu_in_products = silu_in_products;
+  options.rope_in_attention = rope_in_attention;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -116,6 +118,7 @@ struct ModelCase {
   bool residual = false;  // CudaBackend::Options::residual_in_products
   bool normed = false;    // CudaBackend::Options::norm_in_products
   bool silu = false;      // CudaBackend::Options::silu_in_products
+  bool rope = false;      // CudaBackend::Options::rope_in_attention
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -128,6 +131,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     residual_in_products = GetParam().residual;
     norm_in_products = GetParam().normed;
     silu_in_products = GetParam().silu;
+    rope_in_attention = GetParam().rope;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -142,7 +146,9 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     vocab_ = backend_->limits().vocab_size;
   }
 
-  void TearDown() override { residual_in_products = norm_in_products = silu_in_products = false; }
+  void TearDown() override {
+    residual_in_products = norm_in_products = silu_in_products = rope_in_attention = false;
+  }
 
   test::TempDir tmp_;
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -264,6 +270,7 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   options.residual_in_products = GetParam().residual;
   options.norm_in_products = GetParam().normed;
   options.silu_in_products = GetParam().silu;
+  options.rope_in_attention = GetParam().rope;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto created = CudaBackend::create(checkpoint_, options);
@@ -277,7 +284,7 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   EXPECT_EQ(timed.graphLaunches(), 0u) << "a timed step ran as a graph";
   const std::vector<LaunchTime> times = timed.takeLaunchTimes();
   // decodeThree: 3 prefill steps, then 32 decode steps.
-  const uint64_t steps = 35, layers = checkpoint_->config().num_layers;
+  const uint64_t prefills = 3, steps = 35, layers = checkpoint_->config().num_layers;
   std::map<std::string, uint64_t> launches;
   for (const LaunchTime& t : times) {
     EXPECT_GT(t.total_us, 0.0) << t.what;
@@ -288,9 +295,11 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   EXPECT_EQ(launches["product lm_head"], steps);
   EXPECT_EQ(launches["logits rows out"], steps);
   EXPECT_EQ(launches["count product checks"], steps);
-  for (const char* kind : {"product q/k/v", "q/k/v bias, rope, cache", "attention", "product o",
-                           "product gate/up", "product down"})
+  for (const char* kind :
+       {"product q/k/v", "attention", "product o", "product gate/up", "product down"})
     EXPECT_EQ(launches[kind], steps * layers) << kind;
+  // With the rope in the attention, only the prefill steps launch the q/k/v kernel.
+  EXPECT_EQ(launches["q/k/v bias, rope, cache"], (GetParam().rope ? prefills : steps) * layers);
   EXPECT_EQ(launches["silu"], GetParam().silu ? 0 : steps * layers);
   // Every step has at most 8 rows: with the norms in the products, none launches on its own.
   for (const char* kind : {"norm (input)", "norm (post-attention)"})
@@ -588,7 +597,10 @@ INSTANTIATE_TEST_SUITE_P(
                     ModelCase{"qwen7b_layer_normed", "qwen2.5-7b-layer", true, true},
                     ModelCase{"llama_untied_silu", "tiny-llama", false, false, true},
                     ModelCase{"fixture_qwen2_fused", "", true, true, true},
-                    ModelCase{"qwen7b_layer_fused", "qwen2.5-7b-layer", true, true, true}),
+                    ModelCase{"qwen7b_layer_fused", "qwen2.5-7b-layer", true, true, true},
+                    ModelCase{"fixture_qwen2_rope", "", false, false, false, true},
+                    ModelCase{"llama_untied_rope", "tiny-llama", false, false, false, true},
+                    ModelCase{"qwen7b_layer_rope", "qwen2.5-7b-layer", false, false, false, true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -17,6 +17,8 @@
 #   residual the GPU tests of products that add into the residual stream, normalise their own
 #           tokens or compute their own activation, then both shapes' kernel times with the
 #           first, and bench-engine with all three (compare with `times` and `engine`)
+#   rope    the GPU tests of the attention that does the q/k/v kernel's work in decode steps,
+#           then bench-engine on both shapes with --rope-in-attention (compare with `engine`)
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles) in every bucket, no comparison columns
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -115,6 +117,16 @@ for group in "$@"; do
         run "bench-engine-$shape-fused" 200 "$bh" bench-engine --model "$m" --backend cuda \
           --batch 1,8,32,64 --kernel-times --residual-in-products --norm-in-products \
           --silu-in-products
+      done
+      ;;
+    rope)
+      run gpu-tests-rope 300 "$bundle/gpu_tests" --gtest_filter='*_rope*:Elementwise*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        run "bench-engine-$shape-rope" 200 "$bh" bench-engine --model "$m" --backend cuda \
+          --batch 1,8,32,64 --rope-in-attention
+        run "kernel-times-$shape-rope" 150 "$bh" bench-engine --model "$m" --backend cuda \
+          --batch 1,32 --steps 32 --kernel-times --no-compare --rope-in-attention
       done
       ;;
     schedules)
