@@ -270,11 +270,12 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // share them change. kResidual: the epilogue adds into the residual stream (GemmResidual);
 // kInput: where the tokens come from (a normed or activated input has more blocks,
 // its check tile, when it has checks to add).
-template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput>
+template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
+          bool kInterleaved = false>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
-               GemmResidual res, GemmNormedInput nin, GemmActivatedInput act) {
+               int token_blocks, GemmResidual res, GemmNormedInput nin, GemmActivatedInput act) {
   constexpr bool kNormed = kInput == kNormedInput, kActivated = kInput == kActivatedInput;
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
@@ -285,8 +286,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float block_sum[kOutputs];
   __shared__ unsigned long long fold_scratch[kWarps][kTiles];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int rank = int(blockIdx.x) % splits;
-  const int n0 = int(blockIdx.x) / splits * kRows, m0 = blockIdx.y * 8 * kGroups;
+  // A cluster of `splits` blocks per (weight tile, token block). kInterleaved: the token_blocks
+  // blocks of a tile are neighbours along x (launched together, so the tile's later reads come
+  // from the L2 cache); otherwise the token blocks go along y.
+  const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits;
+  const int tile = kInterleaved ? cell / token_blocks : cell,
+            token_block = kInterleaved ? cell % token_blocks : int(blockIdx.y);
+  const int n0 = tile * kRows, m0 = token_block * 8 * kGroups;
   const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
   bool row_lo[kTiles], row_hi[kTiles];
   const __nv_bfloat16 *w_lo[kTiles], *w_hi[kTiles];
@@ -313,7 +319,7 @@ __global__ void __launch_bounds__(kThreads)
   float inv[kGroups] = {};  // normed: token g's 1 / rms
   // The blocks of the first token group fold what they load: every word once a launch. A tile
   // lies within one weight (the boundaries are multiples of 16).
-  const bool folding = fold.weights > 0 && blockIdx.y == 0;
+  const bool folding = fold.weights > 0 && token_block == 0;
   auto segmentOf = [&](int row) {
     return (fold.weights > 1 && row >= fold.row_end[0]) +
            (fold.weights > 2 && row >= fold.row_end[1]);
@@ -391,9 +397,9 @@ __global__ void __launch_bounds__(kThreads)
   const int weight_tiles = ((n + 15) / 16 + kTiles - 1) / kTiles;
   const bool check_tile =
       ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act))) &&
-      int(blockIdx.x) / splits >= weight_tiles;
-  const int check_first = (int(blockIdx.x) / splits - weight_tiles) * lanes + base,
-            check_stride = (int(gridDim.x) / splits - weight_tiles) * lanes;
+      tile >= weight_tiles;
+  const int check_first = (tile - weight_tiles) * lanes + base,
+            check_stride = (int(gridDim.x) / splits - weight_tiles) * lanes;  // never interleaved
   if (base < k_blocks && !check_tile) loadWeights(0, base);
   gridDependencyWait();
   allowDependentLaunch();
@@ -554,7 +560,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1>
+// kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
+template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
+          bool kInterleaved = false>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
@@ -567,7 +575,10 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   const int lanes = splits * kWarps, k_blocks = (k + 31) / 32;
   const int check_clusters = checks ? (k_blocks + 8 * lanes - 1) / (8 * lanes) : 0;
   const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + check_clusters;
-  config.gridDim = dim3(unsigned(blocks * splits), unsigned((m + 8 * kGroups - 1) / (8 * kGroups)));
+  const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
+  const int interleaved = kInterleaved ? token_blocks : 1;  // token input only
+  config.gridDim =
+      dim3(unsigned(blocks * splits * interleaved), unsigned(token_blocks / interleaved));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attrs[2];
@@ -582,7 +593,8 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   config.attrs = attrs;
   config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
   auto go = [&](auto kernel) {
-    return cudaLaunchKernelEx(&config, kernel, x, m, w, n, k, y, ldy, fold, splits, res, nin, act);
+    return cudaLaunchKernelEx(&config, kernel, x, m, w, n, k, y, ldy, fold, splits, interleaved,
+                              res, nin, act);
   };
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
@@ -593,8 +605,8 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
       return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput>);
   }
   if (res.x != nullptr)
-    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput>);
-  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput>);
+    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved>);
+  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
 }  // namespace
@@ -636,7 +648,7 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     }
     if (!known)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles)");
+                             "\" (known: plain, pipelined, two_tiles, interleaved)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -738,6 +750,9 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
+  } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
+    launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
+                                            normed, activated);
   } else if (m <= 8)
     launched =
         launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);

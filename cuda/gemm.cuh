@@ -117,13 +117,17 @@ int gemmSplits(int n, int k);
 // bits); a step uses its bucket's (kDefaultGemmSchedules unless asked otherwise), and
 // `bulkhead bench-gemm` measures each against cuBLAS.
 enum class GemmSchedule {
-  kPlain,      // a round's loads, then its multiplies
-  kPipelined,  // the next round's loads in flight while a round multiplies (half the unroll)
-  kTwoTiles,   // two weight tiles a warp, multiplied by each token fragment it loads (half the
-               // unroll): the tokens are read from the L2 cache half as often
+  kPlain,        // a round's loads, then its multiplies
+  kPipelined,    // the next round's loads in flight while a round multiplies (half the unroll)
+  kTwoTiles,     // two weight tiles a warp, multiplied by each token fragment it loads (half the
+                 // unroll): the tokens are read from the L2 cache half as often
+  kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
+                 // tile launched side by side: the tile's second and later reads come from the
+                 // L2 cache (plain for up to 32 rows)
 };
 inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
-                                                  GemmSchedule::kTwoTiles};
+                                                  GemmSchedule::kTwoTiles,
+                                                  GemmSchedule::kInterleaved};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -135,13 +139,14 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kPipelined};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles.
+// two_tiles, interleaved.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
   return s == GemmSchedule::kPlain       ? "plain"
          : s == GemmSchedule::kPipelined ? "pipelined"
-                                         : "two_tiles";
+         : s == GemmSchedule::kTwoTiles  ? "two_tiles"
+                                         : "interleaved";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

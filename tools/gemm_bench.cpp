@@ -95,6 +95,8 @@ const Path kPaths[] = {
     {"+fold", "pipelined_folding", false, cuda::GemmSchedule::kPipelined, true},
     {"two_tiles", "two_tiles", false, cuda::GemmSchedule::kTwoTiles},
     {"+fold", "two_tiles_folding", false, cuda::GemmSchedule::kTwoTiles, true},
+    {"interleaved", "interleaved", false, cuda::GemmSchedule::kInterleaved},
+    {"+fold", "interleaved_folding", false, cuda::GemmSchedule::kInterleaved, true},
     {"cublas", "cublas", true},
 };
 
@@ -220,7 +222,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf("%28s splits (plain/pipelined/two_tiles us), a step uses %d:", "",
+      std::printf("%28s splits (plain/pipelined/two_tiles/interleaved us), a step uses %d:", "",
                   cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {

@@ -218,6 +218,9 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   auto all = cuda::parseGemmSchedules("two_tiles");
   ASSERT_TRUE(all.ok()) << all.status().toString();
   for (const cuda::GemmSchedule s : *all) EXPECT_EQ(s, cuda::GemmSchedule::kTwoTiles);
+  auto interleaved = cuda::parseGemmSchedules("interleaved");
+  ASSERT_TRUE(interleaved.ok()) << interleaved.status().toString();
+  EXPECT_EQ((*interleaved)[3], cuda::GemmSchedule::kInterleaved);
   auto each = cuda::parseGemmSchedules("plain,pipelined,two_tiles,plain");
   ASSERT_TRUE(each.ok()) << each.status().toString();
   EXPECT_EQ((*each)[0], cuda::GemmSchedule::kPlain);

@@ -20,7 +20,7 @@
 #   rope    the GPU tests of the attention that does the q/k/v kernel's work in decode steps,
 #           then bench-engine on both shapes with --rope-in-attention (compare with `engine`)
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
-#           two_tiles) in every bucket, no comparison columns
+#           two_tiles, interleaved) in every bucket, no comparison columns
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -132,7 +132,7 @@ for group in "$@"; do
     schedules)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
-        for schedule in plain pipelined two_tiles; do
+        for schedule in plain pipelined two_tiles interleaved; do
           run "bench-engine-$shape-$schedule" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1,8,32,64 --no-compare --gemm-schedules $schedule
         done
