@@ -64,13 +64,15 @@ __device__ __forceinline__ void foldSplit(SplitResult& into, const SplitResult& 
 // A chunk's value rows are staged here, position t's by thread t, 16 bytes at a time: piece i
 // of row t at slot i ^ (t % pieces), so that neither the stores (eight rows at a time) nor the
 // reads (one row, consecutive dimensions) fall in the same banks.
-template <int HD>
+// kRows query rows of one sequence share each chunk's loads (a prefill tile); each row gets the
+// same operations in the same order as alone.
+template <int HD, int kRows = 1>
 struct Shared {
   static constexpr int kPieces = HD / 8;
-  float q[HD];
-  float probs[kChunk];
-  float warp_values[kWarps];
-  float partial[kThreads];
+  float q[kRows][HD];
+  float probs[kRows][kChunk];
+  float warp_values[kRows][kWarps];
+  float partial[kRows][kThreads];
   uint4 values[kChunk][kPieces];
   uint4 fresh_k[kPieces], fresh_v[kPieces];  // rope_in: the row's own key and value (bf16)
   __device__ float value(uint32_t position, int d) const {
@@ -89,9 +91,9 @@ __device__ __forceinline__ size_t chunkRow(const CacheRows& rows, uint32_t chunk
 // begin. Every thread of the block calls it, with chunkRow(rows, begin, end) (looked up early by
 // the caller); the result's total is valid in the threads of part 0.
 template <int HD, bool kRope>
-__device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const CacheRows& rows,
-                                                   Shared<HD>& sh, uint32_t begin, uint32_t end,
-                                                   size_t at, uint32_t fresh) {
+__device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const CacheRows& rows,
+                                                 Shared<HD, 1>& sh, uint32_t begin, uint32_t end,
+                                                 size_t at, uint32_t fresh) {
   constexpr int kParts = kThreads / HD;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
@@ -130,54 +132,176 @@ __device__ __forceinline__ SplitResult attendRange(const AttentionArgs& a, const
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 kv = __bfloat1622float2(pair[j]);
-          dot = fmaf(sh.q[8 * i + 2 * j], kv.x, dot);
-          dot = fmaf(sh.q[8 * i + 2 * j + 1], kv.y, dot);
+          dot = fmaf(sh.q[0][8 * i + 2 * j], kv.x, dot);
+          dot = fmaf(sh.q[0][8 * i + 2 * j + 1], kv.y, dot);
         }
       }
       // Rounded here, never fused with the subtraction below: the same bits in every variant.
       score = __fmul_rn(dot, a.scale);
     }
     const float wmax = warpMax(score);
-    if (t % 32 == 0) sh.warp_values[t / 32] = wmax;
+    if (t % 32 == 0) sh.warp_values[0][t / 32] = wmax;
     __syncthreads();
-    float chunk_max = sh.warp_values[0];
-    for (int w = 1; w < kWarps; ++w) chunk_max = fmaxf(chunk_max, sh.warp_values[w]);
+    float chunk_max = sh.warp_values[0][0];
+    for (int w = 1; w < kWarps; ++w) chunk_max = fmaxf(chunk_max, sh.warp_values[0][w]);
     const float new_max = fmaxf(running_max, chunk_max);
     const float alpha = expf(running_max - new_max);  // 0 on the first chunk
     const float prob = uint32_t(t) < count ? expf(score - new_max) : 0.0f;
-    sh.probs[t] = prob;
+    sh.probs[0][t] = prob;
     const float wsum = warpSum(prob);
     __syncthreads();  // every thread has read warp_values
-    if (t % 32 == 0) sh.warp_values[t / 32] = wsum;
+    if (t % 32 == 0) sh.warp_values[0][t / 32] = wsum;
     __syncthreads();
     float chunk_sum = 0.0f;
-    for (int w = 0; w < kWarps; ++w) chunk_sum += sh.warp_values[w];
+    for (int w = 0; w < kWarps; ++w) chunk_sum += sh.warp_values[0][w];
     running_sum = fmaf(running_sum, alpha, chunk_sum);
     running_max = new_max;
     acc *= alpha;
     // Positions part, part + kParts, ... in order, from the staged values (the syncs above
     // follow their stores).
 #pragma unroll 8
-    for (uint32_t i = part; i < count; i += kParts) acc = fmaf(sh.probs[i], sh.value(i, d), acc);
+    for (uint32_t i = part; i < count; i += kParts) acc = fmaf(sh.probs[0][i], sh.value(i, d), acc);
     __syncthreads();  // probs, values and warp_values are rewritten by the next chunk
     at = next_at;
   }
-  sh.partial[t] = acc;
+  sh.partial[0][t] = acc;
   __syncthreads();
   float total = 0.0f;
   if (part == 0) {
-    total = sh.partial[d];
-    for (int p = 1; p < kParts; ++p) total += sh.partial[p * HD + d];
+    total = sh.partial[0][d];
+    for (int p = 1; p < kParts; ++p) total += sh.partial[0][p * HD + d];
   }
   __syncthreads();  // partial is rewritten by the next split
   return {running_max, running_sum, total};
 }
 
+// attendRow for kRows rows of one sequence at once (a prefill tile), over positions [begin,
+// end[j]) for row j (nothing where end[j] <= begin): each chunk's keys and values load once for
+// all of them. Each row's operations and their order are attendRow's for that row alone (the
+// same expressions; a chunk past a row's end is skipped for it), so the same bits. Every thread
+// of the block calls it, with chunkRow(rows, begin, the largest end); the totals are valid in
+// the threads of part 0.
+template <int HD, int kRows>
+__device__ __forceinline__ void attendTile(const AttentionArgs& a, const CacheRows& rows,
+                                           Shared<HD, kRows>& sh, uint32_t begin,
+                                           const uint32_t (&end)[kRows], size_t at,
+                                           SplitResult (&out)[kRows]) {
+  constexpr int kParts = kThreads / HD;
+  const int t = threadIdx.x, part = t / HD, d = t % HD;
+  uint32_t last_end = end[0];
+#pragma unroll
+  for (int j = 1; j < kRows; ++j) last_end = max(last_end, end[j]);
+  float running_max[kRows], running_sum[kRows], acc[kRows];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    running_max[j] = -INFINITY;
+    running_sum[j] = 0.0f;
+    acc[j] = 0.0f;
+  }
+  for (uint32_t chunk = begin; chunk < last_end; chunk += kChunk) {
+    uint32_t count[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      count[j] = end[j] > chunk ? min(uint32_t(kChunk), end[j] - chunk) : 0;
+    const uint32_t loaded = min(uint32_t(kChunk), last_end - chunk);
+    // The next chunk's block table entries load while this chunk is worked on.
+    const size_t next_at = chunkRow(rows, chunk + kChunk, last_end);
+    float score[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) score[j] = -INFINITY;
+    if (uint32_t(t) < loaded) {
+      // The key and value rows in 16-byte pieces, all loads issued before the dot product uses
+      // them: a chunk waits for the cache once, not once a position.
+      const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
+                  *v = reinterpret_cast<const uint4*>(a.v_cache + at);
+      uint4 pieces[HD / 8], values[HD / 8];
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        if (uint32_t(t) >= count[j]) continue;
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+          const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&pieces[i]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 kv = __bfloat1622float2(pair[e]);
+            dot = fmaf(sh.q[j][8 * i + 2 * e], kv.x, dot);
+            dot = fmaf(sh.q[j][8 * i + 2 * e + 1], kv.y, dot);
+          }
+        }
+        // Rounded here, never fused with the subtraction below: the same bits in every variant.
+        score[j] = __fmul_rn(dot, a.scale);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const float wmax = warpMax(score[j]);
+      if (t % 32 == 0) sh.warp_values[j][t / 32] = wmax;
+    }
+    __syncthreads();
+    float alpha[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      float chunk_max = sh.warp_values[j][0];
+      for (int w = 1; w < kWarps; ++w) chunk_max = fmaxf(chunk_max, sh.warp_values[j][w]);
+      const float new_max = fmaxf(running_max[j], chunk_max);
+      alpha[j] = expf(running_max[j] - new_max);  // 0 on the first chunk
+      const float prob = uint32_t(t) < count[j] ? expf(score[j] - new_max) : 0.0f;
+      sh.probs[j][t] = prob;
+      score[j] = warpSum(prob);  // the warp's sum from here on
+      if (count[j] > 0) running_max[j] = new_max;
+    }
+    __syncthreads();  // every thread has read warp_values
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      if (t % 32 == 0) sh.warp_values[j][t / 32] = score[j];
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      if (count[j] == 0) continue;  // the same for the whole block
+      float chunk_sum = 0.0f;
+      for (int w = 0; w < kWarps; ++w) chunk_sum += sh.warp_values[j][w];
+      running_sum[j] = fmaf(running_sum[j], alpha[j], chunk_sum);
+      acc[j] *= alpha[j];
+    }
+    // Positions part, part + kParts, ... in order, from the staged values (the syncs above
+    // follow their stores).
+#pragma unroll 8
+    for (uint32_t i = part; i < loaded; i += kParts) {
+      const float v = sh.value(i, d);
+#pragma unroll
+      for (int j = 0; j < kRows; ++j)
+        if (i < count[j]) acc[j] = fmaf(sh.probs[j][i], v, acc[j]);
+    }
+    __syncthreads();  // probs, values and warp_values are rewritten by the next chunk
+    at = next_at;
+  }
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) sh.partial[j][t] = acc[j];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    float total = 0.0f;
+    if (part == 0) {
+      total = sh.partial[j][d];
+      for (int p = 1; p < kParts; ++p) total += sh.partial[j][p * HD + d];
+    }
+    out[j] = {running_max[j], running_sum[j], total};
+  }
+  __syncthreads();  // partial is rewritten by the next split
+}
+
 // Writes the row's output for this head from the fold of its splits, and adds the o product's
 // expected sum and bound. Every thread of the block calls it.
 template <int HD>
-__device__ __forceinline__ void finish(const AttentionArgs& a, const SplitResult& folded) {
-  const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x, part = t / HD, d = t % HD;
+__device__ __forceinline__ void finish(const AttentionArgs& a, int r, const SplitResult& folded) {
+  const int h = blockIdx.x, t = threadIdx.x, part = t / HD, d = t % HD;
   double sums[2] = {};  // the o product's expected sum and bound
   if (part == 0) {
     const __nv_bfloat16 o = __float2bfloat16_rn(folded.total / folded.sum);
@@ -298,8 +422,8 @@ __device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh
       const float r0 = __fsub_rn(__fmul_rn(x0, f.c[u]), __fmul_rn(x1, f.s[u]));
       const float r1 = __fadd_rn(__fmul_rn(x1, f.c[u]), __fmul_rn(x0, f.s[u]));
       if (is_q) {
-        sh.q[j] = r0;
-        sh.q[j + half] = r1;
+        sh.q[0][j] = r0;
+        sh.q[0][j + half] = r1;
       } else {
         const __nv_bfloat16 k0 = __float2bfloat16_rn(r0), k1 = __float2bfloat16_rn(r1);
         fresh_k[j] = k0;
@@ -372,19 +496,19 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   if (kRope)
     freshCompute<HD>(a, fresh, sh, r, h, kvh, len - 1, owner, leader);
   else if (t < HD)
-    sh.q[t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
+    sh.q[0][t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
   __syncthreads();
   const uint32_t fresh_position = len - 1;
   auto range = [&](uint32_t s) {
     const uint32_t begin = s * kAttentionSplit;
-    return attendRange<HD, kRope>(
+    return attendRow<HD, kRope>(
         a, rows, sh, begin, splitEnd(s),
         s == uint32_t(first) ? first_at : chunkRow(rows, begin, splitEnd(s)), fresh_position);
   };
   if (!kParallel || splits == 1) {
     SplitResult folded = range(0);
     for (uint32_t s = 1; s < splits; ++s) foldSplit(folded, range(s));
-    return finish<HD>(a, folded);
+    return finish<HD>(a, r, folded);
   }
   // Side by side: each split's result to the partials; the block that completes the row's last
   // split folds them all, in split order.
@@ -415,7 +539,66 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   };
   SplitResult folded = load(0);
   for (uint32_t s = 1; s < splits; ++s) foldSplit(folded, load(s));
-  finish<HD>(a, folded);
+  finish<HD>(a, r, folded);
+}
+
+// Rows of a prefill tile (AttentionArgs::tiles): up to attentionTileRows(HD) consecutive rows of
+// one sequence per block, sharing each chunk's loads; each row's result as its own block would
+// give it (the same attendRange, splits folded in the same order).
+template <int HD>
+__global__ void __launch_bounds__(kThreads) attentionTileKernel(AttentionArgs a) {
+  constexpr int kRows = attentionTileRows(HD);
+  __shared__ Shared<HD, kRows> sh;
+  const int h = blockIdx.x, t = threadIdx.x;
+  const int kvh = h / (a.heads / a.kv_heads);
+  const uint32_t tile = a.tiles[blockIdx.y];
+  const int first_row = int(tile & 0xffffffu), rows_here = int(tile >> 24);
+  uint32_t len[kRows];
+  uint32_t splits = 0;  // the tile's most (its last row's)
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    len[j] = j < rows_here ? a.positions[first_row + j] + 1 : 0;
+    splits = max(splits, (len[j] + kAttentionSplit - 1) / kAttentionSplit);
+  }
+  const CacheRows rows{a.block_tables + a.row_table[first_row], size_t(kvh) * a.block_size * HD,
+                       size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
+  auto splitEnds = [&](uint32_t s, uint32_t(&end)[kRows]) {
+    uint32_t last = s * kAttentionSplit;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      // A row with fewer splits has nothing in this one.
+      end[j] = min(len[j], (s + 1) * uint32_t(kAttentionSplit));
+      end[j] = max(end[j], s * uint32_t(kAttentionSplit));
+      last = max(last, end[j]);
+    }
+    return last;
+  };
+  uint32_t end[kRows];
+  const size_t first_at = chunkRow(rows, 0, splitEnds(0, end));
+  gridDependencyWait();
+  allowDependentLaunch();
+  for (int e = t; e < kRows * HD; e += kThreads) {
+    const int j = e / HD;
+    sh.q[j][e % HD] =
+        j < rows_here ? a.q[size_t(first_row + j) * a.q_stride + size_t(h) * HD + e % HD] : 0.0f;
+  }
+  __syncthreads();
+  SplitResult folded[kRows], result[kRows];
+  for (uint32_t s = 0; s < splits; ++s) {
+    const uint32_t last = splitEnds(s, end);
+    attendTile<HD, kRows>(a, rows, sh, s * kAttentionSplit, end,
+                          s == 0 ? first_at : chunkRow(rows, s * kAttentionSplit, last), result);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      if (s == 0)
+        folded[j] = result[j];
+      else if (end[j] > s * kAttentionSplit)
+        foldSplit(folded[j], result[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRows; ++j)
+    if (j < rows_here) finish<HD>(a, first_row + j, folded[j]);
 }
 
 template <int HD, bool kRope>
@@ -430,6 +613,9 @@ cudaError_t launchVariant(const AttentionArgs& a, cudaStream_t stream) {
 
 template <int HD>
 cudaError_t launchHeadDim(const AttentionArgs& a, cudaStream_t stream) {
+  if (a.tiles != nullptr)
+    return launchKernel(attentionTileKernel<HD>, dim3(unsigned(a.heads), unsigned(a.tile_count)),
+                        kThreads, stream, a);
   return a.rope_in ? launchVariant<HD, true>(a, stream) : launchVariant<HD, false>(a, stream);
 }
 
@@ -456,6 +642,10 @@ Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
     return invalidArgument(
         "attention with the q/k/v kernel's work: its arguments must be the "
         "attention's heads, positions, cache and block size");
+  if (a.tiles != nullptr && (a.parallel_splits || a.rope_in || a.tile_count <= 0))
+    return invalidArgument(
+        "attention in prefill tiles needs a tile count, and neither parallel "
+        "splits nor the q/k/v kernel's work");
   if (a.rows == 0) return okStatus();
   if (a.parallel_splits && (a.rows > kAttentionParallelRows || a.split_partials == nullptr ||
                             a.split_counts == nullptr || a.max_splits <= 0))

@@ -25,6 +25,11 @@ namespace bulkhead::cuda {
 constexpr int kAttentionSplit = 1024;
 // Steps of at most this many rows may run a row's splits side by side (parallel_splits).
 constexpr int kAttentionParallelRows = 8;
+// Rows of one sequence a prefill tile holds (AttentionArgs::tiles), by head size: as many as
+// the block's shared memory holds beside a chunk of value rows.
+BULKHEAD_HOST_DEVICE constexpr int attentionTileRows(int head_dim) {
+  return head_dim >= 128 ? 4 : 8;
+}
 
 struct AttentionArgs {
   const float* q = nullptr;  // rows x q_stride fp32, the rotated queries at the start of a row
@@ -57,6 +62,11 @@ struct AttentionArgs {
   // once a row as the q/k/v kernel adds them. The same bits as that kernel then this one.
   bool rope_in = false;
   QkvArgs rope;
+  // Prefill tiles instead of a block per row (not with parallel_splits or rope_in): entry i is
+  // a tile's first row | its row count << 24, the rows consecutive positions of one sequence,
+  // at most attentionTileRows(head_dim) of them; every row in exactly one tile.
+  const uint32_t* tiles = nullptr;
+  int tile_count = 0;
 };
 
 // Whether the kernel supports this head size.

@@ -31,6 +31,7 @@ struct EngineBenchOptions {
   bool norm_in_products = false;      // CudaBackend::Options::norm_in_products (ours only)
   bool silu_in_products = false;      // CudaBackend::Options::silu_in_products (ours only)
   bool rope_in_attention = false;     // CudaBackend::Options::rope_in_attention
+  bool attention_tiles = false;       // CudaBackend::Options::attention_tiles
   std::string json_path;
 };
 

@@ -222,6 +222,9 @@ int main(int argc, char** argv) {
   engine_bench->add_flag("--rope-in-attention", engine_opts.rope_in_attention,
                          "CUDA: in decode steps the attention kernel adds the q/k/v biases, "
                          "rotates and writes the cache itself, without q/k/v kernel launches");
+  engine_bench->add_flag("--attention-tiles", engine_opts.attention_tiles,
+                         "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, "
+                         "loading each key and value once for them");
   engine_bench->add_flag("--kernel-times", engine_opts.kernel_times,
                          "CUDA: then where a decode step's device time goes, launch by launch "
                          "(an event after each, no graphs), with and without the checks");

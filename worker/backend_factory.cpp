@@ -38,6 +38,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.norm_in_products = options.cuda_norm_in_products;
     cuda.silu_in_products = options.cuda_silu_in_products;
     cuda.rope_in_attention = options.cuda_rope_in_attention;
+    cuda.attention_tiles = options.cuda_attention_tiles;
     if (!options.cuda_gemm_schedules.empty()) {
       BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_schedules,
                                 cuda::parseGemmSchedules(options.cuda_gemm_schedules));

@@ -93,7 +93,7 @@ struct CudaState {
   int partials_stride = 0;
   // Step inputs: the same layout on the host (pinned) and the device.
   struct Inputs {
-    size_t dst = 0, tokens = 0, positions = 0, row_block = 0, row_table = 0, out_row = 0,
+    size_t dst = 0, tokens = 0, positions = 0, row_block = 0, row_table = 0, out_row = 0, tiles = 0,
            tables = 0;
     size_t table_capacity = 0;
     Layout layout;
@@ -117,8 +117,9 @@ struct CudaState {
   cuda::HostRegistration outputs;
   std::unique_ptr<cuda::Matmul> cublas;  // Options::cublas_products
   // Decode steps captured as graphs, by (rows, whether the destinations are 16-byte aligned,
-  // whether attention runs splits side by side).
-  std::map<std::tuple<int, bool, bool, bool>, cuda::GraphExec> graphs;
+  // whether attention runs splits side by side, whether every row is its sequence's only one, and
+  // the attention's prefill tiles).
+  std::map<std::tuple<int, bool, bool, bool, int>, cuda::GraphExec> graphs;
   // Attention's splits side by side (cuda/attention.cuh): partials and counts.
   DeviceMemory split_partials, split_counts;
   int max_splits = 0;
@@ -136,6 +137,7 @@ struct CudaState {
     in.row_block = in.layout.add(tokens * 4);
     in.row_table = in.layout.add(tokens * 4);
     in.out_row = in.layout.add(tokens * 4);
+    in.tiles = in.layout.add(tokens * 4);  // attention's prefill tiles (attention_tiles)
     in.tables = in.layout.add(table_words * 4);
     BULKHEAD_ASSIGN_OR_RETURN(inputs_host, PinnedMemory::allocate(in.layout.bytes));
     BULKHEAD_ASSIGN_OR_RETURN(inputs, DeviceMemory::allocate(in.layout.bytes));
@@ -176,6 +178,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
     return invalidArgument("cuBLAS products cannot compute their own activation");
   b->silu_in_products_ = options.silu_in_products;
   b->rope_in_attention_ = options.rope_in_attention;
+  b->attention_tiles_ = options.attention_tiles;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
@@ -590,6 +593,19 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
   pending_.decode_rows = n == batch.size();
+  // Prefill steps: attention in tiles of each sequence's consecutive rows (attention_tiles).
+  pending_.attention_tiles = 0;
+  if (attention_tiles_ && !pending_.decode_rows && !pending_.parallel_attention && n < (1u << 24)) {
+    auto* tiles = d.inputHost<uint32_t>(d.in.tiles);
+    const uint32_t per_tile = uint32_t(cuda::attentionTileRows(config().head_dim));
+    uint32_t first = 0;
+    for (const SequenceStep& s : batch) {
+      const auto count = uint32_t(s.tokens.size());
+      for (uint32_t i = 0; i < count; i += per_tile)
+        tiles[pending_.attention_tiles++] = (first + i) | std::min(per_tile, count - i) << 24;
+      first += count;
+    }
+  }
   BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
                                                 d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
@@ -608,8 +624,8 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   // A decode step (a token and its logits row per sequence) runs as a graph, captured the
   // first time its size is seen; the same launches either way, so the same numbers.
   if (graphs_ && fault_role_ < 0 && mapped && size_t(m) == n && n <= kMaxGraphRows) {
-    const std::tuple<int, bool, bool, bool> key{m, aligned, pending_.parallel_attention,
-                                                pending_.decode_rows};
+    const std::tuple<int, bool, bool, bool, int> key{
+        m, aligned, pending_.parallel_attention, pending_.decode_rows, pending_.attention_tiles};
     auto graph = d.graphs.find(key);
     if (graph == d.graphs.end()) {
       BULKHEAD_CUDA_RETURN_IF_ERROR(
@@ -863,6 +879,10 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   aa.max_splits = d.max_splits;
   aa.rope_in = rope_in;
   aa.rope = qa;
+  if (pending_.attention_tiles > 0) {
+    aa.tiles = d.input<uint32_t>(d.in.tiles);
+    aa.tile_count = pending_.attention_tiles;
+  }
   BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
   BULKHEAD_RETURN_IF_ERROR(mark("attention"));
   BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, aa.out, n)

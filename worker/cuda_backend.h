@@ -67,6 +67,10 @@ class CudaBackend final : public Backend {
     // kernel's work itself (cuda/attention.cuh AttentionArgs::rope_in): biases, rotation, the
     // new key and value into the cache. One launch a layer fewer, the same numbers.
     bool rope_in_attention = false;
+    // In prefill steps, attention in tiles of up to 4 (head size 128) or 8 consecutive rows of
+    // one sequence a block, sharing each chunk's key and value loads (cuda/attention.cuh
+    // AttentionArgs::tiles), instead of a block a row: the same numbers.
+    bool attention_tiles = false;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -194,6 +198,7 @@ class CudaBackend final : public Backend {
   bool norm_in_products_ = false;
   bool silu_in_products_ = false;
   bool rope_in_attention_ = false;
+  bool attention_tiles_ = false;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;
@@ -221,6 +226,7 @@ class CudaBackend final : public Backend {
     bool parallel_attention = false;
     // Every row is its sequence's only row (a decode step): no row attends to another's key.
     bool decode_rows = false;
+    int attention_tiles = 0;  // prefill tiles in the inputs (attention_tiles), 0: a block a row
     std::vector<RowOutput> rows;
     std::vector<bool> copied_out;    // rows outside the registered arena: through the fallback
     std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold

@@ -38,6 +38,7 @@ bool residual_in_products = false;
 bool norm_in_products = false;   // and CudaBackend::Options::norm_in_products
 bool silu_in_products = false;   // and CudaBackend::Options::silu_in_products
 bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
+bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -47,6 +48,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.norm_in_products = norm_in_products;
   options.silu_in_products = silu_in_products;
   options.rope_in_attention = rope_in_attention;
+  options.attention_tiles = attention_tiles;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -119,6 +121,7 @@ struct ModelCase {
   bool normed = false;    // CudaBackend::Options::norm_in_products
   bool silu = false;      // CudaBackend::Options::silu_in_products
   bool rope = false;      // CudaBackend::Options::rope_in_attention
+  bool tiles = false;     // CudaBackend::Options::attention_tiles
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -132,6 +135,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     norm_in_products = GetParam().normed;
     silu_in_products = GetParam().silu;
     rope_in_attention = GetParam().rope;
+    attention_tiles = GetParam().tiles;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -147,7 +151,8 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
   }
 
   void TearDown() override {
-    residual_in_products = norm_in_products = silu_in_products = rope_in_attention = false;
+    residual_in_products = norm_in_products = silu_in_products = rope_in_attention =
+        attention_tiles = false;
   }
 
   test::TempDir tmp_;
@@ -271,6 +276,7 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   options.norm_in_products = GetParam().normed;
   options.silu_in_products = GetParam().silu;
   options.rope_in_attention = GetParam().rope;
+  options.attention_tiles = GetParam().tiles;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto created = CudaBackend::create(checkpoint_, options);
@@ -341,9 +347,10 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   auto checkpoint = openModel(tmp.path());
   ASSERT_NE(checkpoint, nullptr);
   ASSERT_GE(checkpoint->config().max_context, 16384);
-  auto backend = [&](bool programmatic) {
+  auto backend = [&](bool programmatic, bool tiles = false) {
     CudaBackend::Options options;
     options.programmatic_launch = programmatic;
+    options.attention_tiles = tiles;
     options.kv_blocks = 1024;  // 16,384 positions of 16
     options.max_step_tokens = 1024;
     auto created = CudaBackend::create(checkpoint, options);
@@ -388,6 +395,13 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   };
   const test::Rows serial = run(*gpu, 100);  // steps of 100 rows throughout: one block a row
   EXPECT_EQ(gpu->parallelAttentionSteps(), 0u);
+  {
+    // Prefill tiles (rows of a sequence sharing their loads): the same rows, tiles across split
+    // boundaries included (steps of 100 rows from position 0 cross every multiple of 1,024).
+    auto tiled = backend(false, true);
+    ASSERT_NE(tiled, nullptr);
+    expectIdentical(serial, run(*tiled, 100), "prefill tiles");
+  }
   for (const bool programmatic : {false, true}) {
     auto other = backend(programmatic);
     ASSERT_NE(other, nullptr);
@@ -600,7 +614,11 @@ INSTANTIATE_TEST_SUITE_P(
                     ModelCase{"qwen7b_layer_fused", "qwen2.5-7b-layer", true, true, true},
                     ModelCase{"fixture_qwen2_rope", "", false, false, false, true},
                     ModelCase{"llama_untied_rope", "tiny-llama", false, false, false, true},
-                    ModelCase{"qwen7b_layer_rope", "qwen2.5-7b-layer", false, false, false, true}),
+                    ModelCase{"qwen7b_layer_rope", "qwen2.5-7b-layer", false, false, false, true},
+                    ModelCase{"fixture_qwen2_tiles", "", false, false, false, false, true},
+                    ModelCase{"llama_untied_tiles", "tiny-llama", false, false, false, false, true},
+                    ModelCase{"qwen7b_layer_rope_tiles", "qwen2.5-7b-layer", false, false, false,
+                              true, true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace
