@@ -445,16 +445,8 @@ __device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh
   }
 #pragma unroll
   for (int b = 0; b < 3; ++b) {
-    unsigned long long fold = f.fold[b], words = f.words[b];
-    for (int offset = 16; offset > 0; offset /= 2) {
-      fold += __shfl_xor_sync(0xffffffffu, fold, offset);
-      words += __shfl_xor_sync(0xffffffffu, words, offset);
-    }
     const int account = b == 0 ? q.bias_fold[0] : b == 1 ? q.bias_fold[1] : q.bias_fold[2];
-    if (threadIdx.x % 32 == 0 && words > 0 && account >= 0) {
-      atomicAdd(&q.checks.folds[account].sum, fold);
-      atomicAdd(&q.checks.folds[account].words, words);
-    }
+    if (account >= 0) addWarpFold(q.checks.folds + account, f.fold[b], f.words[b]);
   }
   if (q.product_role[0] < 0 && q.product_role[1] < 0 && q.product_role[2] < 0) return;
   warpSums(produced);

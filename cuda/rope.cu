@@ -102,18 +102,9 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
       row[q_dim + kv_dim + e] = v;
   }
 #pragma unroll
-  for (int b = 0; b < 3; ++b) {
-    if (a.bias[b] == nullptr || a.bias_fold[b] < 0) continue;
-    for (int offset = 16; offset > 0; offset /= 2) {
-      fold[b] += __shfl_xor_sync(0xffffffffu, fold[b], offset);
-      fold_words[b] += __shfl_xor_sync(0xffffffffu, fold_words[b], offset);
-    }
-    if (threadIdx.x % 32 == 0 && fold_words[b] > 0) {
-      FoldAccount* account = a.checks.folds + a.bias_fold[b];
-      atomicAdd(&account->sum, fold[b]);
-      atomicAdd(&account->words, fold_words[b]);
-    }
-  }
+  for (int b = 0; b < 3; ++b)
+    if (a.bias[b] != nullptr && a.bias_fold[b] >= 0)
+      addWarpFold(a.checks.folds + a.bias_fold[b], fold[b], fold_words[b]);
   if (a.product_role[0] < 0 && a.product_role[1] < 0 && a.product_role[2] < 0) return;
   warpSums(produced);
   if (threadIdx.x % 32 != 0) return;

@@ -106,12 +106,18 @@ __device__ inline void addFold(FoldAccount* account, unsigned long long sum,
   if (threadIdx.x == 0) atomicAdd(&account->words, words);
 }
 
-// Folds `words` 32-bit words of a weight vector read by this block (a norm weight, a bias).
-__device__ inline void foldVector(const uint32_t* data, int words, uint32_t salt,
-                                  FoldAccount* account) {
-  unsigned long long sum = 0;
-  for (int i = threadIdx.x; i < words; i += blockDim.x) sum += foldTerm(data[i], salt, uint32_t(i));
-  addFold(account, sum, (unsigned long long)words);
+// Adds each lane's folded words and their count to a weight's account, a warp's at once (lanes
+// that folded nothing add zeros). Every lane of the warp must reach it; no barrier.
+__device__ inline void addWarpFold(FoldAccount* account, unsigned long long sum,
+                                   unsigned long long words) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    words += __shfl_xor_sync(0xffffffffu, words, offset);
+  }
+  if (threadIdx.x % 32 == 0 && words > 0) {
+    atomicAdd(&account->sum, sum);
+    atomicAdd(&account->words, words);
+  }
 }
 
 #endif
