@@ -290,9 +290,8 @@ void Scheduler::applyScrub(const ScrubStatus& scrub, bool gated) {
     queues_.rollBack(from);
     return;
   }
-  ReleaseTimes times;
-  queues_.release(gated ? scrub.clean_through : UINT64_MAX, &times);
-  board_.addReleaseTimes(times);
+  queues_.release(gated ? scrub.clean_through : UINT64_MAX,
+                  [&](const ReleaseTimes& times) { board_.addReleaseTimes(times); });
 }
 
 }  // namespace bulkhead

@@ -162,7 +162,10 @@ FinishReason SequenceQueues::stopReason(const Sequence& s) const {
   return FinishReason::kNone;
 }
 
-void SequenceQueues::release(uint64_t clean_through, ReleaseTimes* times) {
+void SequenceQueues::release(uint64_t clean_through,
+                             const std::function<void(const ReleaseTimes&)>& record) {
+  ReleaseTimes recorded;
+  ReleaseTimes* times = record ? &recorded : nullptr;
   std::vector<std::chrono::steady_clock::time_point> produced;
   const auto now = std::chrono::steady_clock::now();
   auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
@@ -189,6 +192,7 @@ void SequenceQueues::release(uint64_t clean_through, ReleaseTimes* times) {
       s->last_release = now;
     }
   }
+  if (record) record(recorded);
   std::erase_if(finishing_, [&](const SequencePtr& s) {
     if (s->ledger.unreleasedCount() != 0) return false;
     finish(*s, s->finish_reason, okStatus());

@@ -104,8 +104,10 @@ class SequenceQueues {
   FinishReason stopReason(const Sequence& seq) const;
 
   // Sends the tokens of steps up to `clean_through`; ends requests with nothing left to send.
-  // Adds each sent token's latency since its step completed (ms) to `latencies_ms` when given.
-  void release(uint64_t clean_through, ReleaseTimes* times = nullptr);
+  // Hands the sent tokens' latencies (ReleaseTimes) to `record` when given, before it ends any
+  // request: whoever sees a request end (a client, then a metrics scrape) finds its tokens
+  // counted.
+  void release(uint64_t clean_through, const std::function<void(const ReleaseTimes&)>& record = {});
   // Drops unsent tokens from `from_step` on and replays everything. Returns tokens dropped.
   size_t rollBack(uint64_t from_step);
   // The worker is gone: unsent tokens are dropped and every sequence is replayed.

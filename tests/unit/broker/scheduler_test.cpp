@@ -277,6 +277,27 @@ TEST_F(SchedulerTest, RowsFailingVerificationAreRetriedThenTheWorkerIsReplaced) 
   EXPECT_GE(replayedOnNewIncarnation(), 1u);
 }
 
+// Every release of a request is in the board's histograms before the request ends, so whoever
+// sees it end (its client, then a metrics scrape) finds all its tokens counted.
+TEST_F(SchedulerTest, ARequestsReleasesAreCountedBeforeItEnds) {
+  start();
+  Run run;
+  run.prompt = {3, 4};
+  uint64_t first_token = 0, inter_token = 0;
+  run.sink->on_finish = [&] {
+    const StatsHistograms h = scheduler_->board().histograms();
+    first_token = h.first_token_ms.count();
+    inter_token = h.inter_token_ms.count();
+  };
+  GenerationRequest r;
+  r.prompt = run.prompt;
+  r.max_tokens = 12;
+  ASSERT_TRUE(scheduler_->submit(r, run.sink).ok());
+  expectAllExact({run}, 12);
+  EXPECT_EQ(first_token, 1u);
+  EXPECT_EQ(inter_token, 11u) << "the last release was counted after the request ended";
+}
+
 TEST_F(SchedulerTest, AStoppedSequenceIsVouchedForWithoutWaitingForTheBackgroundPass) {
   control_->scrub_lag = 1'000'000;  // the background pass never vouches in time
   SchedulerOptions o;
