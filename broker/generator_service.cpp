@@ -416,7 +416,7 @@ grpc::ServerUnaryReactor* AdminService::RestartWorker(grpc::CallbackServerContex
   auto* reactor = context->DefaultReactor();
   // Restarting waits for a new worker: off the callback thread.
   Status started = executor_.submit([this, reactor, response, name = request->name()] {
-    auto r = router_.restartWorker(name, std::chrono::minutes(2));
+    auto r = router_.restartWorker(name, Scheduler::kRestartTimeout);
     if (r.ok()) {
       response->set_old_incarnation(r->first);
       response->set_new_incarnation(r->second);

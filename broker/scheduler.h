@@ -154,11 +154,15 @@ class Scheduler {
   // An operator's drain of this worker was asked for and is not done yet.
   bool retiring() const;
   const std::string& workerName() const { return links_.worker_name; }
+  // How long a restart may take (an operator's, or the one that disarms an undetected fault): a
+  // new worker's start, which loads the model.
+  static constexpr std::chrono::milliseconds kRestartTimeout{120'000};
   // Replaces the worker; in-flight sequences are replayed. Returns {old, new} incarnations.
   Result<std::pair<uint64_t, uint64_t>> restartWorker(std::chrono::milliseconds timeout);
   // Injects one fault (the worker must run with fault injection) and waits until it is detected
   // and service has recovered, or `timeout`. `random` picks rows, bits and offsets. A fault not
-  // detected in time is disarmed by replacing the worker, unless `keep_armed`.
+  // detected in time is disarmed by replacing the worker (waiting up to kRestartTimeout for the
+  // new one), unless `keep_armed`.
   Result<InjectionOutcome> injectFault(Fault fault, uint64_t random,
                                        std::chrono::milliseconds timeout, bool keep_armed = false);
 

@@ -56,7 +56,7 @@ Result<InjectionOutcome> Scheduler::injectFault(Fault fault, uint64_t random, mi
     // worker makes sure it can never fire later and be credited to the next injection.
     spdlog::warn("{} was not detected in time; replacing the worker to disarm it",
                  faultName(fault));
-    outcome->disarmed = restartWorker(timeout).ok();
+    outcome->disarmed = restartWorker(kRestartTimeout).ok();
   }
   return outcome;
 }
