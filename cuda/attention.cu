@@ -87,6 +87,43 @@ __device__ __forceinline__ size_t chunkRow(const CacheRows& rows, uint32_t chunk
   return p < end ? rows.at(p) : 0;
 }
 
+// Thread t's position in a chunk: its key row into `pieces` and its value row staged into the
+// chunk's shared value rows, all loads issued before either is used (a chunk waits for the cache
+// once, not once a position).
+template <int HD, int kRows>
+__device__ __forceinline__ void loadKeyStageValue(const AttentionArgs& a, size_t at,
+                                                  Shared<HD, kRows>& sh, uint4 (&pieces)[HD / 8]) {
+  const int t = threadIdx.x;
+  const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
+              *v = reinterpret_cast<const uint4*>(a.v_cache + at);
+  uint4 values[HD / 8];
+#pragma unroll
+  for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
+#pragma unroll
+  for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
+#pragma unroll
+  for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
+}
+
+// A query's score against a key row: the dot product in dimension order, then the scale,
+// rounded on its own (never fused with the subtraction after it): every path's bits.
+template <int HD>
+__device__ __forceinline__ float scoreOf(const float (&q)[HD], const uint4 (&pieces)[HD / 8],
+                                         float scale) {
+  float dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < HD / 8; ++i) {
+    const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&pieces[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 kv = __bfloat1622float2(pair[j]);
+      dot = fmaf(q[8 * i + 2 * j], kv.x, dot);
+      dot = fmaf(q[8 * i + 2 * j + 1], kv.y, dot);
+    }
+  }
+  return __fmul_rn(dot, scale);
+}
+
 // The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
 // begin. Every thread of the block calls it, with chunkRow(rows, begin, end) (looked up early by
 // the caller); the result's total is valid in the threads of part 0.
@@ -103,8 +140,6 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
     const size_t next_at = chunkRow(rows, chunk + kChunk, end);
     float score = -INFINITY;
     if (uint32_t(t) < count) {
-      // The key and value rows in 16-byte pieces, all loads issued before the dot product uses
-      // them: a chunk waits for the cache once, not once a position.
       uint4 pieces[HD / 8];
       if (kRope && chunk + t == fresh) {
         // The row's own position (rope_in) from shared memory: the cache's copy is written by
@@ -115,29 +150,9 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
           sh.values[t][i ^ (t % (HD / 8))] = sh.fresh_v[i];
         }
       } else {
-        const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
-                    *v = reinterpret_cast<const uint4*>(a.v_cache + at);
-        uint4 values[HD / 8];
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
+        loadKeyStageValue(a, at, sh, pieces);
       }
-      float dot = 0.0f;
-#pragma unroll
-      for (int i = 0; i < HD / 8; ++i) {
-        const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&pieces[i]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 kv = __bfloat1622float2(pair[j]);
-          dot = fmaf(sh.q[0][8 * i + 2 * j], kv.x, dot);
-          dot = fmaf(sh.q[0][8 * i + 2 * j + 1], kv.y, dot);
-        }
-      }
-      // Rounded here, never fused with the subtraction below: the same bits in every variant.
-      score = __fmul_rn(dot, a.scale);
+      score = scoreOf<HD>(sh.q[0], pieces, a.scale);
     }
     const float wmax = warpMax(score);
     if (t % 32 == 0) sh.warp_values[0][t / 32] = wmax;
@@ -210,34 +225,11 @@ __device__ __forceinline__ void attendTile(const AttentionArgs& a, const CacheRo
 #pragma unroll
     for (int j = 0; j < kRows; ++j) score[j] = -INFINITY;
     if (uint32_t(t) < loaded) {
-      // The key and value rows in 16-byte pieces, all loads issued before the dot product uses
-      // them: a chunk waits for the cache once, not once a position.
-      const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at),
-                  *v = reinterpret_cast<const uint4*>(a.v_cache + at);
-      uint4 pieces[HD / 8], values[HD / 8];
+      uint4 pieces[HD / 8];
+      loadKeyStageValue(a, at, sh, pieces);
 #pragma unroll
-      for (int i = 0; i < HD / 8; ++i) pieces[i] = k[i];
-#pragma unroll
-      for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
-#pragma unroll
-      for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
-#pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        if (uint32_t(t) >= count[j]) continue;
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-          const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&pieces[i]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 kv = __bfloat1622float2(pair[e]);
-            dot = fmaf(sh.q[j][8 * i + 2 * e], kv.x, dot);
-            dot = fmaf(sh.q[j][8 * i + 2 * e + 1], kv.y, dot);
-          }
-        }
-        // Rounded here, never fused with the subtraction below: the same bits in every variant.
-        score[j] = __fmul_rn(dot, a.scale);
-      }
+      for (int j = 0; j < kRows; ++j)
+        if (uint32_t(t) < count[j]) score[j] = scoreOf<HD>(sh.q[j], pieces, a.scale);
     }
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
