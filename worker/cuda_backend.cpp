@@ -605,6 +605,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
         tiles[pending_.attention_tiles++] = (first + i) | std::min(per_tile, count - i) << 24;
       first += count;
     }
+    ++tiled_attention_steps_;
   }
   BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),

@@ -94,6 +94,8 @@ class CudaBackend final : public Backend {
   uint64_t graphLaunches() const { return graph_launches_; }
   // Steps whose attention ran a row's splits side by side (tests and stats).
   uint64_t parallelAttentionSteps() const { return parallel_attention_steps_; }
+  // Steps whose attention ran in prefill tiles (Options::attention_tiles).
+  uint64_t tiledAttentionSteps() const { return tiled_attention_steps_; }
   // Steps computed a second time because a product's check strayed beyond what rounding does in
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
@@ -204,6 +206,7 @@ class CudaBackend final : public Backend {
   int device_ = 0;
   uint64_t graph_launches_ = 0;
   uint64_t parallel_attention_steps_ = 0;
+  uint64_t tiled_attention_steps_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;

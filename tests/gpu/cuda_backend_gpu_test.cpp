@@ -304,8 +304,10 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   for (const char* kind :
        {"product q/k/v", "attention", "product o", "product gate/up", "product down"})
     EXPECT_EQ(launches[kind], steps * layers) << kind;
-  // With the rope in the attention, only the prefill steps launch the q/k/v kernel.
+  // With the rope in the attention, only the prefill steps launch the q/k/v kernel; with tiles,
+  // the prefill steps' attention runs in them.
   EXPECT_EQ(launches["q/k/v bias, rope, cache"], (GetParam().rope ? prefills : steps) * layers);
+  EXPECT_EQ(timed.tiledAttentionSteps(), GetParam().tiles ? prefills : 0u);
   EXPECT_EQ(launches["silu"], GetParam().silu ? 0 : steps * layers);
   // Every step has at most 8 rows: with the norms in the products, none launches on its own.
   for (const char* kind : {"norm (input)", "norm (post-attention)"})
@@ -401,6 +403,8 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
     auto tiled = backend(false, true);
     ASSERT_NE(tiled, nullptr);
     expectIdentical(serial, run(*tiled, 100), "prefill tiles");
+    // Every step there has 100 rows of one sequence: all of them in tiles.
+    EXPECT_EQ(tiled->tiledAttentionSteps(), (length + 99) / 100);
   }
   for (const bool programmatic : {false, true}) {
     auto other = backend(programmatic);
