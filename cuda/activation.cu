@@ -39,8 +39,8 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
     g[j] = in ? gate[i] : 0.0f;
     u[j] = in ? up[i] : 0.0f;
   }
-  // gate and up (sums, then sums of squares), the down product's expected and bound
-  double sums[6] = {};
+  // gate and up (sums, then sums of squares), the down product's expected and bound; two spare
+  double sums[8] = {};
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int i = first + threadIdx.x + j * kThreads;
@@ -57,21 +57,14 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
     sums[5] += double(as[j]) * fabsf(of);
   }
   if (a.gate_role < 0 && a.up_role < 0 && a.down.role < 0) return;
-  warpSums(sums);
-  if (threadIdx.x % 32 != 0) return;
+  const double total = warpTotalSpread(sums);
+  const int i = spreadIndex<8>();
+  if (i < 0 || i > 5) return;
   ProductCheck* row = a.checks.products + size_t(r) * a.checks.roles;
-  if (a.gate_role >= 0) {
-    atomicAdd(&row[a.gate_role].produced, sums[0]);
-    atomicAdd(&row[a.gate_role].produced_sq, sums[2]);
-  }
-  if (a.up_role >= 0) {
-    atomicAdd(&row[a.up_role].produced, sums[1]);
-    atomicAdd(&row[a.up_role].produced_sq, sums[3]);
-  }
-  if (a.down.role >= 0) {
-    atomicAdd(&row[a.down.role].expected, sums[4]);
-    atomicAdd(&row[a.down.role].bound, sums[5]);
-  }
+  const int role = i == 0 || i == 2 ? a.gate_role : i == 1 || i == 3 ? a.up_role : a.down.role;
+  if (role < 0) return;
+  ProductCheck& p = row[role];
+  atomicAdd(i < 2 ? &p.produced : i < 4 ? &p.produced_sq : i == 4 ? &p.expected : &p.bound, total);
 }
 
 }  // namespace

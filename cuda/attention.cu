@@ -305,13 +305,12 @@ __device__ __forceinline__ void finish(const AttentionArgs& a, int r, const Spli
       sums[1] = double(a.consumer.abssum[e]) * fabsf(of);
     }
   }
-  if (a.consumer.role >= 0) {
-    warpSums(sums);
-    if (t % 32 == 0) {
-      ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.consumer.role];
-      atomicAdd(&p.expected, sums[0]);
-      atomicAdd(&p.bound, sums[1]);
-    }
+  // The warps that hold outputs (every warp where HD is under 32: a warp must reach it whole).
+  if (a.consumer.role >= 0 && (HD < 32 || part == 0)) {
+    const double total = warpTotalSpread(sums);
+    const int i = spreadIndex<2>();
+    ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.consumer.role];
+    if (i >= 0) atomicAdd(i == 0 ? &p.expected : &p.bound, total);
   }
 }
 
@@ -388,7 +387,7 @@ __device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh
                       size_t(p % uint32_t(q.block_size)) * HD + size_t(kvh) * head_stride;
   __nv_bfloat16 *fresh_k = reinterpret_cast<__nv_bfloat16*>(sh.fresh_k),
                 *fresh_v = reinterpret_cast<__nv_bfloat16*>(sh.fresh_v);
-  double produced[6] = {};  // the q, k and v products' sums, then their sums of squares
+  double produced[8] = {};  // the q, k and v products' sums, then their sums of squares; 2 spare
 #pragma unroll
   for (int u = 0; u < Fresh<HD>::kItems; ++u) {
     const int i = int(threadIdx.x) + u * kThreads;
@@ -441,16 +440,15 @@ __device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh
     if (account >= 0) addWarpFold(q.checks.folds + account, f.fold[b], f.words[b]);
   }
   if (q.product_role[0] < 0 && q.product_role[1] < 0 && q.product_role[2] < 0) return;
-  warpSums(produced);
-  if (threadIdx.x % 32 != 0) return;
-#pragma unroll
-  for (int b = 0; b < 3; ++b) {
-    const int role = b == 0 ? q.product_role[0] : b == 1 ? q.product_role[1] : q.product_role[2];
-    if (role < 0 || (b == 0 ? !owner : !leader)) continue;
-    ProductCheck& pc = q.checks.products[size_t(r) * q.checks.roles + role];
-    atomicAdd(&pc.produced, produced[b]);
-    atomicAdd(&pc.produced_sq, produced[3 + b]);
-  }
+  const double total = warpTotalSpread(produced);
+  const int i = spreadIndex<8>();
+  if (i < 0 || i > 5) return;
+  const int b = i % 3, role = b == 0   ? q.product_role[0]
+                              : b == 1 ? q.product_role[1]
+                                       : q.product_role[2];
+  if (role < 0 || (b == 0 ? !owner : !leader)) return;
+  ProductCheck& pc = q.checks.products[size_t(r) * q.checks.roles + role];
+  atomicAdd(i < 3 ? &pc.produced : &pc.produced_sq, total);
 }
 
 template <int HD, bool kParallel, bool kRope>

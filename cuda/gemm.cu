@@ -471,8 +471,7 @@ __global__ void __launch_bounds__(kThreads)
       unsigned long long folded =
           (2 * salt + 1) * (lo_row * ((4 * c + 1) * fold_acc[i][0] + (4 * c + 3) * fold_acc[i][1]) +
                             hi_row * ((4 * c + 1) * fold_acc[i][2] + (4 * c + 3) * fold_acc[i][3]));
-      for (int offset = 16; offset > 0; offset /= 2)
-        folded += __shfl_xor_sync(0xffffffffu, folded, offset);
+      folded = warpSum64(folded);
       if (lane == 0) fold_scratch[warp][i] = folded;
     }
   }
@@ -540,10 +539,16 @@ __global__ void __launch_bounds__(kThreads)
       for (int s = 1; s < splits; ++s) total += *cluster.map_shared_rank(&block_sum[e], s);
       store(e, total);
     }
-    if (folding && rank == 0 && threadIdx.x == 0)
-      for (int s = 1; s < splits; ++s)
-        for (int i = 0; i < kTiles; ++i)
-          block_fold[i] += *cluster.map_shared_rank(&fold_scratch[0][i], s);
+    if (folding && rank == 0 && warp == 0)
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        // Lane s reads rank s's fold (all at once), the warp adds them up.
+        unsigned long long other = 0;
+        for (int s = 1 + lane; s < splits; s += 32)
+          other += *cluster.map_shared_rank(&fold_scratch[0][i], s);
+        other = warpSum64(other);
+        if (lane == 0) block_fold[i] += other;
+      }
     cluster.sync();
   }
   if (folding && rank == 0 && threadIdx.x == 0) {

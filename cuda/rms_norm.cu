@@ -18,49 +18,64 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxPairs = 8;  // per thread: rows of up to 8192 values, held in registers
 
 // The normalised row into out row out_r (skipped when negative), with the norm weight's fold and
-// the consumers' side of their checks. v: the residual row's pairs, this thread's slice.
+// the consumers' side of their checks; `produced` (the delta product's sum and sum of squares,
+// row r) is added with them. v: the residual row's pairs, this thread's slice.
 template <int kPairs>
 __device__ __forceinline__ void normalise(const RmsNormArgs& a, const float2 (&v)[kPairs],
                                           const uint32_t (&words)[kPairs],
                                           const float2 (&cs)[kMaxNormConsumers][kPairs],
-                                          const float2 (&as)[kMaxNormConsumers][kPairs], int out_r,
-                                          float inv) {
+                                          const float2 (&as)[kMaxNormConsumers][kPairs], int r,
+                                          int out_r, float inv, const double (&produced)[2]) {
+  static_assert(kMaxNormConsumers == 3, "the checks' eight sums below");
   const int pairs = a.hidden / 2;
-  if (out_r < 0) return;  // uniform across the block
-  __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
-  double sums[2 * kMaxNormConsumers] = {};  // expected, then bound, per consumer
-  unsigned long long fold = 0;
+  // The delta product's sum and sum of squares, then per consumer its expected sum, then bound.
+  double sums[8] = {produced[0], produced[1]};
+  if (out_r >= 0) {  // uniform across the block
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
+    unsigned long long fold = 0;
 #pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i >= pairs) break;
-    if (a.weight_fold >= 0) fold += foldTerm(words[j], a.weight_salt, uint32_t(i));
-    __nv_bfloat162 w;
-    memcpy(&w, &words[j], 4);
-    const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v[j].x * inv),
-                                                   __bfloat162float(w.y) * (v[j].y * inv));
-    dst[i] = o;
-    const float o0 = __bfloat162float(o.x), o1 = __bfloat162float(o.y);
+    for (int j = 0; j < kPairs; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (i >= pairs) break;
+      if (a.weight_fold >= 0) fold += foldTerm(words[j], a.weight_salt, uint32_t(i));
+      __nv_bfloat162 w;
+      memcpy(&w, &words[j], 4);
+      const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v[j].x * inv),
+                                                     __bfloat162float(w.y) * (v[j].y * inv));
+      dst[i] = o;
+      const float o0 = __bfloat162float(o.x), o1 = __bfloat162float(o.y);
 #pragma unroll
-    for (int c = 0; c < kMaxNormConsumers; ++c) {
-      if (a.consumers[c].role < 0) continue;
-      sums[c] += double(cs[c][j].x) * o0 + double(cs[c][j].y) * o1;
-      sums[kMaxNormConsumers + c] +=
-          double(as[c][j].x) * fabsf(o0) + double(as[c][j].y) * fabsf(o1);
+      for (int c = 0; c < kMaxNormConsumers; ++c) {
+        if (a.consumers[c].role < 0) continue;
+        sums[2 + c] += double(cs[c][j].x) * o0 + double(cs[c][j].y) * o1;
+        sums[5 + c] += double(as[c][j].x) * fabsf(o0) + double(as[c][j].y) * fabsf(o1);
+      }
+    }
+    if (a.weight_fold >= 0)
+      addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs);
+  }
+  // Consumers fill from the first.
+  if (a.delta_role < 0 && (out_r < 0 || a.consumers[0].role < 0)) return;
+  const double total = warpTotalSpread(sums);
+  const int i = spreadIndex<8>();
+  if (i < 0) return;
+  double* dst = nullptr;
+  if (i < 2) {
+    if (a.delta_role >= 0) {
+      ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.delta_role];
+      dst = i == 0 ? &p.produced : &p.produced_sq;
+    }
+  } else {
+    const int c = (i - 2) % 3,  // selects, not an index into the parameters
+        role = c == 0   ? a.consumers[0].role
+               : c == 1 ? a.consumers[1].role
+                        : a.consumers[2].role;
+    if (out_r >= 0 && role >= 0) {
+      ProductCheck& p = a.checks.products[size_t(out_r) * a.checks.roles + role];
+      dst = i < 5 ? &p.expected : &p.bound;
     }
   }
-  if (a.weight_fold >= 0) addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs);
-  if (a.consumers[0].role < 0) return;  // consumers fill from the first
-  warpSums(sums);
-  if (threadIdx.x % 32 == 0) {
-#pragma unroll
-    for (int c = 0; c < kMaxNormConsumers; ++c) {
-      if (a.consumers[c].role < 0) continue;
-      ProductCheck& p = a.checks.products[size_t(out_r) * a.checks.roles + a.consumers[c].role];
-      atomicAdd(&p.expected, sums[c]);
-      atomicAdd(&p.bound, sums[kMaxNormConsumers + c]);
-    }
-  }
+  if (dst != nullptr) atomicAdd(dst, total);
 }
 
 // kPairs pairs a thread, the fewest that cover the row: the same slices and order as any larger
@@ -106,7 +121,8 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
     // Every warp adds the row's partials up itself (the same bits): no barrier.
     const float total =
         rowSumOfSquares(a.partials + size_t(r) * a.partials_stride, normTiles(a.hidden));
-    normalise(a, v, words, cs, as, out_r, 1.0f / sqrtf(total / float(a.hidden) + a.eps));
+    normalise(a, v, words, cs, as, r, out_r, 1.0f / sqrtf(total / float(a.hidden) + a.eps),
+              {0.0, 0.0});
     return;
   }
   float sum = 0.0f;
@@ -131,16 +147,7 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
   float total = 0.0f;
   for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
   const float inv = 1.0f / sqrtf(total / float(a.hidden) + a.eps);
-  if (a.delta_role >= 0) {
-    warpSums(produced);
-    if (threadIdx.x % 32 == 0) {
-      ProductCheck& p = a.checks.products[size_t(r) * a.checks.roles + a.delta_role];
-      atomicAdd(&p.produced, produced[0]);
-      atomicAdd(&p.produced_sq, produced[1]);
-    }
-  }
-
-  normalise(a, v, words, cs, as, out_r, inv);
+  normalise(a, v, words, cs, as, r, out_r, inv, produced);
 }
 
 }  // namespace

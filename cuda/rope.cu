@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
   gridDependencyWait();
   allowDependentLaunch();
   float* row = a.qkv + size_t(r) * a.stride;
-  double produced[6] = {};  // the q, k and v products' sums, then their sums of squares
+  double produced[8] = {};  // the q, k and v products' sums, then their sums of squares; 2 spare
   if (is_pair) {
     float* u = is_q ? row : row + q_dim;
     float x0 = u[e], x1 = u[e + half];
@@ -106,15 +106,16 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
     if (a.bias[b] != nullptr && a.bias_fold[b] >= 0)
       addWarpFold(a.checks.folds + a.bias_fold[b], fold[b], fold_words[b]);
   if (a.product_role[0] < 0 && a.product_role[1] < 0 && a.product_role[2] < 0) return;
-  warpSums(produced);
-  if (threadIdx.x % 32 != 0) return;
-#pragma unroll
-  for (int b = 0; b < 3; ++b) {
-    if (a.product_role[b] < 0) continue;
-    ProductCheck& pc = a.checks.products[size_t(r) * a.checks.roles + a.product_role[b]];
-    atomicAdd(&pc.produced, produced[b]);
-    atomicAdd(&pc.produced_sq, produced[3 + b]);
-  }
+  const double total = warpTotalSpread(produced);
+  const int value = spreadIndex<8>();
+  if (value < 0 || value > 5) return;
+  const int b = value % 3,  // selects, not an index into the parameters
+      role = b == 0   ? a.product_role[0]
+             : b == 1 ? a.product_role[1]
+                      : a.product_role[2];
+  if (role < 0) return;
+  ProductCheck& pc = a.checks.products[size_t(r) * a.checks.roles + role];
+  atomicAdd(value < 3 ? &pc.produced : &pc.produced_sq, total);
 }
 
 }  // namespace

@@ -7,13 +7,14 @@
 namespace bulkhead::cuda {
 namespace {
 
-__global__ void countFailedKernel(const ProductCheck* products, int total, int roles,
+__global__ void countFailedKernel(ProductCheck* products, int total, int roles,
                                   const ProductScale* scales, ProductCounts counts) {
   gridDependencyWait();
   allowDependentLaunch();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const ProductCheck p = products[i];
+  products[i] = ProductCheck{};                                          // zero for the next step
   if (p.bound == 0.0 && p.expected == 0.0 && p.produced == 0.0) return;  // not computed
   const int role = i % roles;
   atomicAdd(counts.checked + role, 1u);
@@ -35,7 +36,7 @@ __global__ void flipKernel(float* y, size_t index) {
 
 }  // namespace
 
-Status launchCountFailedProducts(const ProductCheck* products, int rows, int roles,
+Status launchCountFailedProducts(ProductCheck* products, int rows, int roles,
                                  const ProductScale* scales, ProductCounts counts,
                                  cudaStream_t stream) {
   const int total = rows * roles;

@@ -59,15 +59,55 @@ struct ConsumerSums {
 
 #ifdef __CUDACC__
 
-// Sums N doubles over the warp at once; every lane gets the totals in v. Every lane of the warp
-// must reach it. The checks add each warp's totals to their destinations with atomic adds: no
-// barrier on the kernel's path, and a block's warps finish independently.
+// Sums N doubles over the warp (N a power of two, at most 32) and returns one total a lane: lane l
+// gets value l / (32 / N)'s. The first log2(N) steps trade halves (a lane keeps half its values and
+// sends its partner the other half), so that every shuffle carries a value still needed: N - 1 +
+// 5 - log2(N) shuffles instead of 5 N. Every lane of the warp must reach it. The checks add each
+// total to its destination from the first lane that holds it (spreadIndex): atomic adds from
+// several lanes at once, no barrier on the kernel's path, and a block's warps finish
+// independently.
 template <int N>
-__device__ inline void warpSums(double (&v)[N]) {
+__device__ __forceinline__ double warpTotalSpread(const double (&in)[N]) {
+  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "a power of two, at most 32");
+  double v[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i)
-    for (int offset = 16; offset > 0; offset /= 2)
-      v[i] += __shfl_xor_sync(0xffffffffu, v[i], offset);
+  for (int i = 0; i < N; ++i) v[i] = in[i];
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int count = N, offset = 16; count > 1; count /= 2, offset /= 2) {
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < count / 2; ++i) {
+      const double send = upper ? v[i] : v[i + count / 2];
+      const double keep = upper ? v[i + count / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+  }
+  double total = v[0];
+#pragma unroll
+  for (int offset = 16 / N; offset > 0; offset /= 2)
+    total += __shfl_xor_sync(0xffffffffu, total, offset);
+  return total;
+}
+
+// After warpTotalSpread<N>: the index of the value whose total this lane adds to its destination,
+// or -1 for the lanes that hold a copy of one.
+template <int N>
+__device__ __forceinline__ int spreadIndex() {
+  constexpr int kGroup = 32 / N;
+  const int lane = threadIdx.x % 32;
+  return lane % kGroup == 0 ? lane / kGroup : -1;
+}
+
+// The warp's sum of 64-bit words modulo 2^64, in every lane: three 32-bit reductions (redux.sync)
+// instead of five 64-bit shuffles and adds. The high halves may wrap (only their low 32 bits
+// reach the result); the low halves are summed as two 16-bit halves, which cannot overflow.
+__device__ __forceinline__ unsigned long long warpSum64(unsigned long long x) {
+  const uint32_t hi = uint32_t(x >> 32), lo = uint32_t(x);
+  const unsigned long long h = __reduce_add_sync(0xffffffffu, hi);
+  const unsigned long long l0 = __reduce_add_sync(0xffffffffu, lo & 0xffffu);
+  const unsigned long long l1 = __reduce_add_sync(0xffffffffu, lo >> 16);
+  return (h << 32) + (l1 << 16) + l0;
 }
 
 // Sums N doubles over the block at once, each by a fixed tree; every thread gets the totals in v.
@@ -101,22 +141,21 @@ __device__ inline unsigned long long foldTerm(uint32_t word, uint32_t salt, uint
 // word count. Every lane of every warp must reach it; no barrier.
 __device__ inline void addFold(FoldAccount* account, unsigned long long sum,
                                unsigned long long words) {
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  sum = warpSum64(sum);
   if (threadIdx.x % 32 == 0) atomicAdd(&account->sum, sum);
   if (threadIdx.x == 0) atomicAdd(&account->words, words);
 }
 
-// Adds each lane's folded words and their count to a weight's account, a warp's at once (lanes
-// that folded nothing add zeros). Every lane of the warp must reach it; no barrier.
+// Adds each lane's folded words and their count (at most 2^27 a lane) to a weight's account, a
+// warp's at once (lanes that folded nothing add zeros). Every lane of the warp must reach it; no
+// barrier.
 __device__ inline void addWarpFold(FoldAccount* account, unsigned long long sum,
                                    unsigned long long words) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    words += __shfl_xor_sync(0xffffffffu, words, offset);
-  }
-  if (threadIdx.x % 32 == 0 && words > 0) {
+  sum = warpSum64(sum);
+  const unsigned warp_words = __reduce_add_sync(0xffffffffu, unsigned(words));
+  if (threadIdx.x % 32 == 0 && warp_words > 0) {
     atomicAdd(&account->sum, sum);
-    atomicAdd(&account->words, words);
+    atomicAdd(&account->words, (unsigned long long)warp_words);
   }
 }
 
@@ -132,8 +171,9 @@ struct ProductCounts {
   unsigned int* checked = nullptr;
 };
 
-// After a step: counts the `rows` x roles product checks into `counts`.
-Status launchCountFailedProducts(const ProductCheck* products, int rows, int roles,
+// After a step: counts the `rows` x roles product checks into `counts`, and zeroes them for the
+// next step.
+Status launchCountFailedProducts(ProductCheck* products, int rows, int roles,
                                  const ProductScale* scales, ProductCounts counts,
                                  cudaStream_t stream);
 

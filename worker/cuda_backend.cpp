@@ -642,10 +642,10 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       BULKHEAD_ASSIGN_OR_RETURN(cuda::GraphExec exec, cuda::GraphExec::instantiate(captured));
       graph = d.graphs.emplace(key, std::move(exec)).first;
     }
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph->second.get(), d.stream.get()));
+    BULKHEAD_RETURN_IF_ERROR(enqueueForward(int(n), m, aligned, graph->second.get()));
     ++graph_launches_;
   } else {
-    BULKHEAD_RETURN_IF_ERROR(launchForward(int(n), m, aligned));
+    BULKHEAD_RETURN_IF_ERROR(enqueueForward(int(n), m, aligned, nullptr));
   }
   fault_role_ = -1;  // a compute fault lasts one step
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.done.get(), d.stream.get()));
@@ -998,11 +998,24 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   return mark("results read-back");
 }
 
+Status CudaBackend::enqueueForward(int n, int m, bool aligned, cudaGraphExec_t graph) {
+  CudaState& d = *d_;
+  if (products_dirty_)
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(d.products.get(), 0, d.products.bytes(), d.stream.get()));
+  products_dirty_ = true;  // until the whole step is on the stream
+  if (graph != nullptr)
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph, d.stream.get()));
+  else
+    BULKHEAD_RETURN_IF_ERROR(launchForward(n, m, aligned));
+  products_dirty_ = false;
+  return okStatus();
+}
+
 Status CudaBackend::launchForward(int n, int m, bool aligned) {
   CudaState& d = *d_;
   cudaStream_t stream = d.stream.get();
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      d.products.get(), 0, size_t(n) * product_roles_ * sizeof(cuda::ProductCheck), stream));
+  // The product checks are zero already (enqueueForward); the step's other results are not.
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.results.get(), 0, d.res.layout.bytes, stream));
   BULKHEAD_RETURN_IF_ERROR(mark("clear checks"));
   BULKHEAD_RETURN_IF_ERROR(cuda::launchEmbedding(
@@ -1172,7 +1185,7 @@ Status CudaBackend::computeAgain(int strayed, WeightReadVerdict& verdict) {
   ++recomputed_steps_;
   BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_RETURN_IF_ERROR(
-      launchForward(pending_.tokens, int(pending_.rows.size()), pending_.aligned));
+      enqueueForward(pending_.tokens, int(pending_.rows.size()), pending_.aligned, nullptr));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.done.get(), d.stream.get()));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(d.done.get()));
   verdict = verdictOfStep();

@@ -147,6 +147,9 @@ class CudaBackend final : public Backend {
   Status allocateStep(const Options& options);
   // The step's launches on the stream, from clearing the checks to reading them back.
   Status launchForward(int tokens, int logits_rows, bool aligned);
+  // launchForward() on the stream (or a graph of it, `graph`), the product checks cleared first
+  // where the step before did not end with the kernel that clears them.
+  Status enqueueForward(int tokens, int logits_rows, bool aligned, cudaGraphExec_t graph);
   Status launchLayer(size_t layer, int tokens, const Weight* previous_down);
   Status launchOutput(int tokens, int logits_rows, bool aligned);
   // y = x · wᵀ for each weight of `group` (one product when their slots are adjacent), outputs
@@ -217,6 +220,9 @@ class CudaBackend final : public Backend {
   std::vector<Weight*> linear_;   // by product role
   std::vector<FoldRole> folds_;
   int product_roles_ = 0;
+  // Whether the product checks may hold a step's sums: the kernel that counts them at the end of a
+  // step clears them, so they are dirty only after a step that was not enqueued whole.
+  bool products_dirty_ = true;
   // Fault injection: the product role and selector of the next step's faulty multiply; -1 none.
   int fault_role_ = -1;
   uint64_t fault_selector_ = 0;
