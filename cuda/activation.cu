@@ -1,4 +1,5 @@
-// SiLU * up: blocks of 1024 elements of a row, every load issued before the arithmetic.
+// SiLU * up: blocks of 256 elements of a row (small blocks: a row's checks, in double, spread over
+// many multiprocessors), every load issued before the arithmetic.
 #include "cuda/activation.cuh"
 
 #include <string>
@@ -9,8 +10,8 @@
 namespace bulkhead::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kPerThread = 4;
+constexpr int kThreads = 128;
+constexpr int kPerThread = 2;
 constexpr int kPerBlock = kThreads * kPerThread;
 
 // grid: (blocks per row, rows). Each element is computed alone; the checks' sums add up over a

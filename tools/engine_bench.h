@@ -27,11 +27,11 @@ struct EngineBenchOptions {
   // Then the same decode steps with each launch timed (Backend::takeLaunchTimes), checked and,
   // with compare, unchecked: a table per batch size of where a step's device time goes.
   bool kernel_times = false;
-  bool residual_in_products = false;  // CudaBackend::Options::residual_in_products (ours only)
-  bool norm_in_products = false;      // CudaBackend::Options::norm_in_products (ours only)
-  bool silu_in_products = false;      // CudaBackend::Options::silu_in_products (ours only)
-  bool rope_in_attention = false;     // CudaBackend::Options::rope_in_attention
-  bool attention_tiles = false;       // CudaBackend::Options::attention_tiles
+  bool residual_in_products = false;       // CudaBackend::Options::residual_in_products (ours only)
+  bool norm_in_products = false;           // CudaBackend::Options::norm_in_products (ours only)
+  bool silu_in_products = false;           // CudaBackend::Options::silu_in_products (ours only)
+  std::string rope_in_attention = "auto";  // CudaBackend::Options::rope_in_attention: on, off
+  bool attention_tiles = false;            // CudaBackend::Options::attention_tiles
   std::string json_path;
 };
 

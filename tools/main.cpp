@@ -219,9 +219,13 @@ int main(int argc, char** argv) {
   engine_bench->add_flag("--silu-in-products", engine_opts.silu_in_products,
                          "CUDA: steps of 1-8 rows compute the MLP's activation in the down "
                          "product, without activation launches");
-  engine_bench->add_flag("--rope-in-attention", engine_opts.rope_in_attention,
-                         "CUDA: in decode steps the attention kernel adds the q/k/v biases, "
-                         "rotates and writes the cache itself, without q/k/v kernel launches");
+  engine_bench
+      ->add_option("--rope-in-attention", engine_opts.rope_in_attention,
+                   "CUDA: in decode steps the attention kernel adds the q/k/v biases, rotates and "
+                   "writes the cache itself, without q/k/v kernel launches (auto: for head sizes "
+                   "up to 64)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   engine_bench->add_flag("--attention-tiles", engine_opts.attention_tiles,
                          "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, "
                          "loading each key and value once for them");

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "shared/checkpoint.h"
@@ -22,12 +23,12 @@ struct BackendOptions {
   int cuda_device = 0;                   // the CUDA device ordinal the worker uses
   // The CUDA product's schedule per bucket of rows (cuda::parseGemmSchedules); empty: the default.
   std::string cuda_gemm_schedules;
-  bool cuda_kernel_times = false;          // CudaBackend::Options::kernel_times
-  bool cuda_residual_in_products = false;  // CudaBackend::Options::residual_in_products
-  bool cuda_norm_in_products = false;      // CudaBackend::Options::norm_in_products
-  bool cuda_silu_in_products = false;      // CudaBackend::Options::silu_in_products
-  bool cuda_rope_in_attention = false;     // CudaBackend::Options::rope_in_attention
-  bool cuda_attention_tiles = false;       // CudaBackend::Options::attention_tiles
+  bool cuda_kernel_times = false;              // CudaBackend::Options::kernel_times
+  bool cuda_residual_in_products = false;      // CudaBackend::Options::residual_in_products
+  bool cuda_norm_in_products = false;          // CudaBackend::Options::norm_in_products
+  bool cuda_silu_in_products = false;          // CudaBackend::Options::silu_in_products
+  std::optional<bool> cuda_rope_in_attention;  // CudaBackend::Options::rope_in_attention
+  bool cuda_attention_tiles = false;           // CudaBackend::Options::attention_tiles
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

@@ -39,7 +39,10 @@ namespace {
 
 constexpr int kLinearPerLayer = 7;  // q, k, v, o, gate, up, down
 constexpr int kLogitsChunk = 64;    // lm_head rows per product
-constexpr int kMaxGraphRows = 64;   // decode steps of up to this many sequences run as graphs
+// Head sizes up to this have the attention kernel do the q/k/v kernel's work in decode steps by
+// default (Options::rope_in_attention).
+constexpr int kRopeInAttentionHeads = 64;
+constexpr int kMaxGraphRows = 64;  // decode steps of up to this many sequences run as graphs
 
 // The arithmetic check's bound per unit of sum_k abssum_k |x_k|: a float32 dot product of
 // length k errs by at most about k * 2^-24 of its absolute terms; four times that leaves room
@@ -177,7 +180,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (options.silu_in_products && options.cublas_products)
     return invalidArgument("cuBLAS products cannot compute their own activation");
   b->silu_in_products_ = options.silu_in_products;
-  b->rope_in_attention_ = options.rope_in_attention;
+  b->rope_in_attention_ =
+      options.rope_in_attention.value_or(b->config().head_dim <= kRopeInAttentionHeads);
   b->attention_tiles_ = options.attention_tiles;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
@@ -1010,6 +1014,16 @@ Status CudaBackend::enqueueForward(int n, int m, bool aligned, cudaGraphExec_t g
     BULKHEAD_RETURN_IF_ERROR(launchForward(n, m, aligned));
   products_dirty_ = false;
   return okStatus();
+}
+
+Result<bool> CudaBackend::productChecksCleared() const {
+  const CudaState& d = *d_;
+  BULKHEAD_RETURN_IF_ERROR(onDevice());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
+  std::vector<std::byte> host(d.products.bytes());
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host.data(), d.products.get(), host.size(), cudaMemcpyDeviceToHost));
+  return std::all_of(host.begin(), host.end(), [](std::byte b) { return b == std::byte{0}; });
 }
 
 Status CudaBackend::launchForward(int n, int m, bool aligned) {

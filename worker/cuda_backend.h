@@ -10,6 +10,7 @@
 
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,8 +66,10 @@ class CudaBackend final : public Backend {
     bool silu_in_products = false;
     // In decode steps (every row its sequence's only one), the attention kernel does the q/k/v
     // kernel's work itself (cuda/attention.cuh AttentionArgs::rope_in): biases, rotation, the
-    // new key and value into the cache. One launch a layer fewer, the same numbers.
-    bool rope_in_attention = false;
+    // new key and value into the cache. One launch a layer fewer, the same numbers. Unset: on
+    // for head sizes up to 64 (faster there; at 128 the kernel's registers cost more than the
+    // launch saves).
+    std::optional<bool> rope_in_attention;
     // In prefill steps, attention in tiles of up to 4 (head size 128) or 8 consecutive rows of
     // one sequence a block, sharing each chunk's key and value loads (cuda/attention.cuh
     // AttentionArgs::tiles), instead of a block a row: the same numbers.
@@ -90,6 +93,8 @@ class CudaBackend final : public Backend {
   Status repairResident(const WeightRange& range) override;
   std::vector<LaunchTime> takeLaunchTimes() override;
 
+  // Whether the product checks are all zero, as every step leaves them for the next (tests).
+  Result<bool> productChecksCleared() const;
   // Steps that ran as a captured graph (tests and stats).
   uint64_t graphLaunches() const { return graph_launches_; }
   // Steps whose attention ran a row's splits side by side (tests and stats).

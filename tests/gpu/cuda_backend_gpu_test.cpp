@@ -217,6 +217,20 @@ TEST_P(CudaBackendModels, GraphsDoNotChangeLogits) {
   expectIdentical(with, without, "graphs");
 }
 
+// The product checks start every step at zero: the kernel that counts them at a step's end clears
+// them (no memset a step), with graphs and without.
+TEST_P(CudaBackendModels, EveryStepLeavesTheProductChecksCleared) {
+  auto plain = cudaBackend(checkpoint_, /*graphs=*/false);
+  ASSERT_NE(plain, nullptr);
+  for (CudaBackend* b : {backend_.get(), plain.get()}) {
+    decodeThree(*b, vocab_);
+    const Result<bool> cleared = b->productChecksCleared();
+    ASSERT_TRUE(cleared.ok()) << cleared.status().message();
+    EXPECT_TRUE(*cleared) << (b == plain.get() ? "without graphs" : "with graphs");
+  }
+  EXPECT_GT(backend_->graphLaunches(), 0u) << "no step ran as a graph";
+}
+
 // Every step's checks pass (the driver asserts it) and every row is the same bit for bit when
 // each kernel may begin while the one before it finishes: with graphs, without, and over
 // chunked prefills beside other sequences.

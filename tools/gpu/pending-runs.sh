@@ -18,7 +18,7 @@
 #           tokens or compute their own activation, then both shapes' kernel times with the
 #           first, and bench-engine with all three (compare with `times` and `engine`)
 #   rope    the GPU tests of the attention that does the q/k/v kernel's work in decode steps,
-#           then bench-engine on both shapes without and with --rope-in-attention
+#           then bench-engine on both shapes with --rope-in-attention off and on
 #   tiles   the GPU tests of attention in prefill tiles, then bench-engine on qwen2.5-7b at
 #           prompt 8,192 with and without --attention-tiles (prefill tokens/s)
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
@@ -125,12 +125,12 @@ for group in "$@"; do
       run gpu-tests-rope 300 "$bundle/gpu_tests" --gtest_filter='*_rope*:Elementwise*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
-        for rope in "" --rope-in-attention; do
-          run "bench-engine-$shape$rope" 150 "$bh" bench-engine --model "$m" --backend cuda \
-            --batch 1,8,32,64 --no-compare $rope
+        for rope in off on; do
+          run "bench-engine-$shape-rope-$rope" 150 "$bh" bench-engine --model "$m" --backend cuda \
+            --batch 1,8,32,64 --no-compare --rope-in-attention $rope
         done
         run "kernel-times-$shape-rope" 150 "$bh" bench-engine --model "$m" --backend cuda \
-          --batch 1,32 --steps 32 --kernel-times --no-compare --rope-in-attention
+          --batch 1,32 --steps 32 --kernel-times --no-compare --rope-in-attention on
       done
       ;;
     tiles)
