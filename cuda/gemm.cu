@@ -96,6 +96,71 @@ __host__ __device__ inline bool normedHasChecks(const GemmNormedInput& nin) {
          nin.consumers[2].role >= 0;
 }
 
+// Whether a product of bf16 tokens adds its consumers' expected sums and bounds itself (a check
+// tile): a GemmNormedInput without x that names consumers.
+__host__ __device__ inline bool tokenHasChecks(const GemmNormedInput& nin) {
+  return nin.x == nullptr &&
+         (nin.consumers[0].role >= 0 || nin.consumers[1].role >= 0 || nin.consumers[2].role >= 0);
+}
+
+// How many consumers a product of bf16 tokens checks itself (tokenChecks): they fill from the
+// first.
+__host__ __device__ inline int tokenConsumers(const GemmNormedInput& nin) {
+  return nin.x != nullptr ? 0
+                          : (nin.consumers[0].role >= 0) + (nin.consumers[1].role >= 0) +
+                                (nin.consumers[2].role >= 0);
+}
+
+// The check tile of a product of bf16 tokens x (m x k): each consumer's (weight's) expected sum
+// and bound from the very inputs the product multiplies. Check lane v takes consumer v / k_blocks
+// and k block v % k_blocks (enough check blocks that every pair has a lane); its lane (g, c)
+// inputs 8c .. 8c + 7 of that k block for token g of each of the block's token groups. The column
+// sums, which no kernel writes, load before the wait for the kernel before; the tokens after it.
+template <int kGroups>
+__device__ void tokenChecks(const __nv_bfloat16* x, const GemmNormedInput& nin, int m0, int m,
+                            int k, int v) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, k_blocks = (k + 31) / 32;
+  const int s = v / k_blocks, k0 = 32 * (v % k_blocks) + 8 * c;
+  const bool in = s < tokenConsumers(nin) && k0 < k;
+  // Selects, not an index into the parameters.
+  const ConsumerSums& consumer = s == 0   ? nin.consumers[0]
+                                 : s == 1 ? nin.consumers[1]
+                                          : nin.consumers[2];
+  float4 cs[2], as[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    cs[half] = in ? reinterpret_cast<const float4*>(consumer.colsum + k0)[half] : float4{};
+    as[half] = in ? reinterpret_cast<const float4*>(consumer.abssum + k0)[half] : float4{};
+  }
+  gridDependencyWait();
+  allowDependentLaunch();
+  const float cv[8] = {cs[0].x, cs[0].y, cs[0].z, cs[0].w, cs[1].x, cs[1].y, cs[1].z, cs[1].w};
+  const float av[8] = {as[0].x, as[0].y, as[0].z, as[0].w, as[1].x, as[1].y, as[1].z, as[1].w};
+#pragma unroll 1
+  for (int t = 0; t < kGroups && m0 + 8 * t < m; ++t) {
+    const int token = m0 + 8 * t + g;
+    double sums[2] = {};  // expected, bound
+    if (in && token < m) {
+      float xv[8];
+      unpackTokens(load16(x + size_t(token) * k + k0, true), xv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        sums[0] += double(cv[j]) * xv[j];
+        sums[1] += double(av[j]) * fabsf(xv[j]);
+      }
+    }
+    // Over the 4 lanes that hold a token's inputs, then one atomic add a value from lane c = 0.
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      for (int offset = 1; offset < 4; offset *= 2)
+        sums[i] += __shfl_xor_sync(0xffffffffu, sums[i], offset);
+    if (c != 0 || !in || token >= m) continue;
+    ProductCheck& p = nin.checks.products[size_t(token) * nin.checks.roles + consumer.role];
+    atomicAdd(&p.expected, sums[0]);
+    atomicAdd(&p.bound, sums[1]);
+  }
+}
+
 // The check tile of a normed product: the norm's side of its consumers' checks and the norm
 // weight's fold, for the k blocks of this warp's lane and the tokens of this block's group. The
 // lanes (g, c) of a warp hold token g's inputs 8c .. 8c + 7 of a k block, as the product's lanes.
@@ -396,10 +461,17 @@ __global__ void __launch_bounds__(kThreads)
   // (no weight rows), their lanes interleaved over the k blocks.
   const int weight_tiles = ((n + 15) / 16 + kTiles - 1) / kTiles;
   const bool check_tile =
-      ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act))) &&
+      ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act)) ||
+       (kInput == kTokenInput && tokenHasChecks(nin))) &&
       tile >= weight_tiles;
   const int check_first = (tile - weight_tiles) * lanes + base,
-            check_stride = (int(gridDim.x) / splits - weight_tiles) * lanes;  // never interleaved
+            check_stride = (int(gridDim.x) / splits / token_blocks - weight_tiles) * lanes;
+  if constexpr (kInput == kTokenInput) {
+    if (check_tile) {  // its own path from here, with its own loads before the wait
+      tokenChecks<kGroups>(x, nin, m0, m, k, check_first);
+      return;  // the whole cluster
+    }
+  }
   if (base < k_blocks && !check_tile) loadWeights(0, base);
   gridDependencyWait();
   allowDependentLaunch();
@@ -574,11 +646,18 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
                    const GemmActivatedInput& act) {
   cudaLaunchConfig_t config = {};
   const bool checks = (nin.x != nullptr && normedHasChecks(nin)) ||
-                      (act.gate_up != nullptr && activatedHasChecks(act));
+                      (act.gate_up != nullptr && activatedHasChecks(act)) ||
+                      (act.gate_up == nullptr && tokenHasChecks(nin));
   // The check tile: enough clusters that a warp of it takes at most 8 k blocks (its loads are
-  // not unrolled as the product's are, and it should finish no later than the product).
+  // not unrolled as the product's are, and it should finish no later than the product); one for
+  // a product's own checks of bf16 tokens.
   const int lanes = splits * kWarps, k_blocks = (k + 31) / 32;
-  const int check_clusters = checks ? (k_blocks + 8 * lanes - 1) / (8 * lanes) : 0;
+  // A product of bf16 tokens checks its own input with a check lane for each consumer's k block
+  // (tokenChecks).
+  const int token_checks = act.gate_up == nullptr ? tokenConsumers(nin) * k_blocks : 0;
+  const int check_clusters = !checks            ? 0
+                             : token_checks > 0 ? (token_checks + lanes - 1) / lanes
+                                                : (k_blocks + 8 * lanes - 1) / (8 * lanes);
   const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + check_clusters;
   const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
   const int interleaved = kInterleaved ? token_blocks : 1;  // token input only
@@ -719,11 +798,19 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            std::to_string(kMaxNormedRows) + ") of " + std::to_string(k) +
                            " inputs, gate/up rows " + std::to_string(activated.ld) +
                            " apart, 16-byte aligned, with its checks' roles and sums");
+  const bool token_checks = tokenHasChecks(normed);
+  if (token_checks && (is_activated || normed.weight_fold != nullptr ||
+                       (normed.consumers[0].role < 0 && normed.consumers[1].role >= 0) ||
+                       (normed.consumers[1].role < 0 && normed.consumers[2].role >= 0)))
+    return invalidArgument(
+        "a product's own checks of its bf16 input: consumers from the first, no computed input");
   for (const ConsumerSums& consumer : normed.consumers)
-    if (is_normed && consumer.role >= 0 &&
+    if ((is_normed || token_checks) && consumer.role >= 0 &&
         (consumer.colsum == nullptr || consumer.abssum == nullptr ||
+         uintptr_t(consumer.colsum) % 16 != 0 || uintptr_t(consumer.abssum) % 16 != 0 ||
          consumer.role >= normed.checks.roles || normed.checks.products == nullptr))
-      return invalidArgument("normed product's check of role " + std::to_string(consumer.role));
+      return invalidArgument(std::string(is_normed ? "normed" : "token") +
+                             " product's check of role " + std::to_string(consumer.role));
   if (forced_splits < 0 || forced_splits > kMaxSplits)
     return invalidArgument("product split over " + std::to_string(forced_splits) +
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");

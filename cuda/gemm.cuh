@@ -81,6 +81,9 @@ struct GemmResidual {
 // as the norm kernel takes it, so the same bits. More blocks (a check tile) add the norm's side of
 // the checks: its consumers' expected and bound (one ConsumerSums a weight of the product, in
 // row order, as GemmFold's weights) and the norm weight's fold, once a token row.
+// Without x (the input is the bf16 x), consumers that name roles make the product add its own
+// side of those checks from the tokens it multiplies (a check tile, any number of rows): what the
+// kernel that wrote x would otherwise add. weight_fold must then be null.
 struct GemmNormedInput {
   const float* x = nullptr;  // null: the input is the bf16 x
   int ldx = 0;

@@ -711,14 +711,15 @@ Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
   in.eps = norm.eps;
   in.weight_salt = norm.weight_salt;
   in.weight_fold = norm.weight_fold >= 0 ? norm.checks.folds + norm.weight_fold : nullptr;
-  for (int c = 0; c < 3; ++c) in.consumers[c] = norm.consumers[c];
+  int c = 0;  // the products' own consumers: the norm's args carry none for ours
+  for (const Weight* w : group) in.consumers[c++] = consumer(*w);
   in.checks = norm.checks;
   return static_cast<const cuda::GemmNormedInput*>(&in);
 }
 
 Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
                              float* y, int ldy, const cuda::GemmNormedInput* normed,
-                             const cuda::GemmActivatedInput* activated) {
+                             const cuda::GemmActivatedInput* activated, int check_row) {
   // One product over the group when its slots lie one after another (one weight matrix), else
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
@@ -746,19 +747,22 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     BULKHEAD_RETURN_IF_ERROR(
         d_->cublas->run(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, false));
   } else if (adjacent) {
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
-        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused,
-        schedule, 0, {}, normed != nullptr ? *normed : cuda::GemmNormedInput{},
-        activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
+    const cuda::GemmNormedInput own = normed == nullptr && activated == nullptr
+                                          ? ownChecks(group, check_row)
+                                          : cuda::GemmNormedInput{};
+    BULKHEAD_RETURN_IF_ERROR(
+        cuda::launchGemm(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy,
+                         stream, fused, schedule, 0, {}, normed != nullptr ? *normed : own,
+                         activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
   }
 
   int column = 0;
   for (const Weight* w : group) {
     const int wn = int(w->tensor->shape[0]);
     if (!adjacent && d_->cublas == nullptr)
-      BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(input, rows,
-                                                static_cast<const __nv_bfloat16*>(w->ptr), wn, k,
-                                                y + column, ldy, stream, foldAlone(*w), schedule));
+      BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
+          input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k, y + column, ldy, stream,
+          foldAlone(*w), schedule, 0, {}, ownChecks({w}, check_row)));
     BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
     column += wn;
   }
@@ -784,12 +788,28 @@ Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows,
   return cuda::launchGemm(
       static_cast<const __nv_bfloat16*>(x), rows, static_cast<const __nv_bfloat16*>(w.ptr), n, k,
       nullptr, 0, d.stream.get(), foldAlone(w), gemm_schedules_[size_t(cuda::gemmBucket(rows))], 0,
-      residual, {}, activated != nullptr ? *activated : cuda::GemmActivatedInput{});
+      residual, activated != nullptr ? cuda::GemmNormedInput{} : ownChecks({&w}, 0),
+      activated != nullptr ? *activated : cuda::GemmActivatedInput{});
 }
 
 cuda::ConsumerSums CudaBackend::consumer(const Weight& w) const {
   if (!limits_.checks_weight_reads) return {};
   return {w.product, d_->colsum[size_t(w.product)], d_->abssum[size_t(w.product)]};
+}
+
+cuda::ConsumerSums CudaBackend::consumerInKernel(const Weight& w) const {
+  return d_->cublas != nullptr ? consumer(w) : cuda::ConsumerSums{};
+}
+
+cuda::GemmNormedInput CudaBackend::ownChecks(std::initializer_list<const Weight*> group,
+                                             int check_row) const {
+  cuda::GemmNormedInput in;
+  if (d_->cublas != nullptr || !limits_.checks_weight_reads || group.size() > 3) return in;
+  int i = 0;
+  for (const Weight* w : group) in.consumers[i++] = consumer(*w);
+  in.checks = d_->view;
+  in.checks.products += size_t(check_row) * size_t(d_->view.roles);
+  return in;
 }
 
 Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
@@ -822,9 +842,9 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   norm.weight_fold = foldOf(L.input_norm);
   norm.eps = c.rms_norm_eps;
   norm.out = xn;
-  norm.consumers[0] = consumer(L.q);
-  norm.consumers[1] = consumer(L.k);
-  norm.consumers[2] = consumer(L.v);
+  norm.consumers[0] = consumerInKernel(L.q);
+  norm.consumers[1] = consumerInKernel(L.k);
+  norm.consumers[2] = consumerInKernel(L.v);
   norm.checks = d.view;
   BULKHEAD_ASSIGN_OR_RETURN(const cuda::GemmNormedInput* normed,
                             normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
@@ -876,7 +896,7 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   aa.block_size = qa.block_size;
   aa.scale = float(1.0 / std::sqrt(double(c.head_dim))) * attention_scale_;
   aa.out = d.attn.get<__nv_bfloat16>();
-  aa.consumer = consumer(L.o);
+  aa.consumer = consumerInKernel(L.o);
   aa.checks = d.view;
   aa.parallel_splits = pending_.parallel_attention;
   aa.split_partials = d.split_partials.get<float>();
@@ -899,8 +919,8 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   norm.weight = static_cast<const __nv_bfloat16*>(L.post_norm.ptr);
   norm.weight_salt = L.post_norm.salt;
   norm.weight_fold = foldOf(L.post_norm);
-  norm.consumers[0] = consumer(L.gate);
-  norm.consumers[1] = consumer(L.up);
+  norm.consumers[0] = consumerInKernel(L.gate);
+  norm.consumers[1] = consumerInKernel(L.up);
   norm.consumers[2] = {};
   BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
   BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
@@ -913,13 +933,14 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   sa.out = d.act.get<__nv_bfloat16>();
   sa.gate_role = role(L.gate);
   sa.up_role = role(L.up);
-  sa.down = consumer(L.down);
+  sa.down = consumerInKernel(L.down);
   sa.checks = d.view;
-  // In few rows (silu_in_products), the down product computes the activation as it loads it.
+  // In few rows (silu_in_products), the down product computes the activation as it loads it,
+  // and its check tile adds the down product's expected sums as well.
   cuda::GemmActivatedInput activated;
   const cuda::GemmActivatedInput* computed = nullptr;
   if (silu_in_products_ && n <= cuda::kMaxNormedRows && d.cublas == nullptr && inter % 4 == 0) {
-    activated = {gate_up, 2 * inter, sa.gate_role, sa.up_role, sa.down, d.view};
+    activated = {gate_up, 2 * inter, sa.gate_role, sa.up_role, consumer(L.down), d.view};
     computed = &activated;
   } else {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
@@ -954,7 +975,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   norm.eps = c.rms_norm_eps;
   norm.out = d.final_rows.get<__nv_bfloat16>();
   norm.out_row = d.input<int32_t>(d.in.out_row);
-  norm.consumers[0] = consumer(lm_head_);
+  norm.consumers[0] = consumerInKernel(lm_head_);
   norm.checks = d.view;
   BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
   BULKHEAD_RETURN_IF_ERROR(mark("norm (final)"));
@@ -966,7 +987,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
     const int rows = std::min(kLogitsChunk, m - first);
     BULKHEAD_RETURN_IF_ERROR(
         products({&lm_head_}, d.final_rows.get<__nv_bfloat16>() + size_t(first) * c.hidden_size,
-                 rows, d.logits.get<float>(), vocab));
+                 rows, d.logits.get<float>(), vocab, nullptr, nullptr, first));
     BULKHEAD_RETURN_IF_ERROR(mark("product lm_head"));
     cuda::LogitsArgs la;
     la.logits = d.logits.get<float>();

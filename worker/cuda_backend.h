@@ -160,10 +160,12 @@ class CudaBackend final : public Backend {
   // y = x · wᵀ for each weight of `group` (one product when their slots are adjacent), outputs
   // side by side in rows `ldy` floats apart; then the armed compute fault, if one is.
   // With `normed`, the group's input is the norm it describes, not x (one product: the group's
-  // slots adjacent, ours, at most cuda::kMaxNormedRows rows).
+  // slots adjacent, ours, at most cuda::kMaxNormedRows rows). With neither `normed` nor
+  // `activated`, our products add their weights' expected sums and bounds themselves, from x
+  // (ownChecks), for check rows check_row onwards.
   Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
                   int ldy, const cuda::GemmNormedInput* normed = nullptr,
-                  const cuda::GemmActivatedInput* activated = nullptr);
+                  const cuda::GemmActivatedInput* activated = nullptr, int check_row = 0);
   // Whether the group's slots lie one after another, each but the last ending on a 16-row tile
   // (one product for the group).
   static bool adjacentGroup(std::initializer_list<const Weight*> group);
@@ -184,6 +186,14 @@ class CudaBackend final : public Backend {
   // The fold of one weight's words loaded by a product of its own (none without checks).
   cuda::GemmFold foldAlone(const Weight& w) const;
   cuda::ConsumerSums consumer(const Weight& w) const;
+  // The consumer sums a kernel that writes w's input (a norm, attention, the activation) adds:
+  // none where w's product is one of ours, which adds them itself (ownChecks); consumer(w) for
+  // cuBLAS products.
+  cuda::ConsumerSums consumerInKernel(const Weight& w) const;
+  // For a product of bf16 tokens of ours over `group` (up to three weights, one product): its
+  // own expected sums and bounds, check rows check_row onwards (cuda/gemm.cuh GemmNormedInput
+  // without x). Nothing for cuBLAS products or without checks.
+  cuda::GemmNormedInput ownChecks(std::initializer_list<const Weight*> group, int check_row) const;
   WeightReadVerdict verifySlots() const;
   WeightReadVerdict verdictOfStep() const;
   Status checkRange(const WeightRange& range) const;

@@ -359,6 +359,103 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
   }
 }
 
+// A product of bf16 tokens that adds its own weights' side of the checks (a GemmNormedInput
+// without x: the check tile) gives the same outputs as without, in every schedule, at 4 and 8
+// splits, into y and into the residual, and each named consumer's expected sum and bound of
+// every row: the column sums dotted with that row's inputs, as the host computes them in double.
+TEST(TokenChecks, AProductAddsItsOwnExpectedSumsAndBounds) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    int k, n, rows;
+  };
+  for (const Case cs : {Case{896, 1152, 1}, Case{896, 1152, 8}, Case{200, 96, 3},
+                        Case{896, 4864, 33}, Case{4864, 896, 64}, Case{3584, 4608, 100}}) {
+    const int k = cs.k, n = cs.n, rows = cs.rows, roles = 4, segments = 3;
+    std::mt19937 rng{uint32_t(3 * k + n + rows)};
+    std::normal_distribution<float> value(0.0f, 1.0f);
+    std::vector<__nv_bfloat16> x(size_t(rows) * k), w(size_t(n) * k);
+    for (auto& v : x) v = __float2bfloat16(value(rng));
+    for (auto& v : w) v = __float2bfloat16(0.05f * value(rng));
+    std::vector<float> sums(size_t(2 * segments) * k);
+    for (auto& v : sums) v = value(rng);
+    test::DeviceBuffer<__nv_bfloat16> dx(x), dw(w);
+    test::DeviceBuffer<float> dsums(sums), dy(size_t(rows) * n), dres(size_t(rows) * n),
+        dpartials(size_t(rows) * cuda::normTiles(n));
+    test::DeviceBuffer<cuda::ProductCheck> checks(size_t(rows) * roles);
+    cuda::GemmNormedInput own;
+    for (int s = 0; s < segments; ++s)
+      own.consumers[s] = {1 + s, dsums.p + size_t(2 * s) * k, dsums.p + size_t(2 * s + 1) * k};
+    own.checks = {checks.p, roles, nullptr};
+    // What the host expects of row r, consumer s: expected, then bound.
+    std::vector<double> want(size_t(rows) * segments * 2);
+    for (int r = 0; r < rows; ++r)
+      for (int s = 0; s < segments; ++s) {
+        double e = 0, b = 0;
+        for (int i = 0; i < k; ++i) {
+          const double xi = __bfloat162float(x[size_t(r) * k + i]);
+          e += double(sums[size_t(2 * s) * k + i]) * xi;
+          b += double(sums[size_t(2 * s + 1) * k + i]) * std::fabs(xi);
+        }
+        want[(size_t(r) * segments + s) * 2] = e;
+        want[(size_t(r) * segments + s) * 2 + 1] = b;
+      }
+    for (const ScheduleRun& run : scheduleRuns()) {
+      const auto [schedule, splits] = run;
+      for (const bool to_residual : {false, true}) {
+        const std::string how = "k " + std::to_string(k) + ", n " + std::to_string(n) + ", " +
+                                std::to_string(rows) + " rows, " + run.name() +
+                                (to_residual ? ", residual" : "");
+        cuda::GemmResidual residual;
+        if (to_residual) {
+          residual.x = dres.p;
+          residual.ldx = n;
+          residual.partials = dpartials.p;
+          residual.ldp = cuda::normTiles(n);
+        }
+        auto reset = [&] {
+          ASSERT_EQ(cudaMemset(dy.p, 0, dy.n * 4), cudaSuccess);
+          ASSERT_EQ(cudaMemset(dres.p, 0, dres.n * 4), cudaSuccess);
+          ASSERT_EQ(cudaMemset(checks.p, 0, checks.n * sizeof(cuda::ProductCheck)), cudaSuccess);
+        };
+        reset();
+        ASSERT_TRUE(cuda::launchGemm(dx.p, rows, dw.p, n, k, dy.p, n, nullptr, {}, schedule, splits,
+                                     residual)
+                        .ok());
+        const std::vector<float> plain = to_residual ? dres.read() : dy.read();
+        reset();
+        const Status launched = cuda::launchGemm(dx.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
+                                                 schedule, splits, residual, own);
+        ASSERT_TRUE(launched.ok()) << how << ": " << launched.toString();
+        const std::vector<float> got = to_residual ? dres.read() : dy.read();
+        for (size_t i = 0; i < got.size(); ++i)
+          ASSERT_EQ(bitsOf(got[i]), bitsOf(plain[i])) << how << ": output " << i;
+        const std::vector<cuda::ProductCheck> got_checks = checks.read();
+        for (int r = 0; r < rows; ++r) {
+          EXPECT_EQ(got_checks[size_t(r) * roles].expected, 0.0) << how << ": role 0 is no one's";
+          for (int s = 0; s < segments; ++s) {
+            const cuda::ProductCheck& p = got_checks[size_t(r) * roles + 1 + s];
+            const double e = want[(size_t(r) * segments + s) * 2],
+                         b = want[(size_t(r) * segments + s) * 2 + 1];
+            EXPECT_NEAR(p.expected, e, 1e-9 * (1 + std::fabs(b))) << how << ", row " << r;
+            EXPECT_NEAR(p.bound, b, 1e-9 * (1 + std::fabs(b))) << how << ", row " << r;
+            EXPECT_EQ(p.produced, 0.0) << how << ": only the expected side";
+          }
+        }
+      }
+    }
+  }
+  // With a computed input, or a fold of the norm's weight, it is refused.
+  cuda::GemmNormedInput bad;
+  bad.consumers[0] = {0, reinterpret_cast<const float*>(16), reinterpret_cast<const float*>(16)};
+  bad.checks = {reinterpret_cast<cuda::ProductCheck*>(16), 1, nullptr};
+  bad.weight_fold = reinterpret_cast<cuda::FoldAccount*>(16);
+  EXPECT_FALSE(cuda::launchGemm(reinterpret_cast<const __nv_bfloat16*>(16), 1,
+                                reinterpret_cast<const __nv_bfloat16*>(16), 16, 16,
+                                reinterpret_cast<float*>(16), 16, nullptr, {},
+                                cuda::GemmSchedule::kPlain, 0, {}, bad)
+                   .ok());
+}
+
 // A product of 1 to 8 rows that computes the MLP's activation as it loads its tokens gives the
 // rows the activation kernel's output gives the same product (plain and into the residual), in
 // every schedule and at 4 and 8 splits, and that kernel's side of the checks: the gate and up
