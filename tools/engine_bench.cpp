@@ -132,7 +132,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_norm_in_products = o.norm_in_products && !v.cublas;
   options.cuda_silu_in_products = o.silu_in_products && !v.cublas;
   if (o.rope_in_attention != "auto") options.cuda_rope_in_attention = o.rope_in_attention == "on";
-  options.cuda_attention_tiles = o.attention_tiles;
+  options.cuda_attention_tiles = o.attention_tiles == "on";
   BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
   const BackendLimits& limits = backend->limits();
   const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
@@ -273,8 +273,8 @@ Status runEngineBench(const EngineBenchOptions& o) {
       o.programmatic_launch ? "on" : "off",
       o.gemm_schedules.empty() ? "default" : o.gemm_schedules.c_str(),
       o.residual_in_products ? "on" : "off", o.norm_in_products ? "on" : "off",
-      o.silu_in_products ? "on" : "off", o.rope_in_attention.c_str(),
-      o.attention_tiles ? "on" : "off", o.prompt, o.steps);
+      o.silu_in_products ? "on" : "off", o.rope_in_attention.c_str(), o.attention_tiles.c_str(),
+      o.prompt, o.steps);
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
                 read_bytes_per_s / 1e9);

@@ -31,7 +31,7 @@ struct EngineBenchOptions {
   bool norm_in_products = false;           // CudaBackend::Options::norm_in_products (ours only)
   bool silu_in_products = false;           // CudaBackend::Options::silu_in_products (ours only)
   std::string rope_in_attention = "auto";  // CudaBackend::Options::rope_in_attention: on, off
-  bool attention_tiles = false;            // CudaBackend::Options::attention_tiles
+  std::string attention_tiles = "on";      // CudaBackend::Options::attention_tiles: on, off
   std::string json_path;
 };
 

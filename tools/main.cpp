@@ -226,9 +226,12 @@ int main(int argc, char** argv) {
                    "up to 64)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
-  engine_bench->add_flag("--attention-tiles", engine_opts.attention_tiles,
-                         "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, "
-                         "loading each key and value once for them");
+  engine_bench
+      ->add_option("--attention-tiles", engine_opts.attention_tiles,
+                   "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, "
+                   "loading each key and value once for them")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   engine_bench->add_flag("--kernel-times", engine_opts.kernel_times,
                          "CUDA: then where a decode step's device time goes, launch by launch "
                          "(an event after each, no graphs), with and without the checks");

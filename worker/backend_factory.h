@@ -28,7 +28,7 @@ struct BackendOptions {
   bool cuda_norm_in_products = false;          // CudaBackend::Options::norm_in_products
   bool cuda_silu_in_products = false;          // CudaBackend::Options::silu_in_products
   std::optional<bool> cuda_rope_in_attention;  // CudaBackend::Options::rope_in_attention
-  bool cuda_attention_tiles = false;           // CudaBackend::Options::attention_tiles
+  bool cuda_attention_tiles = true;            // CudaBackend::Options::attention_tiles
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

@@ -20,7 +20,7 @@
 #   rope    the GPU tests of the attention that does the q/k/v kernel's work in decode steps,
 #           then bench-engine on both shapes with --rope-in-attention off and on
 #   tiles   the GPU tests of attention in prefill tiles, then bench-engine on qwen2.5-7b at
-#           prompt 8,192 with and without --attention-tiles (prefill tokens/s)
+#           prompt 8,192 with --attention-tiles off and on (prefill tokens/s)
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles, interleaved) in every bucket, no comparison columns
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -136,10 +136,10 @@ for group in "$@"; do
     tiles)
       run gpu-tests-tiles 300 "$bundle/gpu_tests" --gtest_filter='*_tiles*:*LongContext*'
       m=$(model qwen2.5-7b)
-      for tiles in "" --attention-tiles; do
-        run "bench-engine-qwen2.5-7b-long$tiles" 200 "$bh" bench-engine --model "$m" \
+      for tiles in off on; do
+        run "bench-engine-qwen2.5-7b-long-tiles-$tiles" 200 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1 --prompt 8192 --steps 16 --no-compare --max-step-tokens 8192 \
-          $tiles
+          --attention-tiles $tiles
       done
       ;;
     schedules)
