@@ -14,15 +14,25 @@ void StepCosts::record(uint32_t rows, double compute_ms, double trip_ms, double 
   if (rows == 0) return;
   if (by_rows_.size() <= rows) by_rows_.resize(rows + 1);
   Cost& c = by_rows_[rows];
-  const double w = c.seen == 0 ? 1.0 : kNewest;
-  c.compute_ms += w * (compute_ms - c.compute_ms);
-  c.trip_ms += w * (trip_ms - c.trip_ms);
-  c.sample_ms += w * (sample_ms - c.sample_ms);
+  auto add = [&](double& average, double value) {
+    if (c.seen == 0)
+      average = value;
+    else if (c.seen < kSettling)
+      average = std::min(average, value);
+    else
+      average += kNewest * (std::min(value, kClip * average) - average);
+  };
+  add(c.compute_ms, compute_ms);
+  add(c.trip_ms, trip_ms);
+  add(c.sample_ms, sample_ms);
   ++c.seen;
+  c.at = ++records_;
 }
 
 const StepCosts::Cost* StepCosts::near(uint32_t rows) const {
-  auto seen = [&](uint32_t r) { return r < by_rows_.size() && by_rows_[r].seen > 0; };
+  auto seen = [&](uint32_t r) {
+    return r < by_rows_.size() && by_rows_[r].seen > 0 && records_ - by_rows_[r].at < kStale;
+  };
   const uint32_t tolerance = std::max(1u, rows / 8);
   for (uint32_t d = 0; d <= tolerance; ++d) {
     if (seen(rows + d)) return &by_rows_[rows + d];

@@ -20,20 +20,32 @@ class StepCosts {
 
   // For `rows` sequences due: whether two steps of half of them each (the larger half first), each
   // sampled while the worker computes the other, are expected to take less time than one step of
-  // all of them followed by its sampling. nullopt until steps of both sizes have been seen. A size
-  // stands for its neighbours within an eighth of it (sequences come and go between steps).
+  // all of them followed by its sampling. nullopt until steps of both sizes have been seen, and
+  // again once either was last seen kStale records ago (so that a choice is measured again, not
+  // kept for good on what one size cost once). A size stands for its neighbours within an eighth
+  // of it (sequences come and go between steps).
   std::optional<bool> halvesPay(uint32_t rows) const;
-  // Whether steps of about `rows` rows have been seen.
+  // Whether steps of about `rows` rows have been seen within the last kStale records.
   bool knows(uint32_t rows) const { return near(rows) != nullptr; }
+
+  // A size's cost is the least of its first kSettling steps (a GPU worker's first step of a size
+  // also captures its graph, many times a usual step), then a moving average in which one step
+  // counts for at most kClip times the average.
+  static constexpr uint32_t kSettling = 3;
+  static constexpr double kClip = 2.0;
+  static constexpr uint64_t kStale = 64;
 
  private:
   struct Cost {
     double compute_ms = 0, trip_ms = 0, sample_ms = 0;
     uint32_t seen = 0;
+    uint64_t at = 0;  // records_ when last recorded
   };
-  // The seen size nearest `rows`, within max(1, rows / 8); nullptr if none.
+  // The size nearest `rows` seen within the last kStale records, within max(1, rows / 8); nullptr
+  // if none.
   const Cost* near(uint32_t rows) const;
   std::vector<Cost> by_rows_;
+  uint64_t records_ = 0;
 };
 
 }  // namespace bulkhead

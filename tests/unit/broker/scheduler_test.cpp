@@ -182,6 +182,21 @@ TEST_F(SchedulerTest, TwoHalfStepsGoInFlightOnlyWhereTheyCostLess) {
   const double linear = overlappedShare([](size_t rows) { return uint64_t(1000 * rows); });
   EXPECT_LT(flat, 0.25) << "halves that cost a whole step each kept going";
   EXPECT_GT(linear, 0.75) << "halves that cost half a step each were given up";
+  // A GPU worker's first step of each size also captures its graph: one step that costs many
+  // times the usual must not decide for good.
+  auto first_of_each_size = [](uint64_t usual, std::function<uint64_t(size_t)> cost) {
+    auto seen = std::make_shared<std::pair<std::mutex, std::set<size_t>>>();
+    return [=](size_t rows) {
+      std::lock_guard lock(seen->first);
+      return seen->second.insert(rows).second ? 50 * usual : cost(rows);
+    };
+  };
+  const double flat_captured =
+      overlappedShare(first_of_each_size(40'000, [](size_t) { return uint64_t(40'000); }));
+  const double linear_captured = overlappedShare(
+      first_of_each_size(16'000, [](size_t rows) { return uint64_t(1000 * rows); }));
+  EXPECT_LT(flat_captured, 0.25) << "a capture's cost kept halves going";
+  EXPECT_GT(linear_captured, 0.75) << "a capture's cost gave halves up";
 }
 
 TEST_F(SchedulerTest, TwoStepsInFlightGiveTheSameTokens) {

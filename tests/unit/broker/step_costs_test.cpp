@@ -81,5 +81,39 @@ TEST(StepCostsTest, RecentStepsOutweighOldOnes) {
   EXPECT_FALSE(*costs.halvesPay(64));
 }
 
+// A GPU worker's first step of a size also captures its graph: the least of a size's first steps
+// is its cost, and later one slow step counts for at most twice the average.
+TEST(StepCostsTest, AFirstStepThatCapturedAGraphDoesNotSetTheCost) {
+  StepCosts costs;
+  costs.record(64, 400.0, 0.1, 0.5);  // the capture
+  costs.record(32, 300.0, 0.1, 0.3);  // the capture
+  EXPECT_FALSE(*costs.halvesPay(64)) << "on the captures alone: 600 ms of halves against 400";
+  costs.record(32, 3.8, 0.1, 0.3);
+  EXPECT_TRUE(*costs.halvesPay(64)) << "7.6 ms of halves against the 400 ms step";
+  costs.record(64, 4.2, 0.1, 0.5);
+  EXPECT_FALSE(*costs.halvesPay(64)) << "7.6 ms of halves against 4.8 ms at once";
+  // Settled: a slow step moves the average by at most a fifth of the average.
+  for (int i = 0; i < 3; ++i) costs.record(64, 4.2, 0.1, 0.5);
+  costs.record(64, 1000.0, 0.1, 0.5);
+  EXPECT_FALSE(*costs.halvesPay(64)) << "4.2 + 0.2 x 4.2 ms at once: still less";
+}
+
+// A cost last seen long ago is measured again before it decides: a choice made on what one size
+// cost once is not kept for good.
+TEST(StepCostsTest, ACostSeenLongAgoNoLongerDecides) {
+  StepCosts costs;
+  costs.record(64, 4.2, 0.1, 0.5);
+  costs.record(32, 3.8, 0.1, 0.3);
+  ASSERT_TRUE(costs.halvesPay(64).has_value());
+  for (uint64_t i = 0; i + 1 < StepCosts::kStale; ++i) costs.record(64, 4.2, 0.1, 0.5);
+  EXPECT_TRUE(costs.halvesPay(64).has_value()) << "32 rows seen kStale - 1 records ago";
+  costs.record(64, 4.2, 0.1, 0.5);
+  EXPECT_FALSE(costs.halvesPay(64).has_value()) << "32 rows last seen kStale records ago";
+  EXPECT_FALSE(costs.knows(32));
+  EXPECT_TRUE(costs.knows(64));
+  costs.record(32, 3.8, 0.1, 0.3);
+  EXPECT_TRUE(costs.halvesPay(64).has_value());
+}
+
 }  // namespace
 }  // namespace bulkhead
