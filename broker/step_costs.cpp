@@ -44,12 +44,15 @@ const StepCosts::Cost* StepCosts::near(uint32_t rows) const {
 std::optional<bool> StepCosts::halvesPay(uint32_t rows) const {
   if (rows < 2) return std::nullopt;
   const Cost* whole = near(rows);
-  const Cost* half = near((rows + 1) / 2);
-  if (whole == nullptr || half == nullptr) return std::nullopt;
+  const Cost* large = near((rows + 1) / 2);
+  if (whole == nullptr || large == nullptr) return std::nullopt;
+  const Cost* small = rows % 2 == 0 ? large : near(rows / 2);
+  if (small == nullptr) small = large;  // the larger half's cost for both, until it is seen
   // One at a time, the worker waits out each step's trip and sampling; in halves each half's
   // sampling runs while the worker computes the other, so the slower of the two sets the pace.
   const double one_at_a_time = whole->compute_ms + whole->trip_ms + whole->sample_ms;
-  const double halves = 2 * std::max(half->compute_ms, half->sample_ms);
+  const double halves =
+      std::max(large->compute_ms, small->sample_ms) + std::max(small->compute_ms, large->sample_ms);
   return halves < one_at_a_time;
 }
 

@@ -20,7 +20,8 @@ class StepCosts {
 
   // For `rows` sequences due: whether two steps of half of them each (the larger half first), each
   // sampled while the worker computes the other, are expected to take less time than one step of
-  // all of them followed by its sampling. nullopt until steps of both sizes have been seen, and
+  // all of them followed by its sampling (an odd count's halves each at its own size's cost, once
+  // both sizes were seen). nullopt until steps of both sizes have been seen, and
   // again once either was last seen kStale records ago (so that a choice is measured again, not
   // kept for good on what one size cost once). A size stands for its neighbours within an eighth
   // of it (sequences come and go between steps).

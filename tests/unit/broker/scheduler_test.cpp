@@ -199,6 +199,41 @@ TEST_F(SchedulerTest, TwoHalfStepsGoInFlightOnlyWhereTheyCostLess) {
   EXPECT_GT(linear_captured, 0.75) << "a capture's cost gave halves up";
 }
 
+// As above while sequences end one after another (their lengths differ), so that the batch
+// shrinks through many sizes, each first seen with a capture's cost.
+TEST_F(SchedulerTest, TwoHalfStepsFollowCostsWhileTheBatchShrinks) {
+  auto overlappedShare = [&](std::function<uint64_t(size_t)> cost) {
+    control_ = std::make_shared<test::FakeWorkerControl>();
+    control_->in_step_checks = true;
+    auto seen = std::make_shared<std::pair<std::mutex, std::set<size_t>>>();
+    control_->compute_micros = [seen, cost](size_t rows) {
+      std::lock_guard lock(seen->first);
+      return seen->second.insert(rows).second ? 50 * cost(rows) : cost(rows);
+    };
+    SchedulerOptions o;
+    o.pipeline_sample_share = 1e-9;
+    start(o, /*run=*/false);
+    std::vector<Run> runs;
+    for (int i = 0; i < 32; ++i) {
+      runs.emplace_back();
+      runs.back().prompt = {uint32_t(i + 1), uint32_t(2 * i + 3), 7};
+      GenerationRequest r;
+      r.prompt = runs.back().prompt;
+      r.max_tokens = 40 + 8 * uint32_t(i);
+      EXPECT_TRUE(scheduler_->submit(r, runs.back().sink).ok());
+    }
+    scheduler_->start();
+    for (size_t i = 0; i < runs.size(); ++i) expectAllExact({runs[i]}, 40 + 8 * uint32_t(i));
+    const SchedulerStats s = scheduler_->stats();
+    scheduler_->stop();
+    return double(s.steps_overlapped) / double(s.steps);
+  };
+  const double flat = overlappedShare([](size_t) { return uint64_t(40'000); });
+  const double linear = overlappedShare([](size_t rows) { return uint64_t(2000 * rows); });
+  EXPECT_LT(flat, 0.25) << "halves that cost a whole step each kept going";
+  EXPECT_GT(linear, 0.75) << "halves that cost half a step each were given up";
+}
+
 TEST_F(SchedulerTest, TwoStepsInFlightGiveTheSameTokens) {
   control_->in_step_checks = true;
   SchedulerOptions o;

@@ -60,12 +60,16 @@ TEST(StepCostsTest, ASizeStandsForItsNearNeighbours) {
   EXPECT_TRUE(costs.halvesPay(66).has_value()) << "64 stands for 66, 29 for 33";
   costs.record(32, 3.0, 0.0, 0.0);
   EXPECT_TRUE(*costs.halvesPay(64)) << "the exact size comes first: 2 x 3 ms against 8 ms";
-  // An odd count's halves: the larger first.
+  // An odd count's halves: each at its own size's cost once both were seen, the larger's for
+  // both until then.
   StepCosts odd;
   odd.record(33, 10.0, 0.0, 0.0);
-  odd.record(17, 1.0, 0.0, 0.0);
-  odd.record(16, 9.0, 0.0, 0.0);
-  EXPECT_TRUE(*odd.halvesPay(33)) << "17 rows, not 16, decide";
+  odd.record(17, 6.0, 0.0, 0.0);
+  EXPECT_FALSE(*odd.halvesPay(33)) << "2 x 6 ms of halves against 10 ms";
+  odd.record(15, 3.0, 0.0, 0.0);
+  EXPECT_FALSE(*odd.halvesPay(33)) << "17 rows stand for 16 before 15 does";
+  odd.record(16, 3.0, 0.0, 0.0);
+  EXPECT_TRUE(*odd.halvesPay(33)) << "6 + 3 ms of halves against 10 ms";
 }
 
 TEST(StepCostsTest, RecentStepsOutweighOldOnes) {
