@@ -807,7 +807,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   for (const ConsumerSums& consumer : normed.consumers)
     if ((is_normed || token_checks) && consumer.role >= 0 &&
         (consumer.colsum == nullptr || consumer.abssum == nullptr ||
-         uintptr_t(consumer.colsum) % 16 != 0 || uintptr_t(consumer.abssum) % 16 != 0 ||
+         (token_checks &&  // loaded 16 bytes at a time
+          (uintptr_t(consumer.colsum) % 16 != 0 || uintptr_t(consumer.abssum) % 16 != 0)) ||
          consumer.role >= normed.checks.roles || normed.checks.products == nullptr))
       return invalidArgument(std::string(is_normed ? "normed" : "token") +
                              " product's check of role " + std::to_string(consumer.role));
