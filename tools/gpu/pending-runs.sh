@@ -87,7 +87,7 @@ for group in "$@"; do
       ;;
     memcheck)
       small='*GemmGpuTest*/896x896:*GemmGpuTest*/128x64:*GemmGpuTest*/352x64:*GemmGpuTest*/64x176'
-      small+=':*GemmGpuTest*/10x24:*GemmGpuTest*/33x40:*GemmGpuTest*/100x4008'
+      small+=':*GemmGpuTest*/10x24:*GemmGpuTest*/33x40:*GemmGpuTest*/100x4008:TokenChecks*'
       for tool in memcheck racecheck; do
         run "gemm-$tool" 240 compute-sanitizer --tool $tool --error-exitcode 3 \
           "$bundle/gpu_tests" --gtest_filter="$small"
