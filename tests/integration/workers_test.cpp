@@ -201,7 +201,8 @@ TEST_F(ThreeWorkersTest, DrainingOneWorkerLosesNothing) {
   v1::DrainRequest req;
   req.set_worker(name(w));
   v1::DrainResponse resp;
-  ASSERT_TRUE(admin_->Drain(&ctx, req, &resp).ok());
+  const grpc::Status drained = admin_->Drain(&ctx, req, &resp);
+  ASSERT_TRUE(drained.ok()) << drained.error_message();
   EXPECT_GT(resp.moved(), 0u);
   expectExact(streams);
   EXPECT_EQ(workers()[w].state(), "stopped");
