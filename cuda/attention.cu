@@ -326,6 +326,26 @@ struct Fresh {
   unsigned long long fold[3] = {}, words[3] = {};
 };
 
+// Item i (0 .. 2 HD) of the fresh q/k/v work: a q pair, a k pair or a v element, its index j in
+// its head (the pair's first element) and the bias it adds.
+struct FreshItem {
+  bool is_q, is_k;
+  int j;
+  const __nv_bfloat16* bias;
+};
+template <int HD>
+__device__ __forceinline__ FreshItem freshItem(const QkvArgs& q, int i) {
+  constexpr int half = HD / 2;
+  const bool is_q = i < half, is_k = !is_q && i < HD;
+  return {is_q, is_k,
+          is_q   ? i
+          : is_k ? i - half
+                 : i - HD,
+          is_q   ? q.bias[0]
+          : is_k ? q.bias[1]
+                 : q.bias[2]};
+}
+
 // Every block computes its own q and its KV head's new key and value; the owner (the block of
 // the row's first split) adds q's produced sums and folds q's bias words for its head, and the
 // leader (the owner of the KV head's first q head) does so for k and v and writes the cache.
@@ -338,10 +358,8 @@ __device__ __forceinline__ void freshLoad(const AttentionArgs& a, Fresh<HD>& f, 
   for (int u = 0; u < Fresh<HD>::kItems; ++u) {
     const int i = int(threadIdx.x) + u * kThreads;
     if (i >= 2 * HD) break;
-    const bool is_q = i < half, is_k = !is_q && i < HD;
-    const int j = is_q ? i : is_k ? i - half : i - HD;
+    const auto [is_q, is_k, j, bias] = freshItem<HD>(q, i);
     const int e = (is_q ? h : kvh) * HD + j;
-    const __nv_bfloat16* bias = is_q ? q.bias[0] : is_k ? q.bias[1] : q.bias[2];
     if (bias != nullptr) {
       f.bias0[u] = __bfloat162float(bias[e]);
       if (i < HD) f.bias1[u] = __bfloat162float(bias[e + half]);
@@ -392,9 +410,7 @@ __device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh
   for (int u = 0; u < Fresh<HD>::kItems; ++u) {
     const int i = int(threadIdx.x) + u * kThreads;
     if (i >= 2 * HD) break;
-    const bool is_q = i < half, is_k = !is_q && i < HD;
-    const int j = is_q ? i : is_k ? i - half : i - HD;
-    const __nv_bfloat16* bias = is_q ? q.bias[0] : is_k ? q.bias[1] : q.bias[2];
+    const auto [is_q, is_k, j, bias] = freshItem<HD>(q, i);
     if (i < HD) {
       const float* x = is_q ? row + h * HD : row + q_dim + kvh * HD;
       float x0 = x[j], x1 = x[j + half];
