@@ -64,9 +64,14 @@ using PinnedMemory = Buffer<PinnedAllocator>;
 class Stream {
  public:
   Stream() = default;
-  static Result<Stream> create() {
+  // `urgent`: the device's greatest priority, so that its kernels take multiprocessors as they
+  // free up ahead of those of default-priority streams (the scrubber's).
+  static Result<Stream> create(bool urgent = false) {
     Stream s;
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    int least = 0, greatest = 0;
+    if (urgent) BULKHEAD_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, urgent ? greatest : least));
     return Result<Stream>(std::move(s));
   }
   Stream(Stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}

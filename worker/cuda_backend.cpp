@@ -3,6 +3,7 @@
 #include "worker/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -127,7 +128,10 @@ struct CudaState {
   DeviceMemory split_partials, split_counts;
   int max_splits = 0;
   // Scrubbing: ranges and their sums, on the scrub stream.
+  // Pinned, so that a granule's copies are plain DMA: a pageable copy stages through the driver
+  // and waits on the host for the whole copy.
   DeviceMemory scrub_ranges, scrub_sums;
+  PinnedMemory scrub_ranges_host, scrub_sums_host;
   size_t scrub_capacity = 0;
 
   // Lays out and allocates the inputs for `tokens` rows and `table_words` block ids.
@@ -427,7 +431,7 @@ Status CudaBackend::load(const Options& options) {
       return unimplemented("the CUDA backend has no o_proj bias (" + l.o_bias->name + ")");
   device_ = options.device;
   BULKHEAD_RETURN_IF_ERROR(onDevice());
-  BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.stream, cuda::Stream::create(/*urgent=*/true));
   const bool programmatic = options.programmatic_launch && cuda::programmaticLaunchSupported();
   if (options.programmatic_launch && !programmatic)
     spdlog::info(
@@ -633,6 +637,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
         m, aligned, pending_.parallel_attention, pending_.decode_rows, pending_.attention_tiles};
     auto graph = d.graphs.find(key);
     if (graph == d.graphs.end()) {
+      const auto capture_start = std::chrono::steady_clock::now();
       BULKHEAD_CUDA_RETURN_IF_ERROR(
           cudaStreamBeginCapture(d.stream.get(), cudaStreamCaptureModeThreadLocal));
       const Status launched = launchForward(int(n), m, aligned);
@@ -645,6 +650,11 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       BULKHEAD_CUDA_RETURN_IF_ERROR(ended);
       BULKHEAD_ASSIGN_OR_RETURN(cuda::GraphExec exec, cuda::GraphExec::instantiate(captured));
       graph = d.graphs.emplace(key, std::move(exec)).first;
+      spdlog::debug("captured the decode step of {} rows as graph {} in {:.2f} ms", m,
+                    d.graphs.size(),
+                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                              capture_start)
+                        .count());
     }
     BULKHEAD_RETURN_IF_ERROR(enqueueForward(int(n), m, aligned, graph->second.get()));
     ++graph_launches_;
@@ -1218,6 +1228,8 @@ Status CudaBackend::computeAgain(int strayed, WeightReadVerdict& verdict) {
   const std::vector<unsigned int> first_strays(counts, counts + product_roles_);
   const unsigned int strays = counts[strayed];
   ++recomputed_steps_;
+  spdlog::debug("computing a step again: product {} strayed in {} output rows",
+                linear_[size_t(strayed)]->role, strays);
   BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_RETURN_IF_ERROR(
       enqueueForward(pending_.tokens, int(pending_.rows.size()), pending_.aligned, nullptr));
@@ -1298,22 +1310,27 @@ Status CudaBackend::residentChecksums(std::span<const WeightRange> ranges,
   if (ranges.empty()) return okStatus();
   CudaState& d = *d_;
   if (ranges.size() > d.scrub_capacity) {
-    BULKHEAD_ASSIGN_OR_RETURN(d.scrub_ranges,
-                              DeviceMemory::allocate(ranges.size() * sizeof(cuda::DeviceRange)));
+    const size_t range_bytes = ranges.size() * sizeof(cuda::DeviceRange);
+    BULKHEAD_ASSIGN_OR_RETURN(d.scrub_ranges, DeviceMemory::allocate(range_bytes));
     BULKHEAD_ASSIGN_OR_RETURN(d.scrub_sums, DeviceMemory::allocate(ranges.size() * 8));
+    BULKHEAD_ASSIGN_OR_RETURN(d.scrub_ranges_host, PinnedMemory::allocate(range_bytes));
+    BULKHEAD_ASSIGN_OR_RETURN(d.scrub_sums_host, PinnedMemory::allocate(ranges.size() * 8));
     d.scrub_capacity = ranges.size();
   }
-  std::vector<cuda::DeviceRange> refs(ranges.size());
+  auto* refs = d.scrub_ranges_host.get<cuda::DeviceRange>();
   for (size_t i = 0; i < ranges.size(); ++i)
     refs[i] = {d.slots[ranges[i].tensor] + ranges[i].offset, ranges[i].bytes};
   cudaStream_t s = d.scrub_stream.get();
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-      d.scrub_ranges.get(), refs.data(), refs.size() * sizeof(refs[0]), cudaMemcpyHostToDevice, s));
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchRangeChecksums(
-      d.scrub_ranges.get<cuda::DeviceRange>(), int(refs.size()), d.scrub_sums.get<uint64_t>(), s));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(out.data(), d.scrub_sums.get(), out.size() * 8, cudaMemcpyDeviceToHost, s));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.scrub_ranges.get(), refs,
+                                                ranges.size() * sizeof(cuda::DeviceRange),
+                                                cudaMemcpyHostToDevice, s));
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchRangeChecksums(d.scrub_ranges.get<cuda::DeviceRange>(),
+                                                      int(ranges.size()),
+                                                      d.scrub_sums.get<uint64_t>(), s));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.scrub_sums_host.get(), d.scrub_sums.get(),
+                                                out.size() * 8, cudaMemcpyDeviceToHost, s));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  std::copy_n(d.scrub_sums_host.get<uint64_t>(), out.size(), out.begin());
   return okStatus();
 }
 

@@ -83,8 +83,14 @@ StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
   {
     std::shared_lock weights(weights_mutex_);
     Status s = backend_.enqueueStep(batch_, rows_);
+    const auto enqueued = std::chrono::steady_clock::now();
     const bool rejected = s.code() == Code::kInvalidArgument;
     if (s.ok()) s = backend_.waitStep(verdict_);
+    auto us = [](auto d) {
+      return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
+    };
+    spdlog::trace("step {} ({} rows): enqueued in {} us, waited {} us", step_id, total_rows,
+                  us(enqueued - start), us(std::chrono::steady_clock::now() - enqueued));
     if (!s.ok()) {
       scrubber_.stepAbandoned();
       return {rejected ? StepVerdict::kRejected : StepVerdict::kFatal, s};
