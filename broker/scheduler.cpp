@@ -265,7 +265,8 @@ bool Scheduler::serveOnce() {
     blocks_incarnation_ = worker->hello().incarnation;
     beside_cpu_worker_ =
         options_.cpu_worker_sampling_threads > 0 && worker->hello().backend == "cpu";
-    pool_.setSpinners(beside_cpu_worker_ ? options_.cpu_worker_sampling_threads : 0);
+    pool_.setSpinners(beside_cpu_worker_ ? options_.cpu_worker_warm_spinners
+                                         : options_.warm_spinners);
   }
   if (slot_.faultPending()) {
     drainSteps();

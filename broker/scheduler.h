@@ -65,11 +65,13 @@ struct SchedulerOptions {
   // (StepCosts). Negative: always one at a time; 0: always two.
   double pipeline_sample_share = 0.4;
   // Beside a CPU worker (which computes on all but a quarter of the host's cores by default), rows
-  // sampled while the worker computes another step are sampled on this many threads only, and
-  // only they spin while the pool is kept warm (WorkPool::setParticipants, setSpinners), so
-  // sampling takes no cores from the worker's step; while the worker waits, every thread samples.
-  // 0: the pool as it was made.
+  // sampled while the worker computes another step are sampled on this many threads only, so
+  // sampling takes no cores from the worker's step (WorkPool::setParticipants); while the worker
+  // waits, every thread samples. 0: the pool as it was made.
   unsigned cpu_worker_sampling_threads = 0;
+  // The threads of the pool that spin while it is kept warm, beside a CPU worker and beside any
+  // other (the rest sleep between bursts and are woken for one). 0: all of them.
+  unsigned cpu_worker_warm_spinners = 0, warm_spinners = 0;
   // An idle worker is sent a heartbeat this often, so a hang is noticed without traffic.
   std::chrono::milliseconds heartbeat_interval{2'000};
   std::filesystem::path state_dir;  // canary records; empty: kept in memory only

@@ -34,6 +34,12 @@ WorkPool::WorkPool(unsigned threads) {
   for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this, i] { helperLoop(i); });
 }
 
+unsigned WorkPool::defaultSpinners(bool beside_cpu_worker) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores < 8) return 0;
+  return beside_cpu_worker ? cores / 8 : cores / 4;
+}
+
 void WorkPool::setSpinners(unsigned n) {
   spinners_.store(n == 0 ? unsigned(helpers_.size()) + 1 : n);
   { std::lock_guard lock(mu_); }  // a sleeper re-checks which side it sleeps on

@@ -49,6 +49,12 @@ class WorkPool {
   // sleep between bursts as in a cool pool, so a warm pool keeps no more cores busy than a
   // process beside a CPU worker may use.
   void setSpinners(unsigned n);
+  // The spinners a warm pool of a process that shares the host keeps by default: a quarter of a
+  // host of 8 or more cores, an eighth beside a worker that computes on the host's cores (which
+  // leaves a quarter free); 0 (all) on a smaller host. Every core spinning leaves none to the
+  // threads a step's end wakes (the worker's, the streams' writers): one then waits out a
+  // scheduler slice of milliseconds.
+  static unsigned defaultSpinners(bool beside_cpu_worker);
   unsigned spinners() const {
     return std::min(spinners_.load(std::memory_order_relaxed), unsigned(helpers_.size()) + 1);
   }

@@ -80,11 +80,10 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   // Rows are verified and sampled (greedy) on the pool, as the broker does after every step.
   WorkPool pool(o.sampling_threads);
   RowSampler sampler(pool);
-  // As the broker: beside a CPU worker only the quarter of a large host's cores it leaves free spin
-  // while the pool is warm (SchedulerOptions::cpu_worker_sampling_threads); watch for replies
-  // awake around when they are due, warming the pool then.
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (o.sampling_threads == 0 && hello.backend == "cpu" && cores >= 8) pool.setSpinners(cores / 4);
+  // As the broker: only some of a large host's cores spin while the pool is warm
+  // (SchedulerOptions::warm_spinners); watch for replies awake around when they are due, warming
+  // the pool then.
+  if (o.sampling_threads == 0) pool.setSpinners(WorkPool::defaultSpinners(hello.backend == "cpu"));
   (*client)->setReplySpin(std::chrono::microseconds(o.reply_spin_us),
                           [&pool](bool warm) { pool.keepWarm(warm); });
   std::printf(
