@@ -5,6 +5,9 @@
 #   cpu     the CPU backend on that host's cores (the broker at GPU speed): sample-bench,
 #           step-bench (defaults; the broker not watching for replies awake) and serve-bench on
 #           tiny-v152k
+#   cpu-c1  serve-bench on tiny-v152k at concurrency 1 (16 requests), the broker's sampling pool
+#           as made by default and limited to 4 threads: whether the c1 stalls beside a CPU
+#           worker are the pool's helpers waiting for cores the worker's threads hold
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then gemm-bench
@@ -69,6 +72,13 @@ for group in "$@"; do
         --iterations 200 --reply-spin-us 0
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
+      ;;
+    cpu-c1)
+      m=$(model tiny-v152k)
+      for threads in 0 4; do
+        run "serve-bench-cpu-c1-threads-$threads" 120 "$bh" serve-bench --model "$m" \
+          --concurrency 1 --requests-per-stream 16 --broker-arg=--sampling-threads=$threads
+      done
       ;;
     workers)
       m=$(model tiny-v152k)
