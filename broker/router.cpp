@@ -72,6 +72,8 @@ void Router::start() {
 
 void Router::stop() {
   // Every thread stops before any scheduler is destroyed: a moving sequence may be handed to any.
+  // All are asked first, so that none replaces a worker lost while another one stops.
+  for (auto& s : schedulers_) s->requestStop();
   for (auto& s : schedulers_) s->stop();
   failParked(unavailable("the broker is shutting down"));
 }
@@ -251,11 +253,18 @@ Result<uint32_t> Router::drainWorker(const std::string& name, std::chrono::milli
   // Two drains at once could each count on the other's worker to take their sequences.
   std::lock_guard drains(drains_mu_);
   bool other_ready = false;
-  for (size_t i = 0; i < schedulers_.size(); ++i)
-    other_ready |= schedulers_[i].get() != target && ready(i);
+  std::string others;  // what the others are doing, for the refusal
+  for (size_t i = 0; i < schedulers_.size(); ++i) {
+    if (schedulers_[i].get() == target) continue;
+    other_ready |= ready(i);
+    others += (others.empty() ? " (" : ", ") + schedulers_[i]->workerName() + " " +
+              (schedulers_[i]->retired() || schedulers_[i]->retiring()
+                   ? std::string("drained")
+                   : schedulers_[i]->workerStatus().state);
+  }
   if (!other_ready && !target->retired())
     return failedPrecondition("no other worker is ready to take " + target->workerName() +
-                              "'s sequences");
+                              "'s sequences" + (others.empty() ? "" : others + ")"));
   return target->retire(timeout);
 }
 

@@ -103,7 +103,7 @@ void Scheduler::start() {
   thread_ = std::thread([this] { run(); });
 }
 
-void Scheduler::stop() {
+void Scheduler::requestStop() {
   {
     std::lock_guard lock(mu_);
     stopping_ = true;
@@ -112,6 +112,10 @@ void Scheduler::stop() {
   // Admin calls waiting on idle_ return now, even if the scheduling thread never ran.
   idle_.notify_all();
   notify();
+}
+
+void Scheduler::stop() {
+  requestStop();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -250,6 +254,11 @@ bool Scheduler::serveOnce() {
       }
       failWaiting(why);
     }
+  }
+  if (slot_.worker() == nullptr) {
+    // Stopping (on SIGTERM its workers may go at the same moment): a lost one is not replaced.
+    std::lock_guard lock(mu_);
+    if (stopping_) return false;
   }
   WorkerConnection* worker = slot_.ensure();
   if (worker == nullptr) return false;

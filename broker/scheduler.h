@@ -122,6 +122,9 @@ class Scheduler {
 
   // Starts the scheduling thread (which starts the worker).
   void start();
+  // Asks the scheduling thread to stop: it starts no worker from now on (one lost now is not
+  // replaced) and ends every open request. stop() also waits for it.
+  void requestStop();
   void stop();
 
   // Queues a validated request. RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while

@@ -65,6 +65,20 @@ class ThreeWorkersTest : public ::testing::Test {
                                  "127.0.0.1:0"});
     ASSERT_TRUE(broker_->ok());
     admin_ = v1::Admin::NewStub(broker_->channel());
+    // The broker serves once one worker is ready; these tests move sequences to the others.
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    std::string states;
+    for (bool all_ready = false; !all_ready;) {
+      states.clear();
+      all_ready = true;
+      for (const auto& w : workers()) {
+        states += " " + w.name() + " " + w.state();
+        all_ready &= w.state() == "ready";
+      }
+      ASSERT_TRUE(all_ready || std::chrono::steady_clock::now() < deadline)
+          << "the three workers were not all ready within 60 s:" << states;
+      if (!all_ready) std::this_thread::yield();
+    }
     // Six long generations (the fixture's context allows 256 positions), greedy and seeded,
     // and their fault-free tokens.
     for (uint32_t i = 0; i < 6; ++i) {

@@ -114,6 +114,26 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
   EXPECT_EQ(scheduler_->stats().worker_restarts, 1u);
 }
 
+// On SIGTERM a host's service manager stops the workers with the broker: a worker lost once the
+// scheduler was asked to stop is not replaced, and the open request ends with an error.
+TEST_F(SchedulerTest, AWorkerLostWhileStoppingIsNotReplaced) {
+  control_->scheduleFault(
+      1, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  bool asked = false;
+  control_->on_step = [&](std::span<const SequenceStep>) {
+    if (!std::exchange(asked, true)) scheduler_->requestStop();
+  };
+  start({}, /*run=*/false);
+  auto runs = submit(1, 16);
+  scheduler_->start();
+  ASSERT_TRUE(runs[0].sink->wait()) << "the request never ended";
+  EXPECT_FALSE(runs[0].sink->status().ok());
+  scheduler_->stop();
+  EXPECT_TRUE(asked) << "no step was sent";
+  EXPECT_EQ(control_->starts(), 1u) << "a worker was started while the scheduler stopped";
+  EXPECT_EQ(scheduler_->stats().worker_restarts, 1u) << "the loss was not seen";
+}
+
 // Two steps in flight (a worker with in-step checks, pipelining forced on): each half of the
 // sequences is computed while the other's rows are sampled, with the same tokens as one step at a
 // time.
