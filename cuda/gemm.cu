@@ -827,9 +827,12 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else if (m <= 32)
       launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);
-    else
+    else if (m <= 64)
       launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);
+    else  // several token blocks: each tile's side by side, its later reads from the L2 cache
+      launched = launch<8, 1, true, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
+                                             normed, activated);
   } else if (schedule == GemmSchedule::kTwoTiles) {
     if (m <= 8)
       launched = launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,

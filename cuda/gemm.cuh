@@ -121,7 +121,9 @@ int gemmSplits(int n, int k);
 // `bulkhead bench-gemm` measures each against cuBLAS.
 enum class GemmSchedule {
   kPlain,        // a round's loads, then its multiplies
-  kPipelined,    // the next round's loads in flight while a round multiplies (half the unroll)
+  kPipelined,    // the next round's loads in flight while a round multiplies (half the unroll);
+                 // over 64 rows (prefill) the token blocks of each weight tile are launched side
+                 // by side, as kInterleaved's are, so the tile is read from memory once
   kTwoTiles,     // two weight tiles a warp, multiplied by each token fragment it loads (half the
                  // unroll): the tokens are read from the L2 cache half as often
   kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight

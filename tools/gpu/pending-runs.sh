@@ -26,6 +26,9 @@
 #           prompt 8,192 with --attention-tiles off and on (prefill tokens/s)
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles, interleaved) in every bucket, no comparison columns
+#   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
+#           a step of 2,048 rows) with the 33+ row bucket pipelined (its token blocks side by
+#           side over 64 rows), plain (token blocks along y) and interleaved
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -158,6 +161,17 @@ for group in "$@"; do
         for schedule in plain pipelined two_tiles interleaved; do
           run "bench-engine-$shape-$schedule" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1,8,32,64 --no-compare --gemm-schedules $schedule
+        done
+      done
+      ;;
+    prefill)
+      run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for last in pipelined plain interleaved; do
+          run "bench-engine-$shape-prefill-$last" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 1,8 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
+            --gemm-schedules pipelined,plain,plain,$last
         done
       done
       ;;
