@@ -176,17 +176,20 @@ generating() { [ "$(metric bulkhead_generated_tokens_total)" -gt "$1" ]; }
 # 2 and 3: a fault in the middle of a generation, then the same tokens.
 # The worker's process id as this host sees it (the container has its own pid namespace): the
 # signal goes straight to it, without the second a `systemctl kill` inside can take.
+# A stopped one (an earlier SIGSTOP that its watchdog has not yet ended) does not count.
 workerPid() {
-  local p
+  local p state
   for p in $(pgrep -f /usr/local/bin/bulkhead-worker); do
-    [ "$(readlink "/proc/$p/ns/pid")" = "$(readlink "/proc/$leader/ns/pid")" ] && echo "$p" && return
+    [ "$(readlink "/proc/$p/ns/pid")" = "$(readlink "/proc/$leader/ns/pid")" ] || continue
+    state=$(awk '{ print $3 }' "/proc/$p/stat" 2> /dev/null) || continue
+    case $state in R | S | D) echo "$p" && return ;; esac
   done
   return 1
 }
 midGeneration() {
   local signal=$1 attempt before replayed_before client landed pid
   for attempt in 1 2 3; do
-    waitFor 30 workerPid || fail "no worker process before $signal"
+    waitFor 30 workerPid || fail "no running worker process before $signal"
     pid=$(workerPid)
     before=$(metric bulkhead_generated_tokens_total)
     replayed_before=$(metric bulkhead_replayed_sequences_total)
@@ -194,14 +197,15 @@ midGeneration() {
     client=$!
     # Early in the 900 tokens: on a loaded host the signal can take a second to land.
     waitFor 20 generating $((before + 20)) || fail "no tokens before $signal"
-    kill -s "$signal" "$pid"
-    # A signal sent once the generation had ended tested nothing: that attempt does not count.
+    # A signal sent once the generation had ended (or to a worker already gone) tested nothing:
+    # that attempt does not count.
     landed=1
+    kill -s "$signal" "$pid" 2> /dev/null || landed=0
     { kill -0 "$client" 2> /dev/null && ! generating $((before + 899)); } || landed=0
     wait "$client" || { cat "$work/err"; fail "the generation failed after $signal"; }
     [ "$(cat "$work/out")" = "$reference" ] || fail "tokens after $signal differ from the fault-free run"
     if [ "$landed" = 0 ]; then
-      log "$signal was sent after the generation ended (attempt $attempt); again"
+      log "$signal did not land mid-generation (attempt $attempt); again"
       continue
     fi
     [ "$(metric bulkhead_replayed_sequences_total)" -gt "$replayed_before" ] ||
