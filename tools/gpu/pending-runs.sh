@@ -32,7 +32,8 @@
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
-#   serve   serve-bench through a broker with the CUDA backend on both
+#   serve   serve-bench through a broker with the CUDA backend on both (and its share of
+#           bench-engine's tokens/s, tools/gpu/e2e-ratios.py, after `engine` in the same call)
 #   cuda    tests, engine and serve
 #   start   a 7B worker's start, phase by phase, then chaos with the CUDA backend on the 7B
 #           (worker_kill recovery is the kill-to-serving time)
@@ -110,7 +111,7 @@ for group in "$@"; do
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         run "bench-engine-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
-          --batch 1,8,32,64
+          --batch 1,8,32,64 --json "$out/bench-engine-$shape.json"
         run "bench-engine-$shape-serial" 120 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1,32,64 --no-compare --programmatic-launch off
       done
@@ -186,6 +187,10 @@ for group in "$@"; do
         m=$(model $shape)
         run "serve-bench-$shape" 300 "$bh" serve-bench --model "$m" --backend cuda \
           --concurrency 1,32,64 --json "$out/serve-bench-$shape.json"
+        # Against bench-engine at the same batch, when the engine group ran on this host before.
+        [ -f "$out/bench-engine-$shape.json" ] && [ -f tools/gpu/e2e-ratios.py ] &&
+          python3 tools/gpu/e2e-ratios.py "$out/bench-engine-$shape.json" \
+            "$out/serve-bench-$shape.json"
       done
       ;;
     cuda) "$0" "$bundle" "$out" tests engine serve ;;
