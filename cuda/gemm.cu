@@ -96,19 +96,18 @@ __host__ __device__ inline bool normedHasChecks(const GemmNormedInput& nin) {
          nin.consumers[2].role >= 0;
 }
 
-// Whether a product of bf16 tokens adds its consumers' expected sums and bounds itself (a check
-// tile): a GemmNormedInput without x that names consumers.
-__host__ __device__ inline bool tokenHasChecks(const GemmNormedInput& nin) {
-  return nin.x == nullptr &&
-         (nin.consumers[0].role >= 0 || nin.consumers[1].role >= 0 || nin.consumers[2].role >= 0);
-}
-
 // How many consumers a product of bf16 tokens checks itself (tokenChecks): they fill from the
 // first.
 __host__ __device__ inline int tokenConsumers(const GemmNormedInput& nin) {
   return nin.x != nullptr ? 0
                           : (nin.consumers[0].role >= 0) + (nin.consumers[1].role >= 0) +
                                 (nin.consumers[2].role >= 0);
+}
+
+// Whether a product of bf16 tokens adds its consumers' expected sums and bounds itself (a check
+// tile): a GemmNormedInput without x that names consumers.
+__host__ __device__ inline bool tokenHasChecks(const GemmNormedInput& nin) {
+  return tokenConsumers(nin) > 0;
 }
 
 // The check tile of a product of bf16 tokens x (m x k): each consumer's (weight's) expected sum

@@ -87,6 +87,16 @@ class SchedulerTest : public ::testing::Test {
     return scheduler_->workerStatus().state == state;
   }
 
+  // Compute times where a size's first step costs `capture(rows)` (a GPU worker's first step of
+  // each size also captures its graph) and every later one `cost(rows)`.
+  static std::function<uint64_t(size_t)> capturingFirst(std::function<uint64_t(size_t)> cost,
+                                                        std::function<uint64_t(size_t)> capture) {
+    auto seen = std::make_shared<std::pair<std::mutex, std::set<size_t>>>();
+    return [=](size_t rows) {
+      std::lock_guard lock(seen->first);
+      return seen->second.insert(rows).second ? capture(rows) : cost(rows);
+    };
+  }
   std::shared_ptr<test::FakeWorkerControl> control_ = std::make_shared<test::FakeWorkerControl>();
   WorkPool pool_{2};
   std::unique_ptr<Scheduler> scheduler_;
@@ -207,17 +217,11 @@ TEST_F(SchedulerTest, TwoHalfStepsGoInFlightOnlyWhereTheyCostLess) {
   EXPECT_GT(linear, 0.75) << "halves that cost half a step each were given up";
   // A GPU worker's first step of each size also captures its graph: one step that costs many
   // times the usual must not decide for good.
-  auto first_of_each_size = [](uint64_t usual, std::function<uint64_t(size_t)> cost) {
-    auto seen = std::make_shared<std::pair<std::mutex, std::set<size_t>>>();
-    return [=](size_t rows) {
-      std::lock_guard lock(seen->first);
-      return seen->second.insert(rows).second ? 50 * usual : cost(rows);
-    };
-  };
-  const double flat_captured =
-      overlappedShare(first_of_each_size(40'000, [](size_t) { return uint64_t(40'000); }));
-  const double linear_captured = overlappedShare(
-      first_of_each_size(16'000, [](size_t rows) { return uint64_t(1000 * rows); }));
+  const double flat_captured = overlappedShare(capturingFirst(
+      [](size_t) { return uint64_t(40'000); }, [](size_t) { return uint64_t(50 * 40'000); }));
+  const double linear_captured =
+      overlappedShare(capturingFirst([](size_t rows) { return uint64_t(1000 * rows); },
+                                     [](size_t) { return uint64_t(50 * 16'000); }));
   EXPECT_LT(flat_captured, 0.25) << "a capture's cost kept halves going";
   EXPECT_GT(linear_captured, 0.75) << "a capture's cost gave halves up";
 }
@@ -228,11 +232,8 @@ TEST_F(SchedulerTest, TwoHalfStepsFollowCostsWhileTheBatchShrinks) {
   auto overlappedShare = [&](std::function<uint64_t(size_t)> cost) {
     control_ = std::make_shared<test::FakeWorkerControl>();
     control_->in_step_checks = true;
-    auto seen = std::make_shared<std::pair<std::mutex, std::set<size_t>>>();
-    control_->compute_micros = [seen, cost](size_t rows) {
-      std::lock_guard lock(seen->first);
-      return seen->second.insert(rows).second ? 50 * cost(rows) : cost(rows);
-    };
+    control_->compute_micros =
+        capturingFirst(cost, [cost](size_t rows) { return 50 * cost(rows); });
     SchedulerOptions o;
     o.pipeline_sample_share = 1e-9;
     start(o, /*run=*/false);
