@@ -442,6 +442,13 @@ WorkerResult<StepReply> WorkerClient::awaitStep() {
                                                    " rows, expected " +
                                                    std::to_string(sent.rows.size()));
     result.compute_micros = done.getComputeMicros();
+    auto timeline = done.getTimeline();
+    result.timeline = {.sent = monotonicNanos(sent.sent_at),
+                       .arrived = timeline.getArrived(),
+                       .compute_start = timeline.getComputeStart(),
+                       .compute_end = timeline.getComputeEnd(),
+                       .replying = timeline.getReplying(),
+                       .read = monotonicNanos(last_step_reply_)};
     result.scrub = readScrub(done.getScrub());
     auto reads = done.getWeightReads();
     if (hello_.in_step_checks && !reads.getChecked())

@@ -83,12 +83,22 @@ struct PendingRow {
   uint64_t checksum = 0;  // the header's, equal to the one StepDone reported
 };
 
+// Where a step's time went, in nanoseconds of the host's monotonic clock (monotonicNanos): the
+// broker's own two times, and the worker's as it reports them (for measurement only; 0 where a
+// worker did not say).
+struct StepTimeline {
+  int64_t sent = 0;  // the broker began writing the step
+  int64_t arrived = 0, compute_start = 0, compute_end = 0, replying = 0;  // the worker's
+  int64_t read = 0;  // the broker had read the reply
+};
+
 struct StepReply {
   // One per requested logits row, in request order (see WorkerConnection::awaitStep for how long
   // they stay valid).
   std::vector<PendingRow> rows;
   uint64_t compute_micros = 0;  // as reported by the worker
   ScrubStatus scrub;
+  StepTimeline timeline;
 };
 
 class WorkerConnection {

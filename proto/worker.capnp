@@ -107,6 +107,16 @@ struct StepDone {
   computeMicros @2 :UInt64;
   scrub @3 :ScrubReport;
   weightReads @4 :WeightReads;
+  timeline @5 :StepTimeline;
+}
+
+# When the worker handled a step, in nanoseconds of the host's monotonic clock (the broker's
+# steady clock on the same host): what a step costs beyond its compute, piece by piece.
+struct StepTimeline {
+  arrived @0 :Int64;       # the step's bytes were readable on the socket
+  computeStart @1 :Int64;  # decoded; the backend is given the step
+  computeEnd @2 :Int64;    # the backend's rows are in the arena
+  replying @3 :Int64;      # the reply is about to be written
 }
 
 # The fault classes of shared/fault.h, in the same order after `none`.

@@ -16,6 +16,12 @@ namespace bulkhead {
 
 using SteadyTime = std::chrono::steady_clock::time_point;
 
+// A steady-clock time as nanoseconds of the host's monotonic clock, which every process on the
+// host shares: how the worker's step timeline crosses the socket.
+inline int64_t monotonicNanos(SteadyTime t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 constexpr uint32_t kFrameMagic = 0x314b4842;  // "BHK1"
 constexpr uint32_t kMaxFrameBytes = 64u << 20;
 

@@ -105,11 +105,21 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   std::vector<RowToSample> jobs;
   std::vector<SampledRow> sampled;
   std::vector<StepBenchRow> rows_out;
+  // The round trip beyond compute, piece by piece (StepTimeline), per batch size: building the
+  // message, to the worker (the write and the worker's wake-up), in the worker before and after
+  // its compute (reading, decoding; publishing, the reply), back to the broker (the write and the
+  // broker's wake-up), and the reply's checks until step() returns.
+  struct Pieces {
+    uint32_t batch = 0;
+    std::vector<double> build = {}, to_worker = {}, in_worker = {}, to_broker = {}, checks = {};
+  };
+  std::vector<Pieces> pieces;
   uint64_t step_id = 1, seq_base = 1;
   for (uint32_t batch : o.batches) {
     const auto blocks = blockTables(batch, blocks_per_seq);
     const std::vector<uint32_t> rows = {0}, token = {1};
     std::vector<double> rtt, compute, overhead, trip, sample;
+    Pieces& piece = pieces.emplace_back(Pieces{.batch = batch});
     for (uint32_t it = 0; it < positions - 1; ++it) {
       const std::vector<SequenceStep> steps = decodeSteps(batch, it, seq_base, blocks, token, rows);
       const auto start = std::chrono::steady_clock::now();
@@ -142,6 +152,15 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
                              double(result->compute_micros);
       trip.push_back(trip_us);
       sample.push_back(us - double(result->compute_micros) - trip_us);
+      const StepTimeline& t = result->timeline;
+      const auto micros = [](int64_t from, int64_t to) { return double(to - from) / 1e3; };
+      const int64_t started = monotonicNanos(start), returned = monotonicNanos(replied);
+      piece.build.push_back(micros(started, t.sent));
+      piece.to_worker.push_back(micros(t.sent, t.arrived));
+      piece.in_worker.push_back(micros(t.arrived, t.compute_start) +
+                                micros(t.compute_end, t.replying));
+      piece.to_broker.push_back(micros(t.replying, t.read));
+      piece.checks.push_back(micros(t.read, returned));
     }
     seq_base += batch;
     const double mb = double(batch) * hello.vocab_size * 4 / 1e6;
@@ -160,6 +179,22 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
                                  {"trip_p50_us", percentile(trip, 50)},
                                  {"sample_p50_us", percentile(sample, 50)},
                                  {"logits_mb_per_step", mb}});
+  }
+  std::printf(
+      "the round trip beyond compute, p50 us: build the step, to the worker, in the worker "
+      "(before and after compute), to the broker, the reply's checks\n");
+  std::printf("%6s %10s %10s %10s %10s %10s\n", "batch", "build", "to_worker", "in_worker",
+              "to_broker", "checks");
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Pieces& p = pieces[i];
+    std::printf("%6u %10.1f %10.1f %10.1f %10.1f %10.1f\n", p.batch, percentile(p.build, 50),
+                percentile(p.to_worker, 50), percentile(p.in_worker, 50),
+                percentile(p.to_broker, 50), percentile(p.checks, 50));
+    report["results"][i]["trip_pieces_p50_us"] = {{"build", percentile(p.build, 50)},
+                                                  {"to_worker", percentile(p.to_worker, 50)},
+                                                  {"in_worker", percentile(p.in_worker, 50)},
+                                                  {"to_broker", percentile(p.to_broker, 50)},
+                                                  {"checks", percentile(p.checks, 50)}};
   }
   (void)(*client)->shutdown(std::chrono::seconds(10));
   BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));

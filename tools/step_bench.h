@@ -1,6 +1,7 @@
 // step-bench: the cost of a step beyond compute. Spawns a worker, runs decode steps at several
 // batch sizes, and reports round trip minus the worker's own compute time: framing, socket,
-// arena publish, and the broker's verification and (greedy) sampling of every row on its pool.
+// arena publish, and the broker's verification and (greedy) sampling of every row on its pool;
+// then the round trip piece by piece, from the times the worker reports (StepTimeline).
 #pragma once
 
 #include <string>

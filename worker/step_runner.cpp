@@ -6,6 +6,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "shared/ipc_frame.h"
 #include "worker/step_decode.h"
 
 namespace bulkhead {
@@ -39,13 +40,17 @@ StepOutcome StepRunner::run(wire::Step::Reader step, wire::FromWorker::Builder r
   uint32_t total_rows = 0;
   if (Status s = decode(step, total_rows); !s.ok()) return {StepVerdict::kRejected, s};
 
-  std::chrono::microseconds took{};
-  StepOutcome outcome = compute(total_rows, step_id, took);
+  Clock::time_point from, to;
+  StepOutcome outcome = compute(total_rows, step_id, from, to);
   if (outcome.verdict != StepVerdict::kDone) return outcome;
 
   auto done = reply.initStepDone();
   done.setStepId(step_id);
-  done.setComputeMicros(uint64_t(took.count()));
+  done.setComputeMicros(
+      uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(to - from).count()));
+  auto timeline = done.initTimeline();  // arrived and replying: WorkerServer's
+  timeline.setComputeStart(monotonicNanos(from));
+  timeline.setComputeEnd(monotonicNanos(to));
   // What the scrub thread found since the last report; it vouches for earlier steps only.
   if (scrubber_.share() > 0) fillScrubReport(done.initScrub(), scrubber_.takeReport());
   auto reads = done.initWeightReads();
@@ -67,8 +72,8 @@ Status StepRunner::decode(wire::Step::Reader step, uint32_t& total_rows) {
   return decodeStep(step, backend_.limits(), arena_.slots(), lists_, batch_, total_rows);
 }
 
-StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
-                                std::chrono::microseconds& took) {
+StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id, Clock::time_point& from,
+                                Clock::time_point& to) {
   faults_.beginStep(total_rows);
   slots_.resize(total_rows);
   rows_.resize(total_rows);
@@ -78,7 +83,7 @@ StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
     rows_[r] = {faults_.rowDestination(r, slots_[r]), &checks_[r]};
   }
 
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   scrubber_.stepStarted();
   {
     std::shared_lock weights(weights_mutex_);
@@ -98,8 +103,8 @@ StepOutcome StepRunner::compute(uint32_t total_rows, uint64_t step_id,
   }
   scrubber_.stepCompleted(step_id);
   faults_.afterCompute();
-  took = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
-                                                               start);
+  from = start;
+  to = Clock::now();
   return {};
 }
 

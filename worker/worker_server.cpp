@@ -204,6 +204,7 @@ Result<bool> WorkerServer::serveConnection(int fd) {
   std::vector<capnp::word> words;
   while (true) {
     if (!awaitInput(fd, /*spin=*/true)) return true;  // SIGTERM/SIGINT
+    const SteadyTime arrived = SteadyTime::clock::now();
     FrameReadResult frame = readFrame(fd, words, SteadyTime::max(), /*extra_fd=*/signal_fd_);
     if (frame.status.code() == Code::kAborted) return true;  // SIGTERM/SIGINT
     if (!frame.status.ok()) {
@@ -223,6 +224,11 @@ Result<bool> WorkerServer::serveConnection(int fd) {
     ReplyForm form = ReplyForm::kMessage;
     Result<bool> stop = dispatch(words, reply, form);
     if (!stop.ok()) return stop.status();  // nothing is sent: the worker is about to exit
+    if (reply.isStepDone()) {
+      auto timeline = reply.getStepDone().getTimeline();
+      timeline.setArrived(monotonicNanos(arrived));
+      timeline.setReplying(monotonicNanos(SteadyTime::clock::now()));
+    }
     if (Status sent = sendReply(fd, message, form); !sent.ok()) {
       spdlog::warn("reply not delivered: {}", sent.message());
       return false;

@@ -195,6 +195,24 @@ TEST_F(WorkerProcessTest, LogitsBitIdenticalToInProcessEngineAcrossBatchedSteps)
 // first step's rows are intact after the second was computed, and equal to the same sequences
 // computed one step at a time. A step whose rows would pass the arena's end is refused, and the
 // connection stays usable.
+TEST_F(WorkerProcessTest, AStepsTimelineRunsInOrderOnTheHostsClock) {
+  auto client = spawn();
+  ASSERT_TRUE(client);
+  OneStep s;
+  SequenceStep seq = s.step();
+  auto reply = verifiedStep(*client, {&seq, 1});
+  ASSERT_TRUE(reply.ok()) << reply.error().toString();
+  const StepTimeline& t = reply->timeline;
+  // The broker's times and the worker's come from one clock, so they interleave in order.
+  EXPECT_GT(t.sent, 0);
+  EXPECT_LE(t.sent, t.arrived);
+  EXPECT_LE(t.arrived, t.compute_start);
+  EXPECT_LT(t.compute_start, t.compute_end);
+  EXPECT_LE(t.compute_end, t.replying);
+  EXPECT_LE(t.replying, t.read);
+  EXPECT_EQ(uint64_t((t.compute_end - t.compute_start) / 1000), reply->compute_micros);
+}
+
 TEST_F(WorkerProcessTest, TwoStepsInFlightKeepTheirRowsApart) {
   auto client = spawn(/*fault_injection=*/false, /*arena_slots=*/8);
   ASSERT_TRUE(client);

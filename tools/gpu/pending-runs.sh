@@ -7,7 +7,9 @@
 #           tiny-v152k
 #   cpu-c1  serve-bench on tiny-v152k at concurrency 1 (16 requests), the broker's sampling pool
 #           as made by default and limited to 4 threads: whether the c1 stalls beside a CPU
-#           worker are the pool's helpers waiting for cores the worker's threads hold
+#           worker are the pool's helpers waiting for cores the worker's threads hold; then
+#           step-bench and serve-bench c1 with the worker watching its socket awake for 200 us
+#           after each reply (--spin-us: whether its wake-up is the step's "to_worker" piece)
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then gemm-bench
@@ -83,6 +85,10 @@ for group in "$@"; do
         run "serve-bench-cpu-c1-threads-$threads" 120 "$bh" serve-bench --model "$m" \
           --concurrency 1 --requests-per-stream 16 --broker-arg=--sampling-threads=$threads
       done
+      run step-bench-cpu-worker-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
+        --iterations 200 --worker-arg=--spin-us=200
+      run serve-bench-cpu-c1-worker-spin 120 "$bh" serve-bench --model "$m" --concurrency 1 \
+        --requests-per-stream 16 --worker-arg=--spin-us=200
       ;;
     workers)
       m=$(model tiny-v152k)
