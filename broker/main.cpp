@@ -113,19 +113,25 @@ int main(int argc, char** argv) {
                  "Workers re-verify their weights in the background, busy at most this share of "
                  "one core (0: no scrubbing)")
       ->check(CLI::Range(0.0, 1.0));
-  int64_t reply_spin_us = defaultReplySpin().count();
+  int64_t reply_spin_us = -1;
   app.add_option(
          "--reply-spin-us", reply_spin_us,
          "Watch awake for a step's reply this long either side of when it is due (the "
-         "last step's time), so it is read without a scheduler wake-up (0: sleep; default 50 "
-         "on hosts of 8 cores or more)")
-      ->check(CLI::Range(int64_t(0), int64_t(10'000)));
+         "last step's time), so it is read without a scheduler wake-up (0: sleep; -1: by host, "
+         "50 on hosts of 8 cores or more, else 0)")
+      ->check(CLI::Range(int64_t(-1), int64_t(10'000)));
   app.add_flag("--enable-fault-injection", fault_injection,
                "Start workers that accept fault injection (tests and chaos runs only)");
   unsigned sampling_threads = 0;
   app.add_option("--sampling-threads", sampling_threads,
                  "Threads that verify and sample logits rows (0: one per core, or the quarter of "
                  "the cores a CPU worker leaves free beside it on a host of 8 or more)");
+  unsigned warm_spinners = 0;
+  app.add_option(
+      "--warm-spinners", warm_spinners,
+      "Sampling threads that spin while the pool waits warm for a step's rows, the "
+      "caller counted (0: by host: an eighth of the cores beside a CPU worker, a quarter "
+      "beside a GPU one, every thread below 8 cores)");
   std::vector<std::string> worker_args;
   app.add_option("--worker-arg", worker_args,
                  "A flag passed on to every worker the broker starts (repeatable; e.g. "
@@ -160,9 +166,10 @@ int main(int argc, char** argv) {
                  "empty: none)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   config_file.addOptions(app);
-  CLI11_PARSE(app, argc, argv);
+  if (auto stop = ConfigFile::parse(app, argc, argv)) return *stop;
   if (config_file.printed(app)) return 0;
   configureLogging("broker", log_level);
+  if (reply_spin_us < 0) reply_spin_us = defaultReplySpin().count();
   options.step_timeout_base = std::chrono::milliseconds(step_timeout_ms);
   options.step_timeout_per_token = std::chrono::microseconds(step_timeout_per_token_us);
   options.canary_interval = std::chrono::seconds(canary_interval_s);
@@ -243,7 +250,9 @@ int main(int argc, char** argv) {
   if (sampling_threads == 0 && cores >= 8) options.cpu_worker_sampling_threads = cores / 4;
   // Not every core spins while the pool is warm: with all 16 of a host spinning beside a GPU
   // worker, one step's end in about a hundred waited 3-6 ms for a core.
-  if (sampling_threads == 0) {
+  if (warm_spinners > 0) {
+    options.cpu_worker_warm_spinners = options.warm_spinners = warm_spinners;
+  } else if (sampling_threads == 0) {
     options.cpu_worker_warm_spinners = WorkPool::defaultSpinners(/*beside_cpu_worker=*/true);
     options.warm_spinners = WorkPool::defaultSpinners(/*beside_cpu_worker=*/false);
   }

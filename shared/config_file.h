@@ -1,12 +1,16 @@
 // The options of broker and worker from a TOML file too (CLI11's config support): every flag is a
 // key of the same name without its dashes, flags on the command line win over the file, and
 // --print-config prints the effective options (defaults included) as a file that reads back the
-// same. Header-only: used by the executables, which link CLI11.
+// same; a key that is no option is an error. Header-only: used by the executables, which link
+// CLI11.
 #pragma once
 
 #include <CLI/CLI.hpp>
 
+#include <filesystem>
 #include <iostream>
+#include <optional>
+#include <string>
 
 namespace bulkhead {
 
@@ -17,8 +21,28 @@ class ConfigFile {
   // After every option: --config FILE and --print-config.
   void addOptions(CLI::App& app) {
     app.set_config("--config", "", "TOML file of options, one key per flag");
+    // A key that names no option (a typo) is an error, not a setting silently left out.
+    app.allow_config_extras(CLI::config_extras_mode::error);
     app.add_flag("--print-config", print_, "Print the effective options as TOML and exit")
         ->configurable(false);
+  }
+  // Parses the command line (and the file it names): the exit code to return with when the
+  // program must stop here (a bad flag or key, --help), nothing when it goes on.
+  static std::optional<int> parse(CLI::App& app, int argc, char** argv) {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ConfigError& e) {
+      // CLI11 says "INI was not able to parse KEY" of a key that is no option.
+      const std::string what = e.what(), prefix = "INI was not able to parse ";
+      if (what.rfind(prefix, 0) != 0) return app.exit(e);
+      std::cerr << "--config: \"" << what.substr(prefix.size()) << "\" is no option of "
+                << std::filesystem::path(app.get_name()).filename().string()
+                << " (see --help; keys are the flags without their dashes)\n";
+      return e.get_exit_code();
+    } catch (const CLI::ParseError& e) {
+      return app.exit(e);
+    }
+    return std::nullopt;
   }
   // After parsing: prints the options when asked; true then (the program exits).
   bool printed(const CLI::App& app) const {

@@ -163,6 +163,9 @@ int main(int argc, char** argv) {
   step_bench->add_option("--json", step_opts.json_path, "Also write the results as JSON");
   step_bench->add_option("--sampling-threads", step_opts.sampling_threads,
                          "Threads verifying and sampling rows (0: one per core)");
+  step_bench->add_option("--warm-spinners", step_opts.warm_spinners,
+                         "Sampling threads that spin while the pool is warm, as the broker's "
+                         "option of that name (0: by host)");
   step_bench
       ->add_option("--reply-spin-us", step_opts.reply_spin_us,
                    "Watch awake for a step's reply this long either side of when it is due, as "

@@ -83,14 +83,17 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   // As the broker: only some of a large host's cores spin while the pool is warm
   // (SchedulerOptions::warm_spinners); watch for replies awake around when they are due, warming
   // the pool then.
-  if (o.sampling_threads == 0) pool.setSpinners(WorkPool::defaultSpinners(hello.backend == "cpu"));
+  if (o.warm_spinners > 0)
+    pool.setSpinners(o.warm_spinners);
+  else if (o.sampling_threads == 0)
+    pool.setSpinners(WorkPool::defaultSpinners(hello.backend == "cpu"));
   (*client)->setReplySpin(std::chrono::microseconds(o.reply_spin_us),
                           [&pool](bool warm) { pool.keepWarm(warm); });
   std::printf(
       "step-bench: %s on %s, vocab %u, %u iterations per batch size, scrub share %.3g, "
-      "%u sampling threads, in-step weight checks %s\n",
+      "%u sampling threads (%u spinning while warm), in-step weight checks %s\n",
       o.model_dir.c_str(), hello.backend.c_str(), hello.vocab_size, o.iterations, o.scrub_share,
-      pool.threads(), hello.in_step_checks ? "on" : "off");
+      pool.threads(), pool.spinners(), hello.in_step_checks ? "on" : "off");
   // overhead = rtt - compute, split into the step's round trip beyond the worker's compute
   // (messages, wake-ups, header checks) and the verification and sampling of its rows.
   std::printf("%6s %12s %12s %12s %14s %14s %12s %12s %12s\n", "batch", "rtt_p50_us", "rtt_p99_us",

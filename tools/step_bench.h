@@ -20,7 +20,8 @@ struct StepBenchOptions {
   uint32_t iterations = 200;
   // The worker's background weight scrubbing (its share of one core); it competes with compute.
   double scrub_share = 0.0;
-  unsigned sampling_threads = 0;                       // 0: one per core, as the broker
+  unsigned sampling_threads = 0;  // 0: one per core, as the broker
+  unsigned warm_spinners = 0;     // the broker's option: 0 by host (WorkPool::defaultSpinners)
   int64_t reply_spin_us = defaultReplySpin().count();  // WorkerClient::setReplySpin, as the broker
   bool in_step_checks = true;                          // the worker checks each step's weight reads
   std::vector<std::string> worker_args;                // passed on to the worker

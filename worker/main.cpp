@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
                  "products all check out)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   config_file.addOptions(app);
-  CLI11_PARSE(app, argc, argv);
+  if (auto stop = ConfigFile::parse(app, argc, argv)) return *stop;
   if (config_file.printed(app)) return 0;
 
   configureLogging("worker %P", log_level);

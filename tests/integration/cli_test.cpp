@@ -174,6 +174,16 @@ TEST(Cli, ConfigFilesGiveEveryOptionAndFlagsWin) {
       test::runBinary(dir, "bulkhead-broker", {"--config", dir.file("bad.toml"), "--print-config"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("max-running"), std::string::npos) << bad.err;
+
+  // A key that is no option (a typo) stops the program and is named, for both.
+  for (const char* binary : {"bulkhead-broker", "bulkhead-worker"}) {
+    test::writeFile(dir.file("typo.toml"), "model = \"m\"\nscrub-shar = 0.5\n");
+    auto typo = test::runBinary(dir, binary, {"--config", dir.file("typo.toml"), "--print-config"});
+    EXPECT_NE(typo.exit_code, 0) << binary;
+    EXPECT_NE(typo.err.find("\"scrub-shar\" is no option of " + std::string(binary)),
+              std::string::npos)
+        << binary << ": " << typo.err;
+  }
 }
 
 // Under systemd (JOURNAL_STREAM names stdout, where the logs go) a log line carries the syslog

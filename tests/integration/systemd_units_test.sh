@@ -2,7 +2,8 @@
 # systemd-analyze verify on every unit in systemd/, with ExecStart pointing at the built binaries
 # (the units name /usr/local/bin, where an install puts them). Any warning fails the test. Then
 # the sysusers.d and tmpfiles.d files, applied to an empty root: the user, and its directories
-# owner-only.
+# owner-only. Last, the TOML examples: each reads back through its binary's --print-config
+# unchanged, so it lists every option with its current help.
 # Usage: systemd_units_test.sh BIN_DIR SOURCE_DIR
 set -euo pipefail
 bin=$1 src=$2
@@ -34,3 +35,15 @@ for dir in /run/bulkhead /var/lib/bulkhead /etc/bulkhead; do
   [ "$got" = "700 $uid" ] || { echo "$dir: mode and owner $got, want 700 $uid"; exit 1; }
 done
 echo "sysusers and tmpfiles applied"
+
+for example in broker worker; do
+  file="$src/systemd/$example.toml.example"
+  "$bin/bulkhead-$example" --config "$file" --print-config > "$tmp/$example.toml"
+  diff -u "$file" "$tmp/$example.toml" > "$tmp/$example.diff" || {
+    cat "$tmp/$example.diff"
+    echo "systemd/$example.toml.example is not what bulkhead-$example --print-config gives for it" \
+      "(an option missing or its help changed: regenerate it with --config FILE --print-config)"
+    exit 1
+  }
+done
+echo "TOML examples list every option"

@@ -9,7 +9,9 @@
 #           as made by default and limited to 4 threads: whether the c1 stalls beside a CPU
 #           worker are the pool's helpers waiting for cores the worker's threads hold; then
 #           step-bench and serve-bench c1 with the worker watching its socket awake for 200 us
-#           after each reply (--spin-us: whether its wake-up is the step's "to_worker" piece)
+#           after each reply (--spin-us: whether its wake-up is the step's "to_worker" piece),
+#           and with a quarter of the cores spinning while the broker's pool is warm instead of
+#           the eighth it keeps beside a CPU worker (--warm-spinners)
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then gemm-bench
@@ -89,6 +91,11 @@ for group in "$@"; do
         --iterations 200 --worker-arg=--spin-us=200
       run serve-bench-cpu-c1-worker-spin 120 "$bh" serve-bench --model "$m" --concurrency 1 \
         --requests-per-stream 16 --worker-arg=--spin-us=200
+      quarter=$(($(nproc) / 4))
+      run step-bench-cpu-spinners-quarter 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
+        --iterations 200 --warm-spinners $quarter
+      run serve-bench-cpu-c1-spinners-quarter 120 "$bh" serve-bench --model "$m" --concurrency 1 \
+        --requests-per-stream 16 --broker-arg=--warm-spinners=$quarter
       ;;
     workers)
       m=$(model tiny-v152k)
