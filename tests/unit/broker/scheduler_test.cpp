@@ -29,13 +29,14 @@ class SchedulerTest : public ::testing::Test {
  protected:
   // `run` false: the scheduling thread waits for scheduler_->start(), so that requests submitted
   // before it are all in the first step (tests whose fault must find them all in flight).
-  void start(SchedulerOptions o = {}, bool run = true) {
+  void start(SchedulerOptions o = {}, bool run = true, SchedulerLinks links = {}) {
     o.restart_backoff_initial = 1ms;
     o.restart_backoff_max = 2ms;
     o.canary_interval = 0ms;
     if (!o.canary_reference) o.canary_reference = test::fakeReference();
     scheduler_ = std::make_unique<Scheduler>(control_->factory(control_),
-                                             ModelLimits{control_->vocab, 4096, {}}, o, pool_);
+                                             ModelLimits{control_->vocab, 4096, {}}, o, pool_,
+                                             std::move(links));
     if (run) scheduler_->start();
   }
 
@@ -127,19 +128,31 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
 // On SIGTERM a host's service manager stops the workers with the broker: a worker lost once the
 // scheduler was asked to stop is not replaced, and the open request ends with an error.
 TEST_F(SchedulerTest, AWorkerLostWhileStoppingIsNotReplaced) {
+  // Steps 1 and 2 are the new worker's canary (its prompt, then its continuation); step 3, the
+  // request's first, loses the worker.
   control_->scheduleFault(
-      1, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+      3, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  uint32_t steps = 0, offers = 0;
   bool asked = false;
-  control_->on_step = [&](std::span<const SequenceStep>) {
-    if (!std::exchange(asked, true)) scheduler_->requestStop();
+  control_->on_step = [&](std::span<const SequenceStep>) { ++steps; };
+  // The stop lands where a SIGTERM may: the worker lost, the loop past its check for a stop. The
+  // sequence to replay is offered to other workers as the worker is lost, then again by the loop
+  // just before it would start a replacement: the second offer asks the scheduler to stop.
+  SchedulerLinks links;
+  links.hand_off = [&](std::vector<SequencePtr>&, bool) {
+    if (steps >= 3 && ++offers == 2) {
+      scheduler_->requestStop();
+      asked = true;
+    }
+    return size_t(0);
   };
-  start({}, /*run=*/false);
+  start({}, /*run=*/false, std::move(links));
   auto runs = submit(1, 16);
   scheduler_->start();
   ASSERT_TRUE(runs[0].sink->wait()) << "the request never ended";
   EXPECT_FALSE(runs[0].sink->status().ok());
   scheduler_->stop();
-  EXPECT_TRUE(asked) << "no step was sent";
+  EXPECT_TRUE(asked) << "the lost worker's sequence was offered " << offers << " times, not twice";
   EXPECT_EQ(control_->starts(), 1u) << "a worker was started while the scheduler stopped";
   EXPECT_EQ(scheduler_->stats().worker_restarts, 1u) << "the loss was not seen";
 }
