@@ -322,6 +322,68 @@ __device__ __forceinline__ uint32_t foldKeys(int g, int first) {
   return keys;
 }
 
+// An output's final value: into y, or added to the residual (res.x). Every lane of a warp
+// reaches it together, for consecutive rows of one token where a block's rows are a multiple of
+// 16: a norm tile's 16 outputs (row / 16 the same) are 16 lanes of one warp.
+template <bool kResidual>
+__device__ __forceinline__ void storeOutput(int row, int token, float value, int n, int m,
+                                            float* __restrict__ y, int ldy,
+                                            const GemmResidual& res) {
+  const bool valid = row < n && token < m;
+  if constexpr (!kResidual) {
+    if (valid) y[size_t(token) * ldy + row] = value;
+    return;
+  }
+  if (valid && res.fault == (long long)token * n + row)
+    value = __uint_as_float(__float_as_uint(value) ^ 0x40000000u);
+  float square = 0.0f;
+  double produced[2] = {};
+  if (valid) {
+    float* at = res.x + size_t(token) * res.ldx + row;
+    const float updated = __fadd_rn(*at, value);
+    *at = updated;
+    square = __fmul_rn(updated, updated);
+    produced[0] = double(value);
+    produced[1] = double(value) * double(value);
+  }
+  square = normTilePartialOfLanes(square);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    for (int offset = kNormTile / 2; offset > 0; offset /= 2)
+      produced[i] += __shfl_xor_sync(0xffffffffu, produced[i], offset);
+  if (row % kNormTile == 0 && valid) {
+    res.partials[size_t(token) * res.ldp + row / kNormTile] = square;
+    if (res.checks != nullptr) {
+      ProductCheck& p = res.checks[size_t(token) * res.roles + res.role];
+      atomicAdd(&p.produced, produced[0]);
+      atomicAdd(&p.produced_sq, produced[1]);
+    }
+  }
+}
+
+// The weight of a fused product (GemmFold) that row `row` belongs to.
+__device__ __forceinline__ int foldSegment(const GemmFold& fold, int row) {
+  return (fold.weights > 1 && row >= fold.row_end[0]) +
+         (fold.weights > 2 && row >= fold.row_end[1]);
+}
+__device__ __forceinline__ FoldAccount* foldAccount(const GemmFold& fold, int segment) {
+  return segment == 0 ? fold.account[0] : segment == 1 ? fold.account[1] : fold.account[2];
+}
+
+// Lane (g, c)'s share of the fold of the 16-row tile from `tile_row` (a tile lies within one
+// weight): fold accumulator j is weight row g (+ 8 for j >= 2) of the tile and key column
+// 2c + j % 2, weighted by the row and the weight's salt (gemm.cuh productFold). A warp's lanes
+// add up to the tile's words it folded.
+__device__ __forceinline__ unsigned long long tileFold(const GemmFold& fold, int tile_row, int g,
+                                                       int c, const uint32_t (&fold_acc)[4]) {
+  const int segment = foldSegment(fold, tile_row);
+  const int segment_begin = segment == 0 ? 0 : segment == 1 ? fold.row_end[0] : fold.row_end[1];
+  const uint32_t salt = segment == 0 ? fold.salt[0] : segment == 1 ? fold.salt[1] : fold.salt[2];
+  const uint32_t lo_row = 2 * uint32_t(tile_row + g - segment_begin) + 1, hi_row = lo_row + 16;
+  return (2 * salt + 1) * (lo_row * ((4 * c + 1) * fold_acc[0] + (4 * c + 3) * fold_acc[1]) +
+                           hi_row * ((4 * c + 1) * fold_acc[2] + (4 * c + 3) * fold_acc[3]));
+}
+
 // Where a product's tokens come from (the kernel's kInput): bf16 x, a normed input
 // (GemmNormedInput) or an activated one (GemmActivatedInput).
 constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
@@ -384,10 +446,6 @@ __global__ void __launch_bounds__(kThreads)
   // The blocks of the first token group fold what they load: every word once a launch. A tile
   // lies within one weight (the boundaries are multiples of 16).
   const bool folding = fold.weights > 0 && token_block == 0;
-  auto segmentOf = [&](int row) {
-    return (fold.weights > 1 && row >= fold.row_end[0]) +
-           (fold.weights > 2 && row >= fold.row_end[1]);
-  };
   const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
   uint32_t fold_acc[kTiles][4] = {};
   float acc[kTiles][kGroups][4] = {};
@@ -532,17 +590,7 @@ __global__ void __launch_bounds__(kThreads)
   if (folding) {
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
-      // Accumulator j is weight row g (+ 8 for j >= 2) of the tile and key column 2c + j % 2.
-      const int tile_row = n0 + 16 * i, segment = segmentOf(tile_row);
-      const int segment_begin = segment == 0 ? 0 : segment == 1 ? fold.row_end[0] : fold.row_end[1];
-      const uint32_t salt = segment == 0   ? fold.salt[0]
-                            : segment == 1 ? fold.salt[1]
-                                           : fold.salt[2];
-      const uint32_t lo_row = 2 * uint32_t(tile_row + g - segment_begin) + 1, hi_row = lo_row + 16;
-      unsigned long long folded =
-          (2 * salt + 1) * (lo_row * ((4 * c + 1) * fold_acc[i][0] + (4 * c + 3) * fold_acc[i][1]) +
-                            hi_row * ((4 * c + 1) * fold_acc[i][2] + (4 * c + 3) * fold_acc[i][3]));
-      folded = warpSum64(folded);
+      const unsigned long long folded = warpSum64(tileFold(fold, n0 + 16 * i, g, c, fold_acc[i]));
       if (lane == 0) fold_scratch[warp][i] = folded;
     }
   }
@@ -559,41 +607,9 @@ __global__ void __launch_bounds__(kThreads)
   if (folding && threadIdx.x == 0)
     for (int i = 0; i < kTiles; ++i)
       for (int v = 0; v < kWarps; ++v) block_fold[i] += fold_scratch[v][i];
-  // Output e's final value: into y, or added to the residual (res.x). Every lane of a warp
-  // reaches it together with consecutive e (kOutputs is a multiple of kThreads): a norm tile's
-  // 16 outputs (e / 16 the same) are 16 lanes of one warp.
+  // Output e is weight row e % kRows and token e / kRows (storeOutput).
   auto store = [&](int e, float value) {
-    const int row = n0 + e % kRows, token = m0 + e / kRows;
-    const bool valid = row < n && token < m;
-    if constexpr (!kResidual) {
-      if (valid) y[size_t(token) * ldy + row] = value;
-      return;
-    }
-    if (valid && res.fault == (long long)token * n + row)
-      value = __uint_as_float(__float_as_uint(value) ^ 0x40000000u);
-    float square = 0.0f;
-    double produced[2] = {};
-    if (valid) {
-      float* at = res.x + size_t(token) * res.ldx + row;
-      const float updated = __fadd_rn(*at, value);
-      *at = updated;
-      square = __fmul_rn(updated, updated);
-      produced[0] = double(value);
-      produced[1] = double(value) * double(value);
-    }
-    square = normTilePartialOfLanes(square);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      for (int offset = kNormTile / 2; offset > 0; offset /= 2)
-        produced[i] += __shfl_xor_sync(0xffffffffu, produced[i], offset);
-    if (e % kNormTile == 0 && valid) {
-      res.partials[size_t(token) * res.ldp + row / kNormTile] = square;
-      if (res.checks != nullptr) {
-        ProductCheck& p = res.checks[size_t(token) * res.roles + res.role];
-        atomicAdd(&p.produced, produced[0]);
-        atomicAdd(&p.produced_sq, produced[1]);
-      }
-    }
+    storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, value, n, m, y, ldy, res);
   };
   if (splits == 1) {
     __syncthreads();
@@ -626,14 +642,225 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < kTiles; ++i) {
       const int tile_row = n0 + 16 * i;
       if (tile_row >= n) break;  // past the weight's last row: nothing was loaded
-      const int segment = segmentOf(tile_row);
-      FoldAccount* account = segment == 0   ? fold.account[0]
-                             : segment == 1 ? fold.account[1]
-                                            : fold.account[2];
+      FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
       atomicAdd(&account->sum, block_fold[i]);
       atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
     }
   }
+}
+
+// The staged schedule's kernel (17 rows or more): the four warps of a block take four tiles of 16
+// weight rows and share each k block's tokens, which the block stages once in shared memory
+// (cp.async, two stages in flight), where gemmKernel's warps take the k blocks of one tile and
+// each loads the tokens of its own. Every output is still gemmKernel's sequence of operations:
+// each lane v's sum (the mma over its k blocks v, v + lanes, ... in increasing order, from
+// zero), those of a cluster rank's kWarps lanes added in lane order, then the ranks' in rank
+// order. A warp here runs its rank's lanes one after another for its own tile and keeps the sum of
+// those done: ((p0 + p1) + p2) + p3, as gemmKernel's block adds its warps' partial sums. A lane
+// with no k block adds its zero, as gemmKernel's idle warp does.
+constexpr int kStagedUnroll = 4;  // k blocks whose tokens stage together
+
+__device__ __forceinline__ void cpAsync16(void* shared, const void* global, bool valid) {
+  const unsigned to = unsigned(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
+               "r"(valid ? 16 : 0));  // 0 bytes read: the 16 written are zeros
+}
+__device__ __forceinline__ void cpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void cpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Where a rank's run of k blocks stands: lane j (of its kWarps) at k block kb.
+struct StagedCursor {
+  int j, kb;
+  __device__ bool done(int k_blocks) const { return j >= kWarps || kb >= k_blocks; }
+  __device__ void advance(int rank, int lanes, int k_blocks) {
+    kb += lanes;
+    if (kb >= k_blocks) kb = rank * kWarps + ++j;
+  }
+};
+
+template <int kGroups, bool kResidual>
+__global__ void __launch_bounds__(kThreads)
+    stagedGemmKernel(const __nv_bfloat16* __restrict__ x, int m,
+                     const __nv_bfloat16* __restrict__ w, int n, int k, float* __restrict__ y,
+                     int ldy, GemmFold fold, int splits, int token_blocks, GemmResidual res,
+                     GemmNormedInput nin) {
+  constexpr int kTokens = 8 * kGroups;  // a block's tokens
+  constexpr int kRows = 16 * kWarps;    // a block's weight rows: a tile a warp
+  constexpr int kOutputs = kRows * kTokens;
+  constexpr int kPieces = kTokens * 4;  // 16-byte pieces of one k block's tokens
+  constexpr int kStagePieces = kStagedUnroll * kPieces;
+  static_assert(kPieces % kThreads == 0 && kOutputs % (kMaxSplits * kThreads) == 0);
+  constexpr int kSharedBytes =
+      2 * kStagePieces * 16 > kOutputs * 4 ? 2 * kStagePieces * 16 : kOutputs * 4;
+  // Two stages of tokens ([stage][item][token][piece]) while multiplying; the block's sums
+  // ([token][row]) after.
+  __shared__ __align__(16) unsigned char shared[kSharedBytes];
+  uint4* const staged = reinterpret_cast<uint4*>(shared);
+  float* const block_sum = reinterpret_cast<float*>(shared);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits;
+  const int tile = cell / token_blocks, token_block = cell % token_blocks;
+  const int n0 = tile * kRows, m0 = token_block * kTokens;
+  const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
+  if (tile >= (n + kRows - 1) / kRows) {
+    // The clusters past the weight's tiles: the product's own side of its consumers' checks
+    // (a lane for each consumer and k block, as gemmKernel's check tile).
+    tokenChecks<kGroups>(x, nin, m0, m, k,
+                         (tile - (n + kRows - 1) / kRows) * lanes + rank * kWarps + warp);
+    return;  // the whole cluster
+  }
+  const int lo_index = n0 + 16 * warp + g;
+  const bool row_lo = lo_index < n, row_hi = lo_index + 8 < n;
+  const __nv_bfloat16* const w_lo = w + size_t(row_lo ? lo_index : 0) * k + 8 * c;
+  const __nv_bfloat16* const w_hi = w + size_t(row_hi ? lo_index + 8 : 0) * k + 8 * c;
+  const bool folding = fold.weights > 0 && token_block == 0;
+  const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
+  uint32_t fold_acc[4] = {};
+
+  // The rank's run: item after item, each a k block of one of its lanes, lane by lane.
+  int items = 0;
+  for (int j = 0; j < kWarps; ++j) {
+    const int v = rank * kWarps + j;
+    if (v < k_blocks) items += (k_blocks - v + lanes - 1) / lanes;
+  }
+  const int stages = (items + kStagedUnroll - 1) / kStagedUnroll;
+  StagedCursor loading{0, rank * kWarps}, multiplying{0, rank * kWarps};
+  uint4 a_lo[2][kStagedUnroll], a_hi[2][kStagedUnroll];
+  // The next stage's weights, from where loading stands (which it does not move).
+  auto loadWeights = [&](int set) {
+    StagedCursor at = loading;
+#pragma unroll
+    for (int u = 0; u < kStagedUnroll; ++u) {
+      const bool in = !at.done(k_blocks) && 32 * at.kb + 8 * c < k;
+      a_lo[set][u] = load16(w_lo + 32 * at.kb, in && row_lo);
+      a_hi[set][u] = load16(w_hi + 32 * at.kb, in && row_hi);
+      at.advance(rank, lanes, k_blocks);
+    }
+  };
+  // The same stage's tokens into buffer `buffer`, 16 bytes a thread at a time; moves loading on.
+  auto stageTokens = [&](int buffer) {
+#pragma unroll
+    for (int u = 0; u < kStagedUnroll; ++u) {
+      const bool in = !loading.done(k_blocks);
+#pragma unroll
+      for (int p = threadIdx.x; p < kPieces; p += kThreads) {
+        const int token = m0 + p / 4, k0 = 32 * loading.kb + 8 * (p % 4);
+        const bool valid = in && token < m && k0 < k;
+        cpAsync16(staged + (buffer * kStagedUnroll + u) * kPieces + p,
+                  valid ? x + size_t(token) * k + k0 : x, valid);
+      }
+      loading.advance(rank, lanes, k_blocks);
+    }
+    cpAsyncCommit();
+  };
+  float acc[kGroups][4] = {}, block_acc[kGroups][4] = {};
+  int lane_now = 0;  // the rank's lane whose k blocks acc sums
+  auto finishLane = [&]() {
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        block_acc[t][i] = lane_now == 0 ? acc[t][i] : block_acc[t][i] + acc[t][i];
+        acc[t][i] = 0.0f;
+      }
+    ++lane_now;
+  };
+  // Stage `stage`'s multiplies and fold, from register set `set` and buffer `set`.
+  auto multiply = [&](int set, int stage) {
+#pragma unroll
+    for (int u = 0; u < kStagedUnroll; ++u) {
+      if (stage * kStagedUnroll + u >= items) break;  // the same for the whole block
+      while (lane_now < multiplying.j) finishLane();
+      const uint4 &lo = a_lo[set][u], &hi = a_hi[set][u];
+      const uint4* tokens = staged + (set * kStagedUnroll + u) * kPieces;
+#pragma unroll
+      for (int t = 0; t < kGroups; ++t) {
+        const uint4 tok = tokens[(8 * t + g) * 4 + c];
+        mma(acc[t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
+        mma(acc[t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
+      }
+      if (folding) {
+        foldMma(fold_acc, lo.x, hi.x, lo.y, hi.y, key_lo, key_hi);
+        foldMma(fold_acc, lo.z, hi.z, lo.w, hi.w, key_lo, key_hi);
+      }
+      multiplying.advance(rank, lanes, k_blocks);
+    }
+  };
+  // The first stage's weights (which no kernel writes) before the wait for the kernel before;
+  // the tokens (its output) after it.
+  loadWeights(0);
+  gridDependencyWait();
+  allowDependentLaunch();
+  stageTokens(0);
+  for (int stage = 0; stage < stages; stage += 2) {
+    if (stage + 1 < stages) {
+      loadWeights(1);
+      stageTokens(1);
+      cpAsyncWait<1>();
+    } else {
+      cpAsyncWait<0>();
+    }
+    __syncthreads();
+    multiply(0, stage);
+    __syncthreads();  // buffer 0 is free for the stage after next
+    if (stage + 1 >= stages) break;
+    if (stage + 2 < stages) {
+      loadWeights(0);
+      stageTokens(0);
+      cpAsyncWait<1>();
+    } else {
+      cpAsyncWait<0>();
+    }
+    __syncthreads();
+    multiply(1, stage + 1);
+    __syncthreads();
+  }
+  while (lane_now < kWarps) finishLane();  // the last lane, then any with no k block (zero)
+  cpAsyncWait<0>();                        // a rank with no k block still staged (zeros)
+  __syncthreads();
+
+  // The block's sums, over the staged tokens (every warp is past its last multiply). Accumulator
+  // i is weight row g (+ 8 for i >= 2) of the warp's tile and token column 2c + i % 2.
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      block_sum[(8 * t + 2 * c + i % 2) * kRows + 16 * warp + g + 8 * (i / 2)] = block_acc[t][i];
+  if (folding) {
+    // This warp's tile: the words this rank folded (the ranks' folds add up to the tile's);
+    // rank 0 counts the tile's words.
+    const int tile_row = n0 + 16 * warp;
+    const unsigned long long folded = warpSum64(tileFold(fold, tile_row, g, c, fold_acc));
+    if (lane == 0 && tile_row < n) {
+      FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
+      atomicAdd(&account->sum, folded);
+      if (rank == 0)
+        atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
+    }
+  }
+  // Output e is weight row e % kRows and token e / kRows: neighbouring threads store neighbouring
+  // outputs (storeOutput).
+  if (splits == 1) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < kOutputs; e += kThreads)
+      storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, block_sum[e], n, m, y, ldy, res);
+    return;
+  }
+  // The cluster's blocks are the tile's k splits: rank r adds up the outputs r, r + splits, ...
+  // over the blocks in rank order, and keeps its shared memory until every rank has read it.
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
+    float total = *cluster.map_shared_rank(&block_sum[e], 0);
+    for (int r = 1; r < splits; ++r) total += *cluster.map_shared_rank(&block_sum[e], r);
+    storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, total, n, m, y, ldy, res);
+  }
+  cluster.sync();
 }
 
 // kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
@@ -692,6 +919,39 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
+// The staged kernel for a product of bf16 tokens (more than 16 rows): blocks of 64 weight rows and
+// 8 * kGroups tokens, a tile's token blocks side by side; the check tile as gemmKernel's.
+template <int kGroups>
+cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
+                         int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
+                         const GemmResidual& res, const GemmNormedInput& nin) {
+  const int lanes = splits * kWarps, k_blocks = (k + 31) / 32;
+  const int token_checks = tokenConsumers(nin) * k_blocks;
+  const int tiles = (n + 16 * kWarps - 1) / (16 * kWarps) + (token_checks + lanes - 1) / lanes;
+  const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(tiles * splits * token_blocks));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  unsigned count = 0;
+  if (splits > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = unsigned(splits);
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  config.attrs = attrs;
+  config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
+  auto go = [&](auto kernel) {
+    return cudaLaunchKernelEx(&config, kernel, x, m, w, n, k, y, ldy, fold, splits, token_blocks,
+                              res, nin);
+  };
+  return res.x != nullptr ? go(stagedGemmKernel<kGroups, true>)
+                          : go(stagedGemmKernel<kGroups, false>);
+}
+
 }  // namespace
 
 uint32_t productFold(const std::byte* data, size_t rows, int k, uint32_t first_row, uint32_t salt) {
@@ -731,7 +991,7 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     }
     if (!known)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved)");
+                             "\" (known: plain, pipelined, two_tiles, interleaved, staged)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -845,6 +1105,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
+  } else if (schedule == GemmSchedule::kStaged && m > 16) {
+    launched = m <= 32
+                   ? launchStaged<4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed)
+                   : launchStaged<8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);

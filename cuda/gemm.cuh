@@ -129,10 +129,13 @@ enum class GemmSchedule {
   kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
                  // tile launched side by side: the tile's second and later reads come from the
                  // L2 cache (plain for up to 32 rows)
+  kStaged,       // over 16 rows, a block's four warps take four weight tiles and share each k
+                 // block's tokens, staged once in shared memory (a quarter of the token reads);
+                 // the token blocks of a tile side by side (plain for up to 16 rows)
 };
-inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
-                                                  GemmSchedule::kTwoTiles,
-                                                  GemmSchedule::kInterleaved};
+inline constexpr GemmSchedule kGemmSchedules[] = {
+    GemmSchedule::kPlain, GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
+    GemmSchedule::kInterleaved, GemmSchedule::kStaged};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -144,14 +147,15 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kPipelined};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved.
+// two_tiles, interleaved, staged.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
-  return s == GemmSchedule::kPlain       ? "plain"
-         : s == GemmSchedule::kPipelined ? "pipelined"
-         : s == GemmSchedule::kTwoTiles  ? "two_tiles"
-                                         : "interleaved";
+  return s == GemmSchedule::kPlain         ? "plain"
+         : s == GemmSchedule::kPipelined   ? "pipelined"
+         : s == GemmSchedule::kTwoTiles    ? "two_tiles"
+         : s == GemmSchedule::kInterleaved ? "interleaved"
+                                           : "staged";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

@@ -267,7 +267,8 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   std::vector<test::Rows> want;
   for (size_t i = 0; i < 4; ++i) want.push_back(plain.runAlone(1 + i, tokens, chunks[i]));
   const test::Rows decoded = decodeThree(*backend_, vocab_);
-  for (const char* names : {"pipelined", "two_tiles", "two_tiles,pipelined,two_tiles,pipelined"}) {
+  for (const char* names : {"pipelined", "two_tiles", "two_tiles,pipelined,two_tiles,pipelined",
+                            "pipelined,plain,staged,staged"}) {
     auto schedules = cuda::parseGemmSchedules(names);
     ASSERT_TRUE(schedules.ok()) << schedules.status().toString();
     auto other = cudaBackend(checkpoint_, true, 0, false, *schedules);

@@ -221,6 +221,15 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   auto interleaved = cuda::parseGemmSchedules("interleaved");
   ASSERT_TRUE(interleaved.ok()) << interleaved.status().toString();
   EXPECT_EQ((*interleaved)[3], cuda::GemmSchedule::kInterleaved);
+  auto staged = cuda::parseGemmSchedules("pipelined,plain,staged,staged");
+  ASSERT_TRUE(staged.ok()) << staged.status().toString();
+  EXPECT_EQ((*staged)[2], cuda::GemmSchedule::kStaged);
+  EXPECT_EQ((*staged)[3], cuda::GemmSchedule::kStaged);
+  for (const cuda::GemmSchedule s : cuda::kGemmSchedules) {
+    auto named = cuda::parseGemmSchedules(cuda::gemmScheduleName(s));
+    ASSERT_TRUE(named.ok()) << named.status().toString();
+    EXPECT_EQ((*named)[0], s) << "each schedule's name reads back as it";
+  }
   auto each = cuda::parseGemmSchedules("plain,pipelined,two_tiles,plain");
   ASSERT_TRUE(each.ok()) << each.status().toString();
   EXPECT_EQ((*each)[0], cuda::GemmSchedule::kPlain);

@@ -32,7 +32,10 @@
 #           two_tiles, interleaved) in every bucket, no comparison columns
 #   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
 #           a step of 2,048 rows) with the 33+ row bucket pipelined (its token blocks side by
-#           side over 64 rows), plain (token blocks along y) and interleaved
+#           side over 64 rows), plain (token blocks along y), interleaved and staged
+#   staged  the product's GPU tests (every schedule, the staged one among them), the model cases
+#           of every schedule, then bench-engine decode on both shapes with the 17-32 and 33+
+#           buckets staged against the default (the prefill group times it in prefill)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -182,10 +185,21 @@ for group in "$@"; do
       run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
-        for last in pipelined plain interleaved; do
+        for last in pipelined plain interleaved staged; do
           run "bench-engine-$shape-prefill-$last" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1,8 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
             --gemm-schedules pipelined,plain,plain,$last
+        done
+      done
+      ;;
+    staged)
+      run gemm-tests-staged 300 "$bundle/gpu_tests" \
+        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*ProductSchedules*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for schedules in pipelined,plain,plain,pipelined pipelined,plain,staged,staged; do
+          run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
+            --batch 1,32,64 --no-compare --gemm-schedules $schedules
         done
       done
       ;;
