@@ -603,10 +603,6 @@ __global__ void __launch_bounds__(kThreads)
     for (int v = 1; v < kWarps; ++v) total += partial[v][e % kRows][e / kRows];
     block_sum[e] = total;
   }
-  unsigned long long block_fold[kTiles] = {};
-  if (folding && threadIdx.x == 0)
-    for (int i = 0; i < kTiles; ++i)
-      for (int v = 0; v < kWarps; ++v) block_fold[i] += fold_scratch[v][i];
   // Output e is weight row e % kRows and token e / kRows (storeOutput).
   auto store = [&](int e, float value) {
     storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, value, n, m, y, ldy, res);
@@ -617,8 +613,6 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     // The cluster's blocks are the tile's k splits: rank r adds up the outputs r, r + splits, ...
     // over the blocks in rank order, and keeps its shared memory until every rank has read it.
-    if (folding && threadIdx.x == 0)
-      for (int i = 0; i < kTiles; ++i) fold_scratch[0][i] = block_fold[i];
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
     for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
@@ -626,25 +620,20 @@ __global__ void __launch_bounds__(kThreads)
       for (int s = 1; s < splits; ++s) total += *cluster.map_shared_rank(&block_sum[e], s);
       store(e, total);
     }
-    if (folding && rank == 0 && warp == 0)
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        // Lane s reads rank s's fold (all at once), the warp adds them up.
-        unsigned long long other = 0;
-        for (int s = 1 + lane; s < splits; s += 32)
-          other += *cluster.map_shared_rank(&fold_scratch[0][i], s);
-        other = warpSum64(other);
-        if (lane == 0) block_fold[i] += other;
-      }
     cluster.sync();
   }
-  if (folding && rank == 0 && threadIdx.x == 0) {
+  if (folding && threadIdx.x == 0) {
+    // The block's fold of each tile into its weight's account: the ranks' folds add up to the
+    // tile's (integers: in any order), and rank 0 counts the tile's words.
     for (int i = 0; i < kTiles; ++i) {
       const int tile_row = n0 + 16 * i;
       if (tile_row >= n) break;  // past the weight's last row: nothing was loaded
+      unsigned long long block_fold = 0;
+      for (int v = 0; v < kWarps; ++v) block_fold += fold_scratch[v][i];
       FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
-      atomicAdd(&account->sum, block_fold[i]);
-      atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
+      atomicAdd(&account->sum, block_fold);
+      if (rank == 0)
+        atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
     }
   }
 }
