@@ -372,8 +372,8 @@ __device__ __forceinline__ FoldAccount* foldAccount(const GemmFold& fold, int se
 
 // Lane (g, c)'s share of the fold of the 16-row tile from `tile_row` (a tile lies within one
 // weight): fold accumulator j is weight row g (+ 8 for j >= 2) of the tile and key column
-// 2c + j % 2, weighted by the row and the weight's salt (gemm.cuh productFold). A warp's lanes
-// add up to the tile's words it folded.
+// 2c + j % 2, weighted by the row and the weight's salt (gemm.cuh productFold). Summed over a
+// warp's lanes: the fold of the words of the tile that the warp loaded.
 __device__ __forceinline__ unsigned long long tileFold(const GemmFold& fold, int tile_row, int g,
                                                        int c, const uint32_t (&fold_acc)[4]) {
   const int segment = foldSegment(fold, tile_row);

@@ -43,9 +43,9 @@ class StepRunner {
  private:
   // Copies the sequences' lists out of the message into batch_; counts requested rows.
   Status decode(wire::Step::Reader step, uint32_t& total_rows);
+  using Clock = std::chrono::steady_clock;
   // enqueueStep + waitStep into the arena slots (or where a fault diverts a row); `from` and `to`
   // say when the compute began and ended.
-  using Clock = std::chrono::steady_clock;
   StepOutcome compute(uint32_t total_rows, uint64_t step_id, Clock::time_point& from,
                       Clock::time_point& to);
   // Publishes every row's header and lists it in StepDone.

@@ -191,10 +191,8 @@ TEST_F(WorkerProcessTest, LogitsBitIdenticalToInProcessEngineAcrossBatchedSteps)
   EXPECT_GT(steps, 5u);
 }
 
-// Two steps in flight: the worker computes them in order, each into its own arena slots, so the
-// first step's rows are intact after the second was computed, and equal to the same sequences
-// computed one step at a time. A step whose rows would pass the arena's end is refused, and the
-// connection stays usable.
+// A step's reply says when the worker received, computed and answered it (step-bench splits the
+// round trip with these times).
 TEST_F(WorkerProcessTest, AStepsTimelineRunsInOrderOnTheHostsClock) {
   auto client = spawn();
   ASSERT_TRUE(client);
@@ -213,6 +211,10 @@ TEST_F(WorkerProcessTest, AStepsTimelineRunsInOrderOnTheHostsClock) {
   EXPECT_EQ(uint64_t((t.compute_end - t.compute_start) / 1000), reply->compute_micros);
 }
 
+// Two steps in flight: the worker computes them in order, each into its own arena slots, so the
+// first step's rows are intact after the second was computed, and equal to the same sequences
+// computed one step at a time. A step whose rows would pass the arena's end is refused, and the
+// connection stays usable.
 TEST_F(WorkerProcessTest, TwoStepsInFlightKeepTheirRowsApart) {
   auto client = spawn(/*fault_injection=*/false, /*arena_slots=*/8);
   ASSERT_TRUE(client);
