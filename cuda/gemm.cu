@@ -384,6 +384,28 @@ __device__ __forceinline__ unsigned long long tileFold(const GemmFold& fold, int
                            hi_row * ((4 * c + 1) * fold_acc[2] + (4 * c + 3) * fold_acc[3]));
 }
 
+// A block's sums of its kOutputs outputs (block_sum, in shared memory) stored through
+// store(e, value). With splits > 1 the cluster's blocks are the tile's k splits: rank r adds up
+// the outputs r, r + splits, ... over the blocks in rank order, and keeps its shared memory
+// until every rank has read it. Every thread of the block calls it.
+template <int kOutputs, typename Store>
+__device__ __forceinline__ void storeBlockSums(float* block_sum, int rank, int splits,
+                                               Store&& store) {
+  if (splits == 1) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < kOutputs; e += kThreads) store(e, block_sum[e]);
+    return;
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
+    float total = *cluster.map_shared_rank(&block_sum[e], 0);
+    for (int r = 1; r < splits; ++r) total += *cluster.map_shared_rank(&block_sum[e], r);
+    store(e, total);
+  }
+  cluster.sync();
+}
+
 // Where a product's tokens come from (the kernel's kInput): bf16 x, a normed input
 // (GemmNormedInput) or an activated one (GemmActivatedInput).
 constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
@@ -607,21 +629,7 @@ __global__ void __launch_bounds__(kThreads)
   auto store = [&](int e, float value) {
     storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, value, n, m, y, ldy, res);
   };
-  if (splits == 1) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < kOutputs; e += kThreads) store(e, block_sum[e]);
-  } else {
-    // The cluster's blocks are the tile's k splits: rank r adds up the outputs r, r + splits, ...
-    // over the blocks in rank order, and keeps its shared memory until every rank has read it.
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
-      float total = *cluster.map_shared_rank(&block_sum[e], 0);
-      for (int s = 1; s < splits; ++s) total += *cluster.map_shared_rank(&block_sum[e], s);
-      store(e, total);
-    }
-    cluster.sync();
-  }
+  storeBlockSums<kOutputs>(block_sum, rank, splits, store);
   if (folding && threadIdx.x == 0) {
     // The block's fold of each tile into its weight's account: the ranks' folds add up to the
     // tile's (integers: in any order), and rank 0 counts the tile's words.
@@ -834,23 +842,34 @@ __global__ void __launch_bounds__(kThreads)
   }
   // Output e is weight row e % kRows and token e / kRows: neighbouring threads store neighbouring
   // outputs (storeOutput).
-  if (splits == 1) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < kOutputs; e += kThreads)
-      storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, block_sum[e], n, m, y, ldy, res);
-    return;
-  }
-  // The cluster's blocks are the tile's k splits: rank r adds up the outputs r, r + splits, ...
-  // over the blocks in rank order, and keeps its shared memory until every rank has read it.
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
-    float total = *cluster.map_shared_rank(&block_sum[e], 0);
-    for (int r = 1; r < splits; ++r) total += *cluster.map_shared_rank(&block_sum[e], r);
-    storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, total, n, m, y, ldy, res);
-  }
-  cluster.sync();
+  storeBlockSums<kOutputs>(block_sum, rank, splits, [&](int e, float value) {
+    storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, value, n, m, y, ldy, res);
+  });
 }
+
+// A product kernel's launch: 128 threads a block, clusters of `splits` blocks along x (the k
+// splits of a tile), programmatic where the stream is. Holds the attributes its config points to.
+struct ProductLaunch {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attrs[2];
+  ProductLaunch(dim3 grid, int splits, cudaStream_t stream) {
+    config.gridDim = grid;
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    unsigned count = 0;
+    if (splits > 1) {
+      attrs[count].id = cudaLaunchAttributeClusterDimension;
+      attrs[count].val.clusterDim.x = unsigned(splits);
+      attrs[count].val.clusterDim.y = 1;
+      attrs[count].val.clusterDim.z = 1;
+      ++count;
+    }
+    config.attrs = attrs;
+    config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
+  }
+  ProductLaunch(const ProductLaunch&) = delete;
+  ProductLaunch& operator=(const ProductLaunch&) = delete;
+};
 
 // kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
@@ -859,7 +878,6 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
                    const GemmActivatedInput& act) {
-  cudaLaunchConfig_t config = {};
   const bool checks = (nin.x != nullptr && normedHasChecks(nin)) ||
                       (act.gate_up != nullptr && activatedHasChecks(act)) ||
                       (act.gate_up == nullptr && tokenHasChecks(nin));
@@ -876,24 +894,12 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + check_clusters;
   const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
   const int interleaved = kInterleaved ? token_blocks : 1;  // token input only
-  config.gridDim =
-      dim3(unsigned(blocks * splits * interleaved), unsigned(token_blocks / interleaved));
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  unsigned count = 0;
-  if (splits > 1) {
-    attrs[count].id = cudaLaunchAttributeClusterDimension;
-    attrs[count].val.clusterDim.x = unsigned(splits);
-    attrs[count].val.clusterDim.y = 1;
-    attrs[count].val.clusterDim.z = 1;
-    ++count;
-  }
-  config.attrs = attrs;
-  config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
+  ProductLaunch setup(
+      dim3(unsigned(blocks * splits * interleaved), unsigned(token_blocks / interleaved)), splits,
+      stream);
   auto go = [&](auto kernel) {
-    return cudaLaunchKernelEx(&config, kernel, x, m, w, n, k, y, ldy, fold, splits, interleaved,
-                              res, nin, act);
+    return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
+                              interleaved, res, nin, act);
   };
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
@@ -918,24 +924,10 @@ cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_b
   const int token_checks = tokenConsumers(nin) * k_blocks;
   const int tiles = (n + 16 * kWarps - 1) / (16 * kWarps) + (token_checks + lanes - 1) / lanes;
   const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(tiles * splits * token_blocks));
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  unsigned count = 0;
-  if (splits > 1) {
-    attrs[count].id = cudaLaunchAttributeClusterDimension;
-    attrs[count].val.clusterDim.x = unsigned(splits);
-    attrs[count].val.clusterDim.y = 1;
-    attrs[count].val.clusterDim.z = 1;
-    ++count;
-  }
-  config.attrs = attrs;
-  config.numAttrs = addProgrammaticAttribute(stream, attrs, count);
+  ProductLaunch setup(dim3(unsigned(tiles * splits * token_blocks)), splits, stream);
   auto go = [&](auto kernel) {
-    return cudaLaunchKernelEx(&config, kernel, x, m, w, n, k, y, ldy, fold, splits, token_blocks,
-                              res, nin);
+    return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
+                              token_blocks, res, nin);
   };
   return res.x != nullptr ? go(stagedGemmKernel<kGroups, true>)
                           : go(stagedGemmKernel<kGroups, false>);
