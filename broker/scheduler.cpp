@@ -267,16 +267,7 @@ bool Scheduler::serveOnce() {
     links_.claim_parked(parked);
     if (!parked.empty()) queues_.adopt(std::move(parked));
   }
-  if (worker->hello().incarnation != blocks_incarnation_) {
-    // A new worker's cache is empty (every sequence was requeued when the last one was lost).
-    queues_.resetBlocks(worker->hello().kv_block_count, worker->hello().kv_block_size,
-                        slot_.reservedBlocks());
-    blocks_incarnation_ = worker->hello().incarnation;
-    beside_cpu_worker_ =
-        options_.cpu_worker_sampling_threads > 0 && worker->hello().backend == "cpu";
-    pool_.setSpinners(beside_cpu_worker_ ? options_.cpu_worker_warm_spinners
-                                         : options_.warm_spinners);
-  }
+  if (worker->hello().incarnation != blocks_incarnation_) meetWorker(worker->hello());
   if (slot_.faultPending()) {
     drainSteps();
     slot_.armPendingFault(options_.step_timeout_base);
@@ -299,6 +290,15 @@ bool Scheduler::serveOnce() {
   if (!queues_.running().empty()) return stepOnce(*slot_.worker());
   slot_.idle();
   return false;
+}
+
+void Scheduler::meetWorker(const WorkerHello& hello) {
+  // A new worker's cache is empty (every sequence was requeued when the last one was lost).
+  queues_.resetBlocks(hello.kv_block_count, hello.kv_block_size, slot_.reservedBlocks());
+  blocks_incarnation_ = hello.incarnation;
+  beside_cpu_worker_ = options_.cpu_worker_sampling_threads > 0 && hello.backend == "cpu";
+  pool_.setSpinners(beside_cpu_worker_ ? options_.cpu_worker_warm_spinners
+                                       : options_.warm_spinners);
 }
 
 void Scheduler::handOff(bool may_park) {

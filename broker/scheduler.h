@@ -183,6 +183,8 @@ class Scheduler {
   void sleepUntilWork();
   void handleRestart();
   void handleRetire();
+  // A worker of a new incarnation: its empty cache, and the sampling pool's spinners beside it.
+  void meetWorker(const WorkerHello& hello);
   // Offers the waiting sequences to the other workers (SchedulerLinks::hand_off).
   void handOff(bool may_park = true);
   void publishCounts();
