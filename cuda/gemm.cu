@@ -406,6 +406,34 @@ __device__ __forceinline__ void storeBlockSums(float* block_sum, int rank, int s
   cluster.sync();
 }
 
+// Rounds of weights a kPrefetch warp asks the L2 cache for before its wait: at most 8 rows a
+// block and 4 k blocks a round, 16 KB a block.
+constexpr int kPrefetchRounds = 4;
+
+// Asks the L2 cache for the 64-byte pieces of weight rows this warp's k blocks from `first` (the
+// round after its first) will load, kPrefetchRounds rounds of kUnroll; lane c of each group takes
+// the pieces of k blocks u = c, c + 4, ... of a round. A hint only: what the kernel multiplies is
+// what its own loads read, folded as they are.
+template <int kUnroll, int kTiles>
+__device__ __forceinline__ void prefetchRounds(const __nv_bfloat16* const (&w_lo)[kTiles],
+                                               const __nv_bfloat16* const (&w_hi)[kTiles],
+                                               const bool (&row_lo)[kTiles],
+                                               const bool (&row_hi)[kTiles], int first, int lanes,
+                                               int k_blocks, int c) {
+  for (int r = 0; r < kPrefetchRounds; ++r) {
+    for (int u = c; u < kUnroll; u += 4) {
+      const int kb = first + (r * kUnroll + u) * lanes;
+      if (kb >= k_blocks) return;  // later rounds and pieces lie further on
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        // w_lo / w_hi point at lane c's 16 bytes of the row; the piece starts 8c elements before.
+        if (row_lo[i]) asm volatile("prefetch.global.L2 [%0];" ::"l"(w_lo[i] - 8 * c + 32 * kb));
+        if (row_hi[i]) asm volatile("prefetch.global.L2 [%0];" ::"l"(w_hi[i] - 8 * c + 32 * kb));
+      }
+    }
+  }
+}
+
 // Where a product's tokens come from (the kernel's kInput): bf16 x, a normed input
 // (GemmNormedInput) or an activated one (GemmActivatedInput).
 constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
@@ -417,9 +445,10 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // operations in the same order in all of them: only when loads are issued and how many tiles
 // share them change. kResidual: the epilogue adds into the residual stream (GemmResidual);
 // kInput: where the tokens come from (a normed or activated input has more blocks,
-// its check tile, when it has checks to add).
+// its check tile, when it has checks to add). kPrefetch: before the wait for the kernel before,
+// a warp also asks the L2 cache for the weights of its next kPrefetchRounds rounds.
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
-          bool kInterleaved = false>
+          bool kInterleaved = false, bool kPrefetch = false>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
@@ -552,6 +581,10 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (base < k_blocks && !check_tile) loadWeights(0, base);
+  if constexpr (kPrefetch) {
+    if (!check_tile)
+      prefetchRounds<kUnroll, kTiles>(w_lo, w_hi, row_lo, row_hi, base + round, lanes, k_blocks, c);
+  }
   gridDependencyWait();
   allowDependentLaunch();
   if constexpr (kActivated) {
@@ -873,7 +906,7 @@ struct ProductLaunch {
 
 // kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
-          bool kInterleaved = false>
+          bool kInterleaved = false, bool kPrefetch = false>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
@@ -903,15 +936,19 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   };
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
-      return res.x != nullptr
-                 ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kActivatedInput>)
-                 : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kActivatedInput>);
+      return res.x != nullptr ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true,
+                                              kActivatedInput, false, kPrefetch>)
+                              : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false,
+                                              kActivatedInput, false, kPrefetch>);
     if (nin.x != nullptr)
-      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput>);
+      return go(
+          gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput, false, kPrefetch>);
   }
   if (res.x != nullptr)
-    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved>);
-  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
+    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved,
+                         kPrefetch>);
+  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved,
+                       kPrefetch>);
 }
 
 // The staged kernel for a product of bf16 tokens (more than 16 rows): blocks of 64 weight rows and
@@ -971,8 +1008,9 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
       }
     }
     if (!known)
-      return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved, staged)");
+      return invalidArgument(
+          "product schedule \"" + std::string(name) +
+          "\" (known: plain, pipelined, two_tiles, interleaved, staged, prefetched)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1057,7 +1095,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
-  if (schedule == GemmSchedule::kPipelined) {
+  if (schedule == GemmSchedule::kPrefetched && m <= 8) {
+    launched = launch<1, 4, true, 1, false, true>(splits, x, m, w, n, k, y, ldy, stream, fold,
+                                                  residual, normed, activated);
+  } else if (schedule == GemmSchedule::kPipelined || schedule == GemmSchedule::kPrefetched) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);

@@ -132,10 +132,13 @@ enum class GemmSchedule {
   kStaged,       // over 16 rows, a block's four warps take four weight tiles and share each k
                  // block's tokens, staged once in shared memory (a quarter of the token reads);
                  // the token blocks of a tile side by side (plain for up to 16 rows)
+  kPrefetched,   // pipelined, and up to 8 rows a warp also asks the L2 cache for its next rounds'
+                 // weights before it waits for the kernel before (programmatic launch): those
+                 // bytes come from memory while that kernel finishes (pipelined over 8 rows)
 };
 inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain, GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kStaged};
+    GemmSchedule::kPlain,       GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
+    GemmSchedule::kInterleaved, GemmSchedule::kStaged,    GemmSchedule::kPrefetched};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -147,7 +150,7 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kPipelined};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, staged.
+// two_tiles, interleaved, staged, prefetched.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
@@ -155,7 +158,8 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
-                                           : "staged";
+         : s == GemmSchedule::kStaged      ? "staged"
+                                           : "prefetched";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

@@ -268,7 +268,7 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   for (size_t i = 0; i < 4; ++i) want.push_back(plain.runAlone(1 + i, tokens, chunks[i]));
   const test::Rows decoded = decodeThree(*backend_, vocab_);
   for (const char* names : {"pipelined", "two_tiles", "two_tiles,pipelined,two_tiles,pipelined",
-                            "pipelined,plain,staged,staged"}) {
+                            "pipelined,plain,staged,staged", "prefetched"}) {
     auto schedules = cuda::parseGemmSchedules(names);
     ASSERT_TRUE(schedules.ok()) << schedules.status().toString();
     auto other = cudaBackend(checkpoint_, true, 0, false, *schedules);

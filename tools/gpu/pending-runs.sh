@@ -36,6 +36,9 @@
 #   staged  the product's GPU tests (every schedule, the staged one among them), the model cases
 #           of every schedule, then bench-engine decode on both shapes with the 17-32 and 33+
 #           buckets staged against the default (the prefill group times it in prefill)
+#   prefetch the product's GPU tests of every schedule, then bench-engine decode on both shapes
+#           with the default, with 1-8 rows prefetched (weights asked of the L2 cache before the
+#           wait for the kernel before) and with 17+ rows staged
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -199,6 +202,20 @@ for group in "$@"; do
         m=$(model $shape)
         for schedules in pipelined,plain,plain,pipelined pipelined,plain,staged,staged; do
           run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
+            --batch 1,32,64 --no-compare --gemm-schedules $schedules
+        done
+      done
+      ;;
+    prefetch)
+      # The product tests of every schedule (prefetched and staged among them), then bench-engine
+      # decode with the default, prefetched 1-8 rows and staged 17+ rows, 7B first.
+      run gemm-tests-schedules 240 "$bundle/gpu_tests" \
+        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*'
+      for shape in qwen2.5-7b qwen2.5-0.5b; do
+        m=$(model $shape)
+        for schedules in pipelined,plain,plain,pipelined prefetched,plain,plain,pipelined \
+          pipelined,plain,staged,staged; do
+          run "bench-engine-$shape-$schedules" 120 "$bh" bench-engine --model "$m" --backend cuda \
             --batch 1,32,64 --no-compare --gemm-schedules $schedules
         done
       done
