@@ -209,13 +209,13 @@ for group in "$@"; do
     prefetch)
       # The product tests of every schedule (prefetched and staged among them), then bench-engine
       # decode with the default, prefetched 1-8 rows and staged 17+ rows, 7B first.
-      run gemm-tests-schedules 240 "$bundle/gpu_tests" \
+      run gemm-tests-schedules 150 "$bundle/gpu_tests" \
         --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*'
       for shape in qwen2.5-7b qwen2.5-0.5b; do
         m=$(model $shape)
         for schedules in pipelined,plain,plain,pipelined prefetched,plain,plain,pipelined \
           pipelined,plain,staged,staged; do
-          run "bench-engine-$shape-$schedules" 120 "$bh" bench-engine --model "$m" --backend cuda \
+          run "bench-engine-$shape-$schedules" 100 "$bh" bench-engine --model "$m" --backend cuda \
             --batch 1,32,64 --no-compare --gemm-schedules $schedules
         done
       done
