@@ -39,6 +39,8 @@
 #   prefetch the product's GPU tests of every schedule, then bench-engine decode on both shapes
 #           with the default, with 1-8 rows prefetched (weights asked of the L2 cache before the
 #           wait for the kernel before) and with 17+ rows staged
+#   quick   what fits five minutes: the new schedules' product tests, then the 0.5B's decode
+#           with each against the default
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -218,6 +220,18 @@ for group in "$@"; do
           run "bench-engine-$shape-$schedules" 100 "$bh" bench-engine --model "$m" --backend cuda \
             --batch 1,32,64 --no-compare --gemm-schedules $schedules
         done
+      done
+      ;;
+    quick)
+      # Five minutes of device time: the product tests (every schedule) on a few shapes, then the
+      # 0.5B's decode with the schedules not yet run on a GPU against the default.
+      run gemm-tests-new 120 "$bundle/gpu_tests" \
+        --gtest_filter='*GemmGpuTest*/10x24:*GemmGpuTest*/33x40:*GemmGpuTest*/100x4008:*GemmGpuTest*/896x896:*GemmGpuTest*/3584x3584:GemmSchedules*:GemmProgrammatic*:TokenChecks*:*ResidualEpilogue*/33x40*'
+      m=$(model qwen2.5-0.5b)
+      for schedules in pipelined,plain,plain,pipelined prefetched,plain,plain,pipelined \
+        pipelined,plain,staged,staged; do
+        run "bench-engine-qwen2.5-0.5b-$schedules" 60 "$bh" bench-engine --model "$m" \
+          --backend cuda --batch 1,32,64 --no-compare --gemm-schedules $schedules
       done
       ;;
     long)
