@@ -406,34 +406,6 @@ __device__ __forceinline__ void storeBlockSums(float* block_sum, int rank, int s
   cluster.sync();
 }
 
-// Rounds of weights a kPrefetch warp asks the L2 cache for before its wait: at most 8 rows a
-// block and 4 k blocks a round, 16 KB a block.
-constexpr int kPrefetchRounds = 4;
-
-// Asks the L2 cache for the 64-byte pieces of weight rows this warp's k blocks from `first` (the
-// round after its first) will load, kPrefetchRounds rounds of kUnroll; lane c of each group takes
-// the pieces of k blocks u = c, c + 4, ... of a round. A hint only: what the kernel multiplies is
-// what its own loads read, folded as they are.
-template <int kUnroll, int kTiles>
-__device__ __forceinline__ void prefetchRounds(const __nv_bfloat16* const (&w_lo)[kTiles],
-                                               const __nv_bfloat16* const (&w_hi)[kTiles],
-                                               const bool (&row_lo)[kTiles],
-                                               const bool (&row_hi)[kTiles], int first, int lanes,
-                                               int k_blocks, int c) {
-  for (int r = 0; r < kPrefetchRounds; ++r) {
-    for (int u = c; u < kUnroll; u += 4) {
-      const int kb = first + (r * kUnroll + u) * lanes;
-      if (kb >= k_blocks) return;  // later rounds and pieces lie further on
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        // w_lo / w_hi point at lane c's 16 bytes of the row; the piece starts 8c elements before.
-        if (row_lo[i]) asm volatile("prefetch.global.L2 [%0];" ::"l"(w_lo[i] - 8 * c + 32 * kb));
-        if (row_hi[i]) asm volatile("prefetch.global.L2 [%0];" ::"l"(w_hi[i] - 8 * c + 32 * kb));
-      }
-    }
-  }
-}
-
 // Where a product's tokens come from (the kernel's kInput): bf16 x, a normed input
 // (GemmNormedInput) or an activated one (GemmActivatedInput).
 constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
@@ -445,10 +417,9 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // operations in the same order in all of them: only when loads are issued and how many tiles
 // share them change. kResidual: the epilogue adds into the residual stream (GemmResidual);
 // kInput: where the tokens come from (a normed or activated input has more blocks,
-// its check tile, when it has checks to add). kPrefetch: before the wait for the kernel before,
-// a warp also asks the L2 cache for the weights of its next kPrefetchRounds rounds.
+// its check tile, when it has checks to add).
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
-          bool kInterleaved = false, bool kPrefetch = false>
+          bool kInterleaved = false>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
@@ -581,10 +552,6 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (base < k_blocks && !check_tile) loadWeights(0, base);
-  if constexpr (kPrefetch) {
-    if (!check_tile)
-      prefetchRounds<kUnroll, kTiles>(w_lo, w_hi, row_lo, row_hi, base + round, lanes, k_blocks, c);
-  }
   gridDependencyWait();
   allowDependentLaunch();
   if constexpr (kActivated) {
@@ -679,10 +646,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The staged schedule's kernel (17 rows or more): the four warps of a block take four tiles of 16
-// weight rows and share each k block's tokens, which the block stages once in shared memory
-// (cp.async, two stages in flight), where gemmKernel's warps take the k blocks of one tile and
-// each loads the tokens of its own. Every output is still gemmKernel's sequence of operations:
+// The staged schedule's kernel (over 64 rows: prefill steps): the four warps of a block take four
+// tiles of 16 weight rows and share each k block's tokens, which the block stages once in shared
+// memory (cp.async, two stages in flight), where gemmKernel's warps take the k blocks of one tile
+// and each loads the tokens of its own. Every output is still gemmKernel's sequence of operations:
 // each lane v's sum (the mma over its k blocks v, v + lanes, ... in increasing order, from
 // zero), those of a cluster rank's kWarps lanes added in lane order, then the ranks' in rank
 // order. A warp here runs its rank's lanes one after another for its own tile and keeps the sum of
@@ -906,7 +873,7 @@ struct ProductLaunch {
 
 // kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
-          bool kInterleaved = false, bool kPrefetch = false>
+          bool kInterleaved = false>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
@@ -936,22 +903,18 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   };
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
-      return res.x != nullptr ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true,
-                                              kActivatedInput, false, kPrefetch>)
-                              : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false,
-                                              kActivatedInput, false, kPrefetch>);
+      return res.x != nullptr
+                 ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kActivatedInput>)
+                 : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kActivatedInput>);
     if (nin.x != nullptr)
-      return go(
-          gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput, false, kPrefetch>);
+      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput>);
   }
   if (res.x != nullptr)
-    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved,
-                         kPrefetch>);
-  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved,
-                       kPrefetch>);
+    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved>);
+  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
-// The staged kernel for a product of bf16 tokens (more than 16 rows): blocks of 64 weight rows and
+// The staged kernel for a product of bf16 tokens (more than 64 rows): blocks of 64 weight rows and
 // 8 * kGroups tokens, a tile's token blocks side by side; the check tile as gemmKernel's.
 template <int kGroups>
 cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
@@ -1008,9 +971,8 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
       }
     }
     if (!known)
-      return invalidArgument(
-          "product schedule \"" + std::string(name) +
-          "\" (known: plain, pipelined, two_tiles, interleaved, staged, prefetched)");
+      return invalidArgument("product schedule \"" + std::string(name) +
+                             "\" (known: plain, pipelined, two_tiles, interleaved, staged)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1095,10 +1057,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
-  if (schedule == GemmSchedule::kPrefetched && m <= 8) {
-    launched = launch<1, 4, true, 1, false, true>(splits, x, m, w, n, k, y, ldy, stream, fold,
-                                                  residual, normed, activated);
-  } else if (schedule == GemmSchedule::kPipelined || schedule == GemmSchedule::kPrefetched) {
+  // Staged over 64 rows only: in decode steps of 17-64 rows it measured slower than pipelined
+  // (cuda/PERFORMANCE.md), in prefill steps faster.
+  const bool staged = schedule == GemmSchedule::kStaged && m > 64;
+  if (schedule == GemmSchedule::kPipelined || (schedule == GemmSchedule::kStaged && !staged)) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);
@@ -1127,10 +1089,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
-  } else if (schedule == GemmSchedule::kStaged && m > 16) {
-    launched = m <= 32
-                   ? launchStaged<4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed)
-                   : launchStaged<8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+  } else if (staged) {
+    launched = launchStaged<8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);

@@ -129,16 +129,13 @@ enum class GemmSchedule {
   kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
                  // tile launched side by side: the tile's second and later reads come from the
                  // L2 cache (plain for up to 32 rows)
-  kStaged,       // over 16 rows, a block's four warps take four weight tiles and share each k
-                 // block's tokens, staged once in shared memory (a quarter of the token reads);
-                 // the token blocks of a tile side by side (plain for up to 16 rows)
-  kPrefetched,   // pipelined, and up to 8 rows a warp also asks the L2 cache for its next rounds'
-                 // weights before it waits for the kernel before (programmatic launch): those
-                 // bytes come from memory while that kernel finishes (pipelined over 8 rows)
+  kStaged,       // over 64 rows (prefill), a block's four warps take four weight tiles and share
+                 // each k block's tokens, staged once in shared memory (a quarter of the token
+                 // reads); the token blocks of a tile side by side (pipelined up to 64 rows)
 };
 inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain,       GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kStaged,    GemmSchedule::kPrefetched};
+    GemmSchedule::kPlain, GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
+    GemmSchedule::kInterleaved, GemmSchedule::kStaged};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -146,11 +143,12 @@ inline int gemmBucket(int rows) {
   return rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
 }
 // The fastest of each bucket in bench-engine on Qwen2.5 0.5B and 7B shapes (H100, cuda/
-// PERFORMANCE.md): pipelined at 1-8 and 33 or more rows, plain at 17-32; 9-16 not yet measured.
+// PERFORMANCE.md): pipelined at 1-8 and 33-64 rows, plain at 17-32, staged over 64 (prefill);
+// 9-16 not yet measured.
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
-    GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kPipelined};
+    GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kStaged};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, staged, prefetched.
+// two_tiles, interleaved, staged.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
@@ -158,8 +156,7 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
-         : s == GemmSchedule::kStaged      ? "staged"
-                                           : "prefetched";
+                                           : "staged";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

@@ -258,26 +258,31 @@ TEST_P(CudaBackendModels, ProgrammaticLaunchDoesNotChangeLogits) {
 }
 
 // Every product schedule gives the same rows, bit for bit, whichever bucket of rows a step's
-// products fall in: prefill chunks of 3, 13, 20 and 40 tokens (one per bucket), and decode steps
-// as graphs.
+// products fall in: prefill chunks of 3, 13, 20 and 40 tokens (one per bucket) and of 70 (over 64
+// rows, where staged runs its own kernel), and decode steps as graphs; against plain everywhere.
 TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   test::BackendDriver plain(*backend_);
-  const auto tokens = randomTokens(48, vocab_, 9);
-  const size_t chunks[] = {3, 13, 20, 40};
+  const auto tokens = randomTokens(80, vocab_, 9);
+  const size_t chunks[] = {3, 13, 20, 40, 70};
   std::vector<test::Rows> want;
-  for (size_t i = 0; i < 4; ++i) want.push_back(plain.runAlone(1 + i, tokens, chunks[i]));
+  for (size_t i = 0; i < std::size(chunks); ++i)
+    want.push_back(plain.runAlone(1 + i, tokens, chunks[i]));
   const test::Rows decoded = decodeThree(*backend_, vocab_);
-  for (const char* names : {"pipelined", "two_tiles", "two_tiles,pipelined,two_tiles,pipelined",
-                            "pipelined,plain,staged,staged", "prefetched"}) {
+  std::string defaults;
+  for (const cuda::GemmSchedule s : cuda::kDefaultGemmSchedules)
+    defaults += std::string(defaults.empty() ? "" : ",") + cuda::gemmScheduleName(s);
+  for (const std::string names :
+       {std::string("pipelined"), std::string("two_tiles"),
+        std::string("two_tiles,pipelined,two_tiles,pipelined"), std::string("staged"), defaults}) {
     auto schedules = cuda::parseGemmSchedules(names);
     ASSERT_TRUE(schedules.ok()) << schedules.status().toString();
     auto other = cudaBackend(checkpoint_, true, 0, false, *schedules);
     ASSERT_NE(other, nullptr);
     test::BackendDriver driver(*other);
-    for (size_t i = 0; i < 4; ++i)
+    for (size_t i = 0; i < std::size(chunks); ++i)
       expectIdentical(want[i], driver.runAlone(1 + i, tokens, chunks[i]),
-                      std::string(names) + ", chunks of " + std::to_string(chunks[i]));
-    expectIdentical(decoded, decodeThree(*other, vocab_), std::string(names) + ", decoding");
+                      names + ", chunks of " + std::to_string(chunks[i]));
+    expectIdentical(decoded, decodeThree(*other, vocab_), names + ", decoding");
   }
 }
 

@@ -225,9 +225,6 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   ASSERT_TRUE(staged.ok()) << staged.status().toString();
   EXPECT_EQ((*staged)[2], cuda::GemmSchedule::kStaged);
   EXPECT_EQ((*staged)[3], cuda::GemmSchedule::kStaged);
-  auto prefetched = cuda::parseGemmSchedules("prefetched,plain,plain,pipelined");
-  ASSERT_TRUE(prefetched.ok()) << prefetched.status().toString();
-  EXPECT_EQ((*prefetched)[0], cuda::GemmSchedule::kPrefetched);
   for (const cuda::GemmSchedule s : cuda::kGemmSchedules) {
     auto named = cuda::parseGemmSchedules(cuda::gemmScheduleName(s));
     ASSERT_TRUE(named.ok()) << named.status().toString();

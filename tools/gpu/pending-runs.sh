@@ -33,14 +33,9 @@
 #   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
 #           a step of 2,048 rows) with the 33+ row bucket pipelined (its token blocks side by
 #           side over 64 rows), plain (token blocks along y), interleaved and staged
-#   staged  the product's GPU tests (every schedule, the staged one among them), the model cases
-#           of every schedule, then bench-engine decode on both shapes with the 17-32 and 33+
-#           buckets staged against the default (the prefill group times it in prefill)
-#   prefetch the product's GPU tests of every schedule, then bench-engine decode on both shapes
-#           with the default, with 1-8 rows prefetched (weights asked of the L2 cache before the
-#           wait for the kernel before) and with 17+ rows staged
-#   quick   what fits five minutes: the new schedules' product tests, then the 0.5B's decode
-#           with each against the default
+#   staged  the product's GPU tests (every schedule), the model cases of every schedule, then
+#           bench-engine on both shapes (prefill of 128-token prompts, decode at 1 to 128 rows)
+#           with the 33+ bucket staged (the default: staged over 64 rows) against pipelined
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -202,36 +197,10 @@ for group in "$@"; do
         --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*ProductSchedules*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
-        for schedules in pipelined,plain,plain,pipelined pipelined,plain,staged,staged; do
+        for schedules in pipelined,plain,plain,staged pipelined,plain,plain,pipelined; do
           run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
-            --batch 1,32,64 --no-compare --gemm-schedules $schedules
+            --batch 1,32,64,128 --no-compare --gemm-schedules $schedules
         done
-      done
-      ;;
-    prefetch)
-      # The product tests of every schedule (prefetched and staged among them), then bench-engine
-      # decode with the default, prefetched 1-8 rows and staged 17+ rows, 7B first.
-      run gemm-tests-schedules 150 "$bundle/gpu_tests" \
-        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*'
-      for shape in qwen2.5-7b qwen2.5-0.5b; do
-        m=$(model $shape)
-        for schedules in pipelined,plain,plain,pipelined prefetched,plain,plain,pipelined \
-          pipelined,plain,staged,staged; do
-          run "bench-engine-$shape-$schedules" 100 "$bh" bench-engine --model "$m" --backend cuda \
-            --batch 1,32,64 --no-compare --gemm-schedules $schedules
-        done
-      done
-      ;;
-    quick)
-      # Five minutes of device time: the product tests (every schedule) on a few shapes, then the
-      # 0.5B's decode with the schedules not yet run on a GPU against the default.
-      run gemm-tests-new 120 "$bundle/gpu_tests" \
-        --gtest_filter='*GemmGpuTest*/10x24:*GemmGpuTest*/33x40:*GemmGpuTest*/100x4008:*GemmGpuTest*/896x896:*GemmGpuTest*/3584x3584:GemmSchedules*:GemmProgrammatic*:TokenChecks*:*ResidualEpilogue*/33x40*'
-      m=$(model qwen2.5-0.5b)
-      for schedules in pipelined,plain,plain,pipelined prefetched,plain,plain,pipelined \
-        pipelined,plain,staged,staged; do
-        run "bench-engine-qwen2.5-0.5b-$schedules" 60 "$bh" bench-engine --model "$m" \
-          --backend cuda --batch 1,32,64 --no-compare --gemm-schedules $schedules
       done
       ;;
     long)
