@@ -646,12 +646,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The staged schedule's kernel (over 64 rows: prefill steps): the four warps of a block take four
-// tiles of 16 weight rows and share each k block's tokens, which the block stages once in shared
-// memory (cp.async, two stages in flight), where gemmKernel's warps take the k blocks of one tile
-// and each loads the tokens of its own. Every output is still gemmKernel's sequence of operations:
-// each lane v's sum (the mma over its k blocks v, v + lanes, ... in increasing order, from
-// zero), those of a cluster rank's kWarps lanes added in lane order, then the ranks' in rank
+// The staged schedule's kernel (over kStagedRows rows: prefill steps): the four warps of a block
+// take four tiles of 16 weight rows and share each k block's tokens, which the block stages once in
+// shared memory (cp.async, two stages in flight), where gemmKernel's warps take the k blocks of one
+// tile and each loads the tokens of its own. Every output is still gemmKernel's sequence of
+// operations: each lane v's sum (the mma over its k blocks v, v + lanes, ... in increasing order,
+// from zero), those of a cluster rank's kWarps lanes added in lane order, then the ranks' in rank
 // order. A warp here runs its rank's lanes one after another for its own tile and keeps the sum of
 // those done: ((p0 + p1) + p2) + p3, as gemmKernel's block adds its warps' partial sums. A lane
 // with no k block adds its zero, as gemmKernel's idle warp does.
@@ -914,8 +914,8 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
-// The staged kernel for a product of bf16 tokens (more than 64 rows): blocks of 64 weight rows and
-// 8 * kGroups tokens, a tile's token blocks side by side; the check tile as gemmKernel's.
+// The staged kernel for a product of bf16 tokens (over kStagedRows rows): blocks of 64 weight rows
+// and 8 * kGroups tokens, a tile's token blocks side by side; the check tile as gemmKernel's.
 template <int kGroups>
 cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
                          int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
@@ -1057,9 +1057,9 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
-  // Staged over 64 rows only: in decode steps of 17-64 rows it measured slower than pipelined
-  // (cuda/PERFORMANCE.md), in prefill steps faster.
-  const bool staged = schedule == GemmSchedule::kStaged && m > 64;
+  // Staged over kStagedRows only: slower than pipelined in decode steps of 17-64 rows and in
+  // prefill steps of up to 256, faster from 512 (cuda/PERFORMANCE.md).
+  const bool staged = schedule == GemmSchedule::kStaged && m > kStagedRows;
   if (schedule == GemmSchedule::kPipelined || (schedule == GemmSchedule::kStaged && !staged)) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,

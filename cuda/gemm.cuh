@@ -129,10 +129,11 @@ enum class GemmSchedule {
   kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
                  // tile launched side by side: the tile's second and later reads come from the
                  // L2 cache (plain for up to 32 rows)
-  kStaged,       // over 64 rows (prefill), a block's four warps take four weight tiles and share
-                 // each k block's tokens, staged once in shared memory (a quarter of the token
-                 // reads); the token blocks of a tile side by side (pipelined up to 64 rows)
+  kStaged,       // over kStagedRows rows (prefill), a block's four warps take four weight tiles
+                 // and share each k block's tokens, staged once in shared memory (a quarter of
+                 // the token reads); the token blocks of a tile side by side (pipelined below)
 };
+inline constexpr int kStagedRows = 256;
 inline constexpr GemmSchedule kGemmSchedules[] = {
     GemmSchedule::kPlain, GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
     GemmSchedule::kInterleaved, GemmSchedule::kStaged};
@@ -143,7 +144,7 @@ inline int gemmBucket(int rows) {
   return rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
 }
 // The fastest of each bucket in bench-engine on Qwen2.5 0.5B and 7B shapes (H100, cuda/
-// PERFORMANCE.md): pipelined at 1-8 and 33-64 rows, plain at 17-32, staged over 64 (prefill);
+// PERFORMANCE.md): pipelined at 1-8 and 33-256 rows, plain at 17-32, staged over 256 (prefill);
 // 9-16 not yet measured.
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kStaged};

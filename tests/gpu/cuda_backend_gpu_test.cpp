@@ -258,8 +258,9 @@ TEST_P(CudaBackendModels, ProgrammaticLaunchDoesNotChangeLogits) {
 }
 
 // Every product schedule gives the same rows, bit for bit, whichever bucket of rows a step's
-// products fall in: prefill chunks of 3, 13, 20 and 40 tokens (one per bucket) and of 70 (over 64
-// rows, where staged runs its own kernel), and decode steps as graphs; against plain everywhere.
+// products fall in: prefill chunks of 3, 13, 20 and 40 tokens (one per bucket) and of 70, one
+// step of three 100-token prompts (300 rows: over cuda::kStagedRows, where staged runs its own
+// kernel), and decode steps as graphs; against plain everywhere.
 TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   test::BackendDriver plain(*backend_);
   const auto tokens = randomTokens(80, vocab_, 9);
@@ -268,10 +269,26 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   for (size_t i = 0; i < std::size(chunks); ++i)
     want.push_back(plain.runAlone(1 + i, tokens, chunks[i]));
   const test::Rows decoded = decodeThree(*backend_, vocab_);
+  std::vector<std::vector<uint32_t>> prompts;
+  for (uint32_t i = 0; i < 3; ++i) prompts.push_back(randomTokens(100, vocab_, 30 + i));
+  auto wide = [&](CudaBackend& backend) {
+    test::BackendDriver driver(backend);
+    std::vector<test::TestSequence> sequences;
+    for (size_t i = 0; i < prompts.size(); ++i)
+      sequences.push_back(driver.newSequence(300 + i, 100));
+    std::vector<test::BackendDriver::Chunk> prefill;
+    for (size_t i = 0; i < prompts.size(); ++i) prefill.push_back({&sequences[i], prompts[i]});
+    test::Rows rows;
+    for (const test::Rows& part : driver.step(prefill))
+      rows.insert(rows.end(), part.begin(), part.end());
+    return rows;
+  };
+  const test::Rows wide_rows = wide(*backend_);
+  ASSERT_GT(wide_rows.size(), size_t(cuda::kStagedRows));
   std::string defaults;
   for (const cuda::GemmSchedule s : cuda::kDefaultGemmSchedules)
     defaults += std::string(defaults.empty() ? "" : ",") + cuda::gemmScheduleName(s);
-  for (const std::string names :
+  for (const std::string& names :
        {std::string("pipelined"), std::string("two_tiles"),
         std::string("two_tiles,pipelined,two_tiles,pipelined"), std::string("staged"), defaults}) {
     auto schedules = cuda::parseGemmSchedules(names);
@@ -283,6 +300,7 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
       expectIdentical(want[i], driver.runAlone(1 + i, tokens, chunks[i]),
                       names + ", chunks of " + std::to_string(chunks[i]));
     expectIdentical(decoded, decodeThree(*other, vocab_), names + ", decoding");
+    expectIdentical(wide_rows, wide(*other), names + ", one step of 300 rows");
   }
 }
 

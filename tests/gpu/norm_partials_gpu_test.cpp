@@ -171,17 +171,19 @@ TEST_P(ResidualEpilogue, AddsItsOutputsWithTheirPartialsChecksAndFault) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, ResidualEpilogue,
-    testing::Values(ResidualCase{896, 896, 1, 0}, ResidualCase{896, 4864, 3, 0},
-                    ResidualCase{896, 896, 20, 0}, ResidualCase{3584, 3584, 8, 0},
-                    ResidualCase{3584, 18944, 40, 0}, ResidualCase{100, 64, 37, 1},
-                    ResidualCase{100, 64, 9, 2}, ResidualCase{33, 40, 70, 4}),
-    [](const testing::TestParamInfo<ResidualCase>& info) {
-      const ResidualCase& c = info.param;
-      return std::to_string(c.n) + "x" + std::to_string(c.k) + "_rows" + std::to_string(c.rows) +
-             "_splits" + std::to_string(c.splits);
-    });
+INSTANTIATE_TEST_SUITE_P(Shapes, ResidualEpilogue,
+                         testing::Values(ResidualCase{896, 896, 1, 0},
+                                         ResidualCase{896, 4864, 3, 0},
+                                         ResidualCase{896, 896, 20, 0},
+                                         ResidualCase{3584, 3584, 8, 0},
+                                         ResidualCase{3584, 18944, 40, 0},
+                                         ResidualCase{100, 64, 37, 1}, ResidualCase{100, 64, 9, 2},
+                                         ResidualCase{33, 40, 70, 4}, ResidualCase{33, 40, 300, 2}),
+                         [](const testing::TestParamInfo<ResidualCase>& info) {
+                           const ResidualCase& c = info.param;
+                           return std::to_string(c.n) + "x" + std::to_string(c.k) + "_rows" +
+                                  std::to_string(c.rows) + "_splits" + std::to_string(c.splits);
+                         });
 
 // The embedding's partials are the tree of its rows' squares, and the norm from partials is the
 // norm of that sum: the same bits as the host's, for rows that end inside a tile too.
@@ -368,8 +370,9 @@ TEST(TokenChecks, AProductAddsItsOwnExpectedSumsAndBounds) {
   struct Case {
     int k, n, rows;
   };
-  for (const Case cs : {Case{896, 1152, 1}, Case{896, 1152, 8}, Case{200, 96, 3},
-                        Case{896, 4864, 33}, Case{4864, 896, 64}, Case{3584, 4608, 100}}) {
+  for (const Case cs :
+       {Case{896, 1152, 1}, Case{896, 1152, 8}, Case{200, 96, 3}, Case{896, 4864, 33},
+        Case{4864, 896, 64}, Case{3584, 4608, 100}, Case{200, 96, 300}}) {
     const int k = cs.k, n = cs.n, rows = cs.rows, roles = 4, segments = 3;
     std::mt19937 rng{uint32_t(3 * k + n + rows)};
     std::normal_distribution<float> value(0.0f, 1.0f);

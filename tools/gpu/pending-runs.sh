@@ -34,8 +34,8 @@
 #           a step of 2,048 rows) with the 33+ row bucket pipelined (its token blocks side by
 #           side over 64 rows), plain (token blocks along y), interleaved and staged
 #   staged  the product's GPU tests (every schedule), the model cases of every schedule, then
-#           bench-engine on both shapes (prefill of 128-token prompts, decode at 1 to 128 rows)
-#           with the 33+ bucket staged (the default: staged over 64 rows) against pipelined
+#           bench-engine on both shapes (prefill of 128-token prompts, decode at 1 to 512 rows)
+#           with the 33+ bucket staged (the default: staged over 256 rows) against pipelined
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -199,7 +199,7 @@ for group in "$@"; do
         m=$(model $shape)
         for schedules in pipelined,plain,plain,staged pipelined,plain,plain,pipelined; do
           run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
-            --batch 1,32,64,128 --no-compare --gemm-schedules $schedules
+            --batch 1,32,64,128,512 --no-compare --gemm-schedules $schedules
         done
       done
       ;;
