@@ -1057,8 +1057,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
-  // Staged over kStagedRows only: slower than pipelined in decode steps of 17-64 rows and in
-  // prefill steps of up to 256, faster from 512 (cuda/PERFORMANCE.md).
+  // Staged over kStagedRows only: against pipelined it measured slower in decode steps of 17-64
+  // rows and in prefill steps of 128, about even at 256, faster from 512 (cuda/PERFORMANCE.md).
   const bool staged = schedule == GemmSchedule::kStaged && m > kStagedRows;
   if (schedule == GemmSchedule::kPipelined || (schedule == GemmSchedule::kStaged && !staged)) {
     if (m <= 8)
