@@ -1057,10 +1057,11 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
-  // Staged over kStagedRows only: against pipelined it measured slower in decode steps of 17-64
-  // rows and in prefill steps of 128, about even at 256, faster from 512 (cuda/PERFORMANCE.md).
-  const bool staged = schedule == GemmSchedule::kStaged && m > kStagedRows;
-  if (schedule == GemmSchedule::kPipelined || (schedule == GemmSchedule::kStaged && !staged)) {
+  // Staged up to kStagedRows is pipelined: against it the staged kernel measured slower in decode
+  // steps of 17-64 rows and in prefill steps of 128, about even at 256, faster from 512
+  // (cuda/PERFORMANCE.md).
+  if (schedule == GemmSchedule::kStaged && m <= kStagedRows) schedule = GemmSchedule::kPipelined;
+  if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);
@@ -1089,7 +1090,7 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
-  } else if (staged) {
+  } else if (schedule == GemmSchedule::kStaged) {
     launched = launchStaged<8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
