@@ -116,9 +116,10 @@ int main(int argc, char** argv) {
   int64_t reply_spin_us = -1;
   app.add_option(
          "--reply-spin-us", reply_spin_us,
-         "Watch awake for a step's reply this long either side of when it is due (the "
-         "last step's time), so it is read without a scheduler wake-up (0: sleep; -1: by host, "
-         "50 on hosts of 8 cores or more, else 0)")
+         "Watch awake for a step's reply from this long before the shortest of the last "
+         "steps' times until this long after the longest (at most a quarter past the "
+         "shortest), so it is read without a scheduler wake-up (0: sleep; -1: by host, 50 on "
+         "hosts of 8 cores or more, else 0)")
       ->check(CLI::Range(int64_t(-1), int64_t(10'000)));
   app.add_flag("--enable-fault-injection", fault_injection,
                "Start workers that accept fault injection (tests and chaos runs only)");

@@ -5,12 +5,14 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -384,12 +386,25 @@ std::chrono::microseconds defaultReplySpin() {
   return std::chrono::microseconds(std::thread::hardware_concurrency() >= 8 ? 50 : 0);
 }
 
+ReplyWatch replyWatch(SteadyTime start, std::span<const SteadyTime::duration> recent_waits,
+                      std::chrono::microseconds spin) {
+  if (recent_waits.empty()) return {start - spin, start + spin};
+  const auto [shortest, longest] = std::minmax_element(recent_waits.begin(), recent_waits.end());
+  return {start + *shortest - spin, start + std::min(*longest, *shortest + *shortest / 4) + spin};
+}
+
 void WorkerClient::watchForReply(SteadyTime start) {
-  // A step usually takes about as long as the last one did.
-  const SteadyTime due = start + last_step_wait_;
-  const SteadyTime wake = due - reply_spin_;
+  // A step usually takes about as long as one of the last few did; a window around the last
+  // one alone misses a reply a little earlier or later than it (a CPU worker's steps vary by
+  // more than the spin).
+  const auto [wake, until] = replyWatch(
+      start, std::span(recent_waits_).first(std::min(waits_seen_, kWaitHistory)), reply_spin_);
   SteadyTime now = SteadyTime::clock::now();
   if (now < wake) {
+    // A sleeping thread's timers may fire up to its timer slack late (50 us by default): as
+    // long as the watch before the reply is due. This thread's sleeps end on time.
+    thread_local const bool on_time = ::prctl(PR_SET_TIMERSLACK, 1000UL) == 0;
+    (void)on_time;
     const auto nanos = std::chrono::duration_cast<std::chrono::nanoseconds>(wake - now).count();
     const timespec sleep = {time_t(nanos / 1'000'000'000), long(nanos % 1'000'000'000)};
     pollfd fd = {fd_, POLLIN, 0};
@@ -401,7 +416,7 @@ void WorkerClient::watchForReply(SteadyTime start) {
   } else if (reply_waking_) {
     reply_waking_(true);
   }
-  switch (watchAwake(fd_, std::max(now, due) + reply_spin_)) {
+  switch (watchAwake(fd_, std::max(until, now + reply_spin_))) {
     case SocketWatch::kReadable:
       ++replies_seen_awake_;
       return;
@@ -425,7 +440,7 @@ WorkerResult<StepReply> WorkerClient::awaitStep() {
   if (reply_spin_.count() > 0) watchForReply(start);
   WorkerFailure received = receive(start + sent.timeout);
   last_step_reply_ = SteadyTime::clock::now();
-  last_step_wait_ = last_step_reply_ - start;
+  recent_waits_[waits_seen_++ % kWaitHistory] = last_step_reply_ - start;
   if (!received.ok()) return received;
 
   StepReply result;

@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -30,6 +31,16 @@ namespace bulkhead {
 // a smaller one (a spinning thread there takes a core from a CPU worker's compute; measured on 2
 // cores: 40 -> 76 us of round trip at batch 1).
 std::chrono::microseconds defaultReplySpin();
+
+// When to watch awake for a step's reply, the step's wait running from `start`: from `spin`
+// before the shortest of `recent_waits` (the last steps', start to reply) until `spin` after the
+// longest, though no later than a quarter past the shortest. No waits yet: `spin` either side of
+// `start`.
+struct ReplyWatch {
+  SteadyTime wake, until;
+};
+ReplyWatch replyWatch(SteadyTime start, std::span<const SteadyTime::duration> recent_waits,
+                      std::chrono::microseconds spin);
 
 class WorkerClient final : public WorkerConnection {
  public:
@@ -83,9 +94,11 @@ class WorkerClient final : public WorkerConnection {
   WorkerFailure heartbeat(std::chrono::milliseconds timeout) override;
   WorkerFailure injectFault(const FaultSpec& fault, std::chrono::milliseconds timeout) override;
   WorkerFailure shutdown(std::chrono::milliseconds timeout) override;
-  // How long to watch awake for a step's reply around the time it is due (the last step's wait):
-  // the thread sleeps until `spin` before then and polls the socket without sleeping until `spin`
-  // after, so the reply is read without a scheduler wake-up. 0: sleep in poll throughout.
+  // How long to watch awake for a step's reply around the time it is due: the thread sleeps
+  // until `spin` before the shortest of the last kWaitHistory steps' waits and polls the socket
+  // without sleeping until `spin` after the longest (a watch of at most 2 * `spin` and a quarter
+  // of the shortest wait), so the reply is read without a scheduler wake-up. 0: sleep in poll
+  // throughout.
   // `waking(true)` runs as the thread turns from sleeping to watching: the caller warms what the
   // reply will need next (the broker: its sampling pool, cooled again once the rows are sampled);
   // `waking(false)` when the watch ends without the reply (a step longer than the last), as the
@@ -144,7 +157,10 @@ class WorkerClient final : public WorkerConnection {
   SteadyTime last_step_reply_;  // when the last step's reply was read
   std::chrono::microseconds reply_spin_{0};
   std::function<void(bool)> reply_waking_;
-  SteadyTime::duration last_step_wait_{0};  // the last step's, from its start to its reply
+  // The last steps' waits, from their start to their reply (a ring; `waits_seen_` in all).
+  static constexpr size_t kWaitHistory = 8;
+  std::array<SteadyTime::duration, kWaitHistory> recent_waits_{};
+  size_t waits_seen_ = 0;
   uint64_t replies_seen_awake_ = 0;
   // Corruption reports that arrived with a reply whose rows failed verification.
   std::vector<WeightCorruptionReport> carried_corruptions_;

@@ -115,6 +115,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   struct Pieces {
     uint32_t batch = 0;
     std::vector<double> build = {}, to_worker = {}, in_worker = {}, to_broker = {}, checks = {};
+    double awake = 0;  // the share of replies read while the broker watched for them awake
   };
   std::vector<Pieces> pieces;
   uint64_t step_id = 1, seq_base = 1;
@@ -123,6 +124,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
     const std::vector<uint32_t> rows = {0}, token = {1};
     std::vector<double> rtt, compute, overhead, trip, sample;
     Pieces& piece = pieces.emplace_back(Pieces{.batch = batch});
+    const uint64_t awake_before = (*client)->repliesSeenAwake();
     for (uint32_t it = 0; it < positions - 1; ++it) {
       const std::vector<SequenceStep> steps = decodeSteps(batch, it, seq_base, blocks, token, rows);
       const auto start = std::chrono::steady_clock::now();
@@ -165,6 +167,7 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
       piece.to_broker.push_back(micros(t.replying, t.read));
       piece.checks.push_back(micros(t.read, returned));
     }
+    piece.awake = double((*client)->repliesSeenAwake() - awake_before) / (positions - 1);
     seq_base += batch;
     const double mb = double(batch) * hello.vocab_size * 4 / 1e6;
     std::printf("%6u %12.1f %12.1f %12.1f %14.1f %14.1f %12.1f %12.1f %12.2f\n", batch,
@@ -185,19 +188,21 @@ Result<std::vector<StepBenchRow>> runStepBench(const StepBenchOptions& o) {
   }
   std::printf(
       "the round trip beyond compute, p50 us: build the step, to the worker, in the worker "
-      "(before and after compute), to the broker, the reply's checks\n");
-  std::printf("%6s %10s %10s %10s %10s %10s\n", "batch", "build", "to_worker", "in_worker",
-              "to_broker", "checks");
+      "(before and after compute), to the broker, the reply's checks; the share of replies read "
+      "while the broker watched for them awake\n");
+  std::printf("%6s %10s %10s %10s %10s %10s %8s\n", "batch", "build", "to_worker", "in_worker",
+              "to_broker", "checks", "awake");
   for (size_t i = 0; i < pieces.size(); ++i) {
     const Pieces& p = pieces[i];
-    std::printf("%6u %10.1f %10.1f %10.1f %10.1f %10.1f\n", p.batch, percentile(p.build, 50),
-                percentile(p.to_worker, 50), percentile(p.in_worker, 50),
-                percentile(p.to_broker, 50), percentile(p.checks, 50));
+    std::printf("%6u %10.1f %10.1f %10.1f %10.1f %10.1f %7.1f%%\n", p.batch,
+                percentile(p.build, 50), percentile(p.to_worker, 50), percentile(p.in_worker, 50),
+                percentile(p.to_broker, 50), percentile(p.checks, 50), 100 * p.awake);
     report["results"][i]["trip_pieces_p50_us"] = {{"build", percentile(p.build, 50)},
                                                   {"to_worker", percentile(p.to_worker, 50)},
                                                   {"in_worker", percentile(p.in_worker, 50)},
                                                   {"to_broker", percentile(p.to_broker, 50)},
                                                   {"checks", percentile(p.checks, 50)}};
+    report["results"][i]["replies_seen_awake"] = p.awake;
   }
   (void)(*client)->shutdown(std::chrono::seconds(10));
   BULKHEAD_RETURN_IF_ERROR(writeJsonReport(o.json_path, report));

@@ -3,8 +3,8 @@
 # still wait for, in groups that each fit one device call (10 minutes). Models are made there.
 # Usage: tools/gpu/pending-runs.sh BUNDLE OUTDIR|tar:OUTDIR GROUP...
 #   cpu     the CPU backend on that host's cores (the broker at GPU speed): sample-bench,
-#           step-bench (defaults; the broker not watching for replies awake) and serve-bench on
-#           tiny-v152k
+#           step-bench (defaults; the broker not watching for replies awake; watching 200 us
+#           either side) and serve-bench on tiny-v152k
 #   cpu-c1  serve-bench on tiny-v152k at concurrency 1 (16 requests), the broker's sampling pool
 #           as made by default and limited to 4 threads: whether the c1 stalls beside a CPU
 #           worker are the pool's helpers waiting for cores the worker's threads hold; then
@@ -81,6 +81,8 @@ for group in "$@"; do
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
       run step-bench-cpu-no-reply-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
         --iterations 200 --reply-spin-us 0
+      run step-bench-cpu-reply-spin-200 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
+        --iterations 200 --reply-spin-us 200
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
       ;;
