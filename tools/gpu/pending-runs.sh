@@ -12,6 +12,8 @@
 #           after each reply (--spin-us: whether its wake-up is the step's "to_worker" piece),
 #           and with a quarter of the cores spinning while the broker's pool is warm instead of
 #           the eighth it keeps beside a CPU worker (--warm-spinners)
+#   cpu-worker-spin step-bench and serve-bench on tiny-v152k with the worker watching its socket
+#           awake for 100 us after each reply
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then gemm-bench
@@ -85,6 +87,13 @@ for group in "$@"; do
         --iterations 200 --reply-spin-us 200
       run serve-bench-cpu 240 "$bh" serve-bench --model "$m" --concurrency 1,32,64 \
         --json "$out/serve-bench-cpu.json"
+      ;;
+    cpu-worker-spin)
+      m=$(model tiny-v152k)
+      run step-bench-cpu-worker-spin-100 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
+        --iterations 200 --worker-arg=--spin-us=100
+      run serve-bench-cpu-worker-spin-100 240 "$bh" serve-bench --model "$m" \
+        --concurrency 1,32,64 --worker-arg=--spin-us=100
       ;;
     cpu-c1)
       m=$(model tiny-v152k)
