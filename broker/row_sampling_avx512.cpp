@@ -3,6 +3,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+
 namespace bulkhead::avx512 {
 namespace {
 
@@ -71,10 +73,14 @@ __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, flo
   const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
   __m512i sum = _mm512_setzero_si512();
   __mmask16 bad = 0;
-  __m512 best = _mm512_set1_ps(-INFINITY);
+  // Two sets of maxima, even and odd vectors, so that neither waits for the other's compare: one
+  // set's compare and select would hold every vector for their latency.
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i index = lane, best_index = lane;
-  for (uint32_t i = 0; i < 16 * count; i += 16) {
+  const __m512i index_step = _mm512_set1_epi32(32);
+  __m512 best[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
+  __m512i index[2] = {lane, _mm512_add_epi32(lane, _mm512_set1_epi32(16))};
+  __m512i best_index[2] = {index[0], index[1]};
+  auto take = [&](uint32_t i, int set) __attribute__((target("avx512f"))) {
     const __m512 v = _mm512_loadu_ps(src + i);
     if (copy) _mm512_storeu_ps(dst + i, v);
     const __m512i w = _mm512_castps_si512(v);
@@ -87,22 +93,32 @@ __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, flo
     sum = _mm512_add_epi64(sum, _mm512_srli_epi64(t, 32));
     bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(w, exponent), exponent);
     if (track) {
-      const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-      best = _mm512_mask_mov_ps(best, larger, v);
-      best_index = _mm512_mask_mov_epi32(best_index, larger, index);
-      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, best[set], _CMP_GT_OQ);
+      best[set] = _mm512_mask_mov_ps(best[set], larger, v);
+      best_index[set] = _mm512_mask_mov_epi32(best_index[set], larger, index[set]);
+      index[set] = _mm512_add_epi32(index[set], index_step);
     } else {
-      best = _mm512_max_ps(best, v);
+      best[set] = _mm512_max_ps(best[set], v);
     }
+  };
+  uint32_t i = 0;
+  for (; i + 32 <= 16 * count; i += 32) {
+    take(i, 0);
+    take(i + 16, 1);
   }
+  if (i < 16 * count) take(i, 0);
   ReadTotals totals;
   totals.checksum = sumLanes(sum);
   totals.non_finite = bad != 0;
-  totals.max = _mm512_reduce_max_ps(best);
+  totals.max = std::max(_mm512_reduce_max_ps(best[0]), _mm512_reduce_max_ps(best[1]));
   if (track) {
-    // The lowest index among the lanes holding the max.
-    const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(totals.max), _CMP_EQ_OQ);
-    totals.arg = uint32_t(_mm512_mask_reduce_min_epu32(at_max, best_index));
+    // The lowest index among the lanes of either set holding the max (each lane keeps the first
+    // of its largest values, so the lowest of those is the row's first).
+    const __m512 at = _mm512_set1_ps(totals.max);
+    totals.arg = std::min(uint32_t(_mm512_mask_reduce_min_epu32(
+                              _mm512_cmp_ps_mask(best[0], at, _CMP_EQ_OQ), best_index[0])),
+                          uint32_t(_mm512_mask_reduce_min_epu32(
+                              _mm512_cmp_ps_mask(best[1], at, _CMP_EQ_OQ), best_index[1])));
   }
   return totals;
 }

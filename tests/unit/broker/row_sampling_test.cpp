@@ -453,15 +453,17 @@ TEST(VerifyAndSample, GreedyIsTheFirstArgmax) {
 }
 
 // Greedy without logprobs or penalties keeps its argmax as it reads (no copy of the row): the
-// first index of the max wherever the copies of the max sit (a chunk's 16-lane part, its 8-lane
-// rest, its masked tail, later chunks), with 16 lanes and with 8.
+// first index of the max wherever the copies of the max sit (a chunk's 16-lane part, in either
+// of its sets of maxima, the even vectors' and the odd ones', its 8-lane rest, its masked tail,
+// later chunks), with 16 lanes and with 8.
 TEST(VerifyAndSample, PlainGreedyIsTheFirstArgmaxWhereverItsTiesSit) {
   SamplingConfig plain;
   plain.logprobs = false;
   const uint32_t n = 4096 + 4096 + 13;  // two whole chunks and a short one
   const std::vector<std::vector<uint32_t>> placements = {
       {5},       {4089},       {4095},     {4100, 4107}, {8191},    {8192, 8203},
-      {8204, 3}, {4092, 4093}, {17, 4095}, {8204},       {0, 8204}, {4088, 16, 4096}};
+      {8204, 3}, {4092, 4093}, {17, 4095}, {8204},       {0, 8204}, {4088, 16, 4096},
+      {40, 16},  {48, 32},     {36, 20},   {4112, 4128}};
   for (unsigned threads : {1u, 2u}) {
     WorkPool pool(threads);
     RowSampler wide(pool, true), narrow(pool, false);
