@@ -40,7 +40,8 @@
 #           with the 33+ bucket staged (the default: staged over 256 rows) against pipelined
 #   warpgroup the wgmma rounding probe, the product tests (the warpgroup schedule among
 #           them), then bench-engine on both shapes with the warpgroup schedule in the buckets
-#           over 8 rows and in all four, against the defaults
+#           over 8 rows and in all four, against the defaults, and prefill (one 2,048-token
+#           prompt a step) with it over 256 rows against staged
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -235,6 +236,11 @@ for group in "$@"; do
             warpgroup; do
           run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
             --batch 1,8,16,32,64 --no-compare --gemm-schedules $schedules
+        done
+        for last in staged warpgroup; do
+          run "bench-engine-$shape-prefill-$last" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
+            --gemm-schedules pipelined,plain,plain,$last
         done
       done
       ;;
