@@ -13,7 +13,7 @@
 #           and with a quarter of the cores spinning while the broker's pool is warm instead of
 #           the eighth it keeps beside a CPU worker (--warm-spinners)
 #   cpu-worker-spin step-bench and serve-bench on tiny-v152k with the worker watching its socket
-#           awake for 100 us after each reply
+#           awake for 100 us after each reply; step-bench of a 0.5B CUDA worker without and with
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then gemm-bench
@@ -98,6 +98,12 @@ for group in "$@"; do
         --iterations 200 --worker-arg=--spin-us=100
       run serve-bench-cpu-worker-spin-100 240 "$bh" serve-bench --model "$m" \
         --concurrency 1,32,64 --worker-arg=--spin-us=100
+      # A CUDA worker's host threads idle while it computes: the same watch there.
+      m=$(model qwen2.5-0.5b)
+      for spin in 0 100; do
+        run "step-bench-cuda-worker-spin-$spin" 150 "$bh" step-bench --model "$m" --backend cuda \
+          --batches 1,32,64 --iterations 200 --worker-arg=--spin-us=$spin
+      done
       ;;
     cpu-c1)
       m=$(model tiny-v152k)
