@@ -189,7 +189,8 @@ int main() {
       int differ = 0;
       for (size_t i = 0; i < group.size(); ++i) differ += std::memcmp(&group[i], &warp[i], 4) != 0;
       const double e = worst(group);
-      const bool layout_ok = e < 1e-5;
+      // A misread layout is off by the order of the sums themselves; rounding by far less.
+      const bool layout_ok = e < 1e-3;
       std::printf("  %-44s error %.3g%s, outputs differing from mma.sync: %d of %zu\n", v.name, e,
                   layout_ok ? "" : " (layout misread)", differ, group.size());
       if (layout_ok && differ > 0) ++failures;
