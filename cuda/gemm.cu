@@ -30,12 +30,6 @@ namespace cg = cooperative_groups;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSplits = 8;  // the portable cluster size
-// Whether this build's device code has the warpgroup schedule's wgmma (sm_90a).
-#ifdef BULKHEAD_CUDA_SM90A
-constexpr bool kWarpgroupBuilt = true;
-#else
-constexpr bool kWarpgroupBuilt = false;
-#endif
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -675,88 +669,6 @@ template <int kPending>
 __device__ __forceinline__ void cpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
-__device__ __forceinline__ void cpAsync4(void* shared, const void* global, bool valid) {
-  const unsigned to = unsigned(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(to), "l"(global),
-               "r"(valid ? 4 : 0));
-}
-
-// The warpgroup schedule's product step (sm_90a): wgmma m64nNk16, N = 8 * kGroups tokens, with
-// the weights (A) in the registers mma() takes them in, warp w holding rows 16w .. 16w + 15, and
-// the tokens (B) in shared memory as `tokens` describes: acc[t][i] is mma()'s acc[t][i] for warp
-// w's tile. Each output is the sum of the same 16 products as mma()'s, added onto the same
-// accumulator (tools/gpu/mma_equality_probe.cu measures whether the two round alike).
-// Asynchronous: wgmmaFence() before, wgmmaWait() before the accumulators or the tokens are used.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define BULKHEAD_WGMMA 1
-#endif
-__device__ __forceinline__ void wgmmaFence() {
-#ifdef BULKHEAD_WGMMA
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmmaWait() {
-#ifdef BULKHEAD_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
-// The shared-memory descriptor of a B operand of kTokens rows by 16 k positions, stored as core
-// matrices of 8 rows by 16 bytes: core (token group tg, k half kh) at (2 * tg + kh) * 128 bytes.
-// No swizzle; the leading offset steps along k (128 bytes), the stride one along the tokens
-// (256).
-__device__ __forceinline__ uint64_t wgmmaTokens(const void* shared) {
-  const uint32_t at = uint32_t(__cvta_generic_to_shared(shared));
-  return uint64_t((at >> 4) & 0x3fff) | uint64_t(128 >> 4) << 16 | uint64_t(256 >> 4) << 32;
-}
-#define BULKHEAD_WGMMA_ACC4(t) "+f"(acc[t][0]), "+f"(acc[t][1]), "+f"(acc[t][2]), "+f"(acc[t][3])
-template <int kGroups>
-__device__ __forceinline__ void wgmma(float (&acc)[kGroups][4], uint32_t a0, uint32_t a1,
-                                      uint32_t a2, uint32_t a3, uint64_t tokens) {
-#ifdef BULKHEAD_WGMMA
-  if constexpr (kGroups == 1) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, "
-        "p, 1, 1, 0;\n}\n"
-        : BULKHEAD_WGMMA_ACC4(0)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(tokens)
-        : "memory");
-  } else if constexpr (kGroups == 2) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, "
-        "{%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-        : BULKHEAD_WGMMA_ACC4(0), BULKHEAD_WGMMA_ACC4(1)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(tokens)
-        : "memory");
-  } else if constexpr (kGroups == 4) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,"
-        "%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-        : BULKHEAD_WGMMA_ACC4(0), BULKHEAD_WGMMA_ACC4(1), BULKHEAD_WGMMA_ACC4(2),
-          BULKHEAD_WGMMA_ACC4(3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(tokens)
-        : "memory");
-  } else {
-    static_assert(kGroups == 8);
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,"
-        "%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,"
-        "%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-        : BULKHEAD_WGMMA_ACC4(0), BULKHEAD_WGMMA_ACC4(1), BULKHEAD_WGMMA_ACC4(2),
-          BULKHEAD_WGMMA_ACC4(3), BULKHEAD_WGMMA_ACC4(4), BULKHEAD_WGMMA_ACC4(5),
-          BULKHEAD_WGMMA_ACC4(6), BULKHEAD_WGMMA_ACC4(7)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(tokens)
-        : "memory");
-  }
-#else
-  __trap();  // launchGemm refuses the schedule in a build without sm_90a
-#endif
-}
-#undef BULKHEAD_WGMMA_ACC4
 
 // Where a rank's run of k blocks stands: lane j (of its kWarps) at k block kb.
 struct StagedCursor {
@@ -768,12 +680,7 @@ struct StagedCursor {
   }
 };
 
-// kWarpgroup (the warpgroup schedule, sm_90a): the same run, each k block's multiplies one wgmma
-// per k16 step for the four tiles and all the block's tokens together, the tokens staged four
-// bytes at a time into the shared-memory layout wgmma reads (wgmmaTokens) in mma()'s k order:
-// step s of a k block takes word 2s of each token's 16-byte pieces on its first 8 k positions
-// and word 2s + 1 on its last 8, as mma() takes x/y, then z/w.
-template <int kGroups, bool kResidual, bool kWarpgroup = false>
+template <int kGroups, bool kResidual>
 __global__ void __launch_bounds__(kThreads)
     stagedGemmKernel(const __nv_bfloat16* __restrict__ x, int m,
                      const __nv_bfloat16* __restrict__ w, int n, int k, float* __restrict__ y,
@@ -784,13 +691,12 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kOutputs = kRows * kTokens;
   constexpr int kPieces = kTokens * 4;  // 16-byte pieces of one k block's tokens
   constexpr int kStagePieces = kStagedUnroll * kPieces;
-  static_assert((kWarpgroup || kPieces % kThreads == 0) && kOutputs % kThreads == 0);
-  constexpr int kStepBytes = kTokens * 32;  // kWarpgroup: one k16 step's tokens
+  static_assert(kPieces % kThreads == 0 && kOutputs % (kMaxSplits * kThreads) == 0);
   constexpr int kSharedBytes =
       2 * kStagePieces * 16 > kOutputs * 4 ? 2 * kStagePieces * 16 : kOutputs * 4;
   // Two stages of tokens ([stage][item][token][piece]) while multiplying; the block's sums
   // ([token][row]) after.
-  __shared__ __align__(128) unsigned char shared[kSharedBytes];
+  __shared__ __align__(16) unsigned char shared[kSharedBytes];
   uint4* const staged = reinterpret_cast<uint4*>(shared);
   float* const block_sum = reinterpret_cast<float*>(shared);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -838,27 +744,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kStagedUnroll; ++u) {
       const bool in = !loading.done(k_blocks);
-      if constexpr (kWarpgroup) {
-        // Word j of token t's piece c at step j / 2, k half j % 2, column c of t's row; a warp
-        // stores one word of 8 tokens' 4 pieces: 128 consecutive bytes.
-        unsigned char* const into =
-            reinterpret_cast<unsigned char*>(staged + (buffer * kStagedUnroll + u) * kPieces);
 #pragma unroll
-        for (int q = threadIdx.x; q < kPieces * 4; q += kThreads) {
-          const int j = q / kPieces, t = q % kPieces / 4, c = q % 4;
-          const int token = m0 + t, k0 = 32 * loading.kb + 8 * c + 2 * j;
-          const bool valid = in && token < m && k0 < k;
-          cpAsync4(into + (j / 2) * kStepBytes + (2 * (t / 8) + j % 2) * 128 + (t % 8) * 16 + c * 4,
-                   valid ? x + size_t(token) * k + k0 : x, valid);
-        }
-      } else {
-#pragma unroll
-        for (int p = threadIdx.x; p < kPieces; p += kThreads) {
-          const int token = m0 + p / 4, k0 = 32 * loading.kb + 8 * (p % 4);
-          const bool valid = in && token < m && k0 < k;
-          cpAsync16(staged + (buffer * kStagedUnroll + u) * kPieces + p,
-                    valid ? x + size_t(token) * k + k0 : x, valid);
-        }
+      for (int p = threadIdx.x; p < kPieces; p += kThreads) {
+        const int token = m0 + p / 4, k0 = 32 * loading.kb + 8 * (p % 4);
+        const bool valid = in && token < m && k0 < k;
+        cpAsync16(staged + (buffer * kStagedUnroll + u) * kPieces + p,
+                  valid ? x + size_t(token) * k + k0 : x, valid);
       }
       loading.advance(rank, lanes, k_blocks);
     }
@@ -884,19 +775,11 @@ __global__ void __launch_bounds__(kThreads)
       while (lane_now < multiplying.j) finishLane();
       const uint4 &lo = a_lo[set][u], &hi = a_hi[set][u];
       const uint4* tokens = staged + (set * kStagedUnroll + u) * kPieces;
-      if constexpr (kWarpgroup) {
-        const unsigned char* const steps = reinterpret_cast<const unsigned char*>(tokens);
-        wgmmaFence();
-        wgmma<kGroups>(acc, lo.x, hi.x, lo.y, hi.y, wgmmaTokens(steps));
-        wgmma<kGroups>(acc, lo.z, hi.z, lo.w, hi.w, wgmmaTokens(steps + kStepBytes));
-        wgmmaWait();
-      } else {
 #pragma unroll
-        for (int t = 0; t < kGroups; ++t) {
-          const uint4 tok = tokens[(8 * t + g) * 4 + c];
-          mma(acc[t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
-          mma(acc[t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
-        }
+      for (int t = 0; t < kGroups; ++t) {
+        const uint4 tok = tokens[(8 * t + g) * 4 + c];
+        mma(acc[t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
+        mma(acc[t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
       }
       if (folding) {
         foldMma(fold_acc, lo.x, hi.x, lo.y, hi.y, key_lo, key_hi);
@@ -904,11 +787,6 @@ __global__ void __launch_bounds__(kThreads)
       }
       multiplying.advance(rank, lanes, k_blocks);
     }
-  };
-  // A stage's tokens, waited for, seen by the whole block (and by wgmma's reads).
-  auto arrived = [&]() {
-    if constexpr (kWarpgroup) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
   };
   // The first stage's weights (which no kernel writes) before the wait for the kernel before;
   // the tokens (its output) after it.
@@ -924,7 +802,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       cpAsyncWait<0>();
     }
-    arrived();
+    __syncthreads();
     multiply(0, stage);
     __syncthreads();  // buffer 0 is free for the stage after next
     if (stage + 1 >= stages) break;
@@ -935,7 +813,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       cpAsyncWait<0>();
     }
-    arrived();
+    __syncthreads();
     multiply(1, stage + 1);
     __syncthreads();
   }
@@ -1036,10 +914,9 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
-// The staged kernel for a product of bf16 tokens (over kStagedRows rows; kWarpgroup: any number):
-// blocks of 64 weight rows and 8 * kGroups tokens, a tile's token blocks side by side; the check
-// tile as gemmKernel's.
-template <int kGroups, bool kWarpgroup = false>
+// The staged kernel for a product of bf16 tokens (over kStagedRows rows): blocks of 64 weight rows
+// and 8 * kGroups tokens, a tile's token blocks side by side; the check tile as gemmKernel's.
+template <int kGroups>
 cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
                          int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                          const GemmResidual& res, const GemmNormedInput& nin) {
@@ -1052,8 +929,8 @@ cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_b
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
                               token_blocks, res, nin);
   };
-  return res.x != nullptr ? go(stagedGemmKernel<kGroups, true, kWarpgroup>)
-                          : go(stagedGemmKernel<kGroups, false, kWarpgroup>);
+  return res.x != nullptr ? go(stagedGemmKernel<kGroups, true>)
+                          : go(stagedGemmKernel<kGroups, false>);
 }
 
 }  // namespace
@@ -1094,9 +971,8 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
       }
     }
     if (!known)
-      return invalidArgument(
-          "product schedule \"" + std::string(name) +
-          "\" (known: plain, pipelined, two_tiles, interleaved, staged, warpgroup)");
+      return invalidArgument("product schedule \"" + std::string(name) +
+                             "\" (known: plain, pipelined, two_tiles, interleaved, staged)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1216,22 +1092,6 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                                         normed, activated);
   } else if (schedule == GemmSchedule::kStaged) {
     launched = launchStaged<8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
-  } else if (schedule == GemmSchedule::kWarpgroup && !is_normed && !is_activated) {
-    if (!kWarpgroupBuilt)
-      return failedPrecondition(
-          "the warpgroup product schedule needs a build for sm_90a (CMAKE_CUDA_ARCHITECTURES=90a)");
-    if (m <= 8)
-      launched =
-          launchStaged<1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
-    else if (m <= 16)
-      launched =
-          launchStaged<2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
-    else if (m <= 32)
-      launched =
-          launchStaged<4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
-    else
-      launched =
-          launchStaged<8, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);

@@ -132,14 +132,11 @@ enum class GemmSchedule {
   kStaged,       // over kStagedRows rows (prefill), a block's four warps take four weight tiles
                  // and share each k block's tokens, staged once in shared memory (a quarter of
                  // the token reads); the token blocks of a tile side by side (pipelined below)
-  kWarpgroup,    // staged's blocks at any number of rows, each k16 step of the four tiles one
-                 // Hopper warpgroup product (wgmma) over all the block's tokens, read from shared
-                 // memory; sm_90a builds only. Products of a normed or activated input: plain
 };
 inline constexpr int kStagedRows = 256;
 inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain,       GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kStaged,    GemmSchedule::kWarpgroup};
+    GemmSchedule::kPlain, GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
+    GemmSchedule::kInterleaved, GemmSchedule::kStaged};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -152,7 +149,7 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kStaged};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, staged, warpgroup.
+// two_tiles, interleaved, staged.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
@@ -160,8 +157,7 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
-         : s == GemmSchedule::kStaged      ? "staged"
-                                           : "warpgroup";
+                                           : "staged";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

@@ -99,8 +99,6 @@ const Path kPaths[] = {
     {"+fold", "interleaved_folding", false, cuda::GemmSchedule::kInterleaved, true},
     {"staged", "staged", false, cuda::GemmSchedule::kStaged},
     {"+fold", "staged_folding", false, cuda::GemmSchedule::kStaged, true},
-    {"warpgroup", "warpgroup", false, cuda::GemmSchedule::kWarpgroup},
-    {"+fold", "warpgroup_folding", false, cuda::GemmSchedule::kWarpgroup, true},
     {"cublas", "cublas", true},
 };
 
@@ -226,10 +224,8 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf(
-          "%28s splits (plain/pipelined/two_tiles/interleaved/staged/warpgroup us), a step uses "
-          "%d:",
-          "", cuda::gemmSplits(p.n, p.k));
+      std::printf("%28s splits (plain/pipelined/two_tiles/interleaved/staged us), a step uses %d:",
+                  "", cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {
         std::printf(" %d: ", splits);

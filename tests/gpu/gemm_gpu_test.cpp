@@ -225,9 +225,6 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   ASSERT_TRUE(staged.ok()) << staged.status().toString();
   EXPECT_EQ((*staged)[2], cuda::GemmSchedule::kStaged);
   EXPECT_EQ((*staged)[3], cuda::GemmSchedule::kStaged);
-  auto warpgroup = cuda::parseGemmSchedules("pipelined,plain,warpgroup,warpgroup");
-  ASSERT_TRUE(warpgroup.ok()) << warpgroup.status().toString();
-  EXPECT_EQ((*warpgroup)[2], cuda::GemmSchedule::kWarpgroup);
   for (const cuda::GemmSchedule s : cuda::kGemmSchedules) {
     auto named = cuda::parseGemmSchedules(cuda::gemmScheduleName(s));
     ASSERT_TRUE(named.ok()) << named.status().toString();

@@ -38,10 +38,8 @@
 #   staged  the product's GPU tests (every schedule), the model cases of every schedule, then
 #           bench-engine on both shapes (prefill of 128-token prompts, decode at 1 to 512 rows)
 #           with the 33+ bucket staged (the default: staged over 256 rows) against pipelined
-#   warpgroup the wgmma rounding probe, the product tests (the warpgroup schedule among
-#           them), then bench-engine on both shapes with the warpgroup schedule in the buckets
-#           over 8 rows and in all four, against the defaults, and prefill (one 2,048-token
-#           prompt a step) with it over 256 rows against staged
+#   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
+#           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -224,31 +222,13 @@ for group in "$@"; do
         done
       done
       ;;
-    warpgroup)
-      # Whether wgmma rounds as mma.sync (the probe), then the products' tests of every schedule
-      # and the model cases with the warpgroup schedule, then bench-engine and bench-gemm.
+    wgmma-probe)
       nvcc=/usr/local/cuda/bin/nvcc
       [ -x "$nvcc" ] || nvcc=nvcc
-      if [ -x "$bundle/mma_equality_probe" ] || "$nvcc" -std=c++20 \
-          -gencode arch=compute_90a,code=sm_90a -O2 -o "$bundle/mma_equality_probe" \
-          tools/gpu/mma_equality_probe.cu; then
+      if "$nvcc" -std=c++20 -gencode arch=compute_90a,code=sm_90a -O2 \
+          -o "$bundle/mma_equality_probe" tools/gpu/mma_equality_probe.cu; then
         run mma-equality-probe 60 "$bundle/mma_equality_probe"
       fi
-      run gemm-tests-warpgroup 300 "$bundle/gpu_tests" \
-        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*ProductSchedules*'
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for schedules in pipelined,plain,plain,staged pipelined,warpgroup,warpgroup,warpgroup \
-            warpgroup; do
-          run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
-            --batch 1,8,16,32,64 --no-compare --gemm-schedules $schedules
-        done
-        for last in staged warpgroup; do
-          run "bench-engine-$shape-prefill-$last" 150 "$bh" bench-engine --model "$m" \
-            --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
-            --gemm-schedules pipelined,plain,plain,$last
-        done
-      done
       ;;
     long)
       run gpu-tests-long 200 "$bundle/gpu_tests" --gtest_filter='*LongContext*'
