@@ -933,6 +933,192 @@ cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_b
                           : go(stagedGemmKernel<kGroups, false>);
 }
 
+// The tiled schedule's kernel (over kStagedRows rows: prefill steps): a block of four warps takes
+// kTiledRows weight rows by kTiledTokens tokens and stages each k block of both in shared memory
+// (cp.async, kTiledStages k blocks in flight); warp w multiplies rows 32 (w / 2) .. + 31 by tokens
+// 32 (w % 2) .. + 31, so each loaded byte feeds four times the multiplies a gemmKernel warp gets
+// from it. No cluster: the block runs the whole k range itself, lane after lane of gemmKernel's
+// `lanes` = splits x kWarps (lane v's k blocks v, v + lanes, ... in increasing order, from zero),
+// and adds the lanes' sums as gemmKernel's blocks and clusters do: a rank's kWarps lanes in lane
+// order, then the ranks in rank order. So every output is the same sequence of operations as in
+// every other schedule. A lane with no k block adds its zero, as an idle warp does there.
+constexpr int kTiledRows = 64, kTiledTokens = 64, kTiledStages = 4;
+
+// Where the tiled kernel's run stands: lane v at k block kb (lanes without a k block skipped).
+struct TiledCursor {
+  int v, kb;
+  __device__ void advance(int lanes, int k_blocks) {
+    kb += lanes;
+    while (kb >= k_blocks && v < lanes) kb = ++v;
+  }
+};
+
+template <bool kResidual>
+__global__ void __launch_bounds__(kThreads)
+    tiledGemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
+                    int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
+                    int token_blocks, GemmResidual res, GemmNormedInput nin) {
+  constexpr int kWeightPieces = kTiledRows * 4, kTokenPieces = kTiledTokens * 4;  // 16 bytes each
+  constexpr int kStagePieces = kWeightPieces + kTokenPieces;
+  constexpr int kOutputs = kTiledRows * kTiledTokens;
+  static_assert(kWeightPieces % kThreads == 0 && kTokenPieces % kThreads == 0 &&
+                kOutputs % kThreads == 0 && kTiledStages * kStagePieces * 16 >= kOutputs * 4);
+  // kTiledStages k blocks ([stage][weight rows, then tokens][piece]) while multiplying; the
+  // block's sums ([token][row]) after.
+  __shared__ uint4 shared[kTiledStages * kStagePieces];
+  float* const block_sum = reinterpret_cast<float*>(shared);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int tile = int(blockIdx.x) / token_blocks, token_block = int(blockIdx.x) % token_blocks;
+  const int n0 = tile * kTiledRows, m0 = token_block * kTiledTokens;
+  const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
+  const int weight_tiles = (n + kTiledRows - 1) / kTiledRows;
+  if (tile >= weight_tiles) {
+    // The blocks past the weight's tiles: the product's own side of its consumers' checks (a
+    // warp for each consumer and k block, as gemmKernel's check tile).
+    tokenChecks<kTiledTokens / 8>(x, nin, m0, m, k, (tile - weight_tiles) * kWarps + warp);
+    return;
+  }
+  const int rows0 = 32 * (warp / 2), tokens0 = 32 * (warp % 2);  // the warp's part of the tile
+  const bool folding = fold.weights > 0 && token_block == 0 && tokens0 == 0;
+  const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
+  uint32_t fold_acc[2][4] = {};
+
+  // Thread t stages 16-byte piece t % 4 of weight rows t / 4 and t / 4 + 32 and of the same two
+  // tokens: the same four sources every k block, at offsets 32 kb.
+  static_assert(kWeightPieces == 2 * kThreads && kTokenPieces == 2 * kThreads);
+  const int piece_row = threadIdx.x / 4, piece = threadIdx.x % 4;
+  const __nv_bfloat16 *weight_from[2], *token_from[2];
+  bool weight_in[2], token_in[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    weight_in[h] = n0 + piece_row + 32 * h < n;
+    token_in[h] = m0 + piece_row + 32 * h < m;
+    weight_from[h] = w + size_t(weight_in[h] ? n0 + piece_row + 32 * h : 0) * k + 8 * piece;
+    token_from[h] = x + size_t(token_in[h] ? m0 + piece_row + 32 * h : 0) * k + 8 * piece;
+  }
+  TiledCursor loading{0, 0}, multiplying{0, 0};
+  // The next k block of the run into buffer `buffer` (zeros past the weight's rows, the step's
+  // tokens or k); one commit group either way.
+  auto stage = [&](int buffer) {
+    if (loading.v < lanes) {
+      uint4* const into = shared + buffer * kStagePieces + threadIdx.x;
+      const int at = 32 * loading.kb;
+      const bool k_in = at + 8 * piece < k;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        cpAsync16(into + h * kThreads, weight_from[h] + (k_in ? at : 0), weight_in[h] && k_in);
+        cpAsync16(into + kWeightPieces + h * kThreads, token_from[h] + (k_in ? at : 0),
+                  token_in[h] && k_in);
+      }
+      loading.advance(lanes, k_blocks);
+    }
+    cpAsyncCommit();
+  };
+  float acc[2][4][4] = {}, rank_sum[2][4][4] = {}, total[2][4][4] = {};
+  int lane_now = 0;  // the lane whose k blocks acc sums
+  auto finishLane = [&]() {
+    const int j = lane_now % kWarps, r = lane_now / kWarps;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          rank_sum[i][t][q] = j == 0 ? acc[i][t][q] : rank_sum[i][t][q] + acc[i][t][q];
+          acc[i][t][q] = 0.0f;
+          if (j == kWarps - 1)
+            total[i][t][q] = r == 0 ? rank_sum[i][t][q] : total[i][t][q] + rank_sum[i][t][q];
+        }
+    ++lane_now;
+  };
+  // The tokens are the kernel before's output; the weights could load before the wait, but a
+  // prefill step's products are long enough that it would not show.
+  gridDependencyWait();
+  allowDependentLaunch();
+#pragma unroll
+  for (int s = 0; s + 1 < kTiledStages; ++s) stage(s);
+  for (int item = 0; item < k_blocks; ++item) {
+    cpAsyncWait<kTiledStages - 2>();  // this item's k block has arrived (for this thread) ...
+    __syncthreads();  // ... and for the block, which is also past the item before's buffer
+    stage((item + kTiledStages - 1) % kTiledStages);
+    while (lane_now < multiplying.v) finishLane();
+    const uint4* const weights = shared + (item % kTiledStages) * kStagePieces;
+    const uint4* const tokens = weights + kWeightPieces;
+    uint4 lo[2], hi[2], tok[4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      lo[i] = weights[(rows0 + 16 * i + g) * 4 + c];
+      hi[i] = weights[(rows0 + 16 * i + 8 + g) * 4 + c];
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) tok[t] = tokens[(tokens0 + 8 * t + g) * 4 + c];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        mma(acc[i][t], lo[i].x, hi[i].x, lo[i].y, hi[i].y, tok[t].x, tok[t].y);
+        mma(acc[i][t], lo[i].z, hi[i].z, lo[i].w, hi[i].w, tok[t].z, tok[t].w);
+      }
+    if (folding) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        foldMma(fold_acc[i], lo[i].x, hi[i].x, lo[i].y, hi[i].y, key_lo, key_hi);
+        foldMma(fold_acc[i], lo[i].z, hi[i].z, lo[i].w, hi[i].w, key_lo, key_hi);
+      }
+    }
+    multiplying.advance(lanes, k_blocks);
+  }
+  while (lane_now < lanes) finishLane();  // the last lane, then any with no k block (zero)
+  cpAsyncWait<0>();
+  __syncthreads();  // every warp is past its last multiply: the buffers take the sums
+
+  // Accumulator q is weight row g (+ 8 for q >= 2) of a 16-row tile and token 2c + q % 2 of a
+  // group of 8.
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        block_sum[(tokens0 + 8 * t + 2 * c + q % 2) * kTiledRows + rows0 + 16 * i + g +
+                  8 * (q / 2)] = total[i][t][q];
+  if (folding) {
+    // This warp's two tiles, whose every k block it folded; it counts their words.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int tile_row = n0 + rows0 + 16 * i;
+      const unsigned long long folded = warpSum64(tileFold(fold, tile_row, g, c, fold_acc[i]));
+      if (lane == 0 && tile_row < n) {
+        FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
+        atomicAdd(&account->sum, folded);
+        atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
+      }
+    }
+  }
+  __syncthreads();
+  // Output e is weight row e % kTiledRows and token e / kTiledRows: a warp's lanes store
+  // neighbouring rows of one token (storeOutput).
+  for (int e = threadIdx.x; e < kOutputs; e += kThreads)
+    storeOutput<kResidual>(n0 + e % kTiledRows, m0 + e / kTiledRows, block_sum[e], n, m, y, ldy,
+                           res);
+}
+
+// The tiled kernel for a product of bf16 tokens (over kStagedRows rows): a tile's token blocks
+// side by side, then the blocks of the product's own checks (a warp each consumer and k block).
+cudaError_t launchTiled(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
+                        int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
+                        const GemmResidual& res, const GemmNormedInput& nin) {
+  const int token_checks = tokenConsumers(nin) * ((k + 31) / 32);
+  const int tiles = (n + kTiledRows - 1) / kTiledRows + (token_checks + kWarps - 1) / kWarps;
+  const int token_blocks = (m + kTiledTokens - 1) / kTiledTokens;
+  ProductLaunch setup(dim3(unsigned(tiles * token_blocks)), 1, stream);
+  auto go = [&](auto kernel) {
+    return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
+                              token_blocks, res, nin);
+  };
+  return res.x != nullptr ? go(tiledGemmKernel<true>) : go(tiledGemmKernel<false>);
+}
+
 }  // namespace
 
 uint32_t productFold(const std::byte* data, size_t rows, int k, uint32_t first_row, uint32_t salt) {
@@ -972,7 +1158,7 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     }
     if (!known)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved, staged)");
+                             "\" (known: plain, pipelined, two_tiles, interleaved, staged, tiled)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -988,7 +1174,11 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
 int gemmSplits(int n, int k) {
   const int tiles = (n + 15) / 16, k_blocks = (k + 31) / 32;
   int splits = 1;
-  while (splits < kMaxSplits && tiles * splits < 512 && k_blocks >= 32 * splits) splits *= 2;
+  // Past 256 blocks a split pays only where each warp keeps 8 k blocks or more (H100, bench-gemm:
+  // 3584 x 3584 at 2 splits against 4, 11.0 against 12.6 us at one row, 14.9 against 18.9 at 32).
+  while (splits < kMaxSplits && k_blocks >= 32 * splits &&
+         (tiles * splits < 256 || (tiles * splits < 512 && k_blocks >= 64 * splits)))
+    splits *= 2;
   return splits;
 }
 
@@ -1060,7 +1250,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   // Staged up to kStagedRows is pipelined: against it the staged kernel measured slower in decode
   // steps of 17-64 rows and in prefill steps of 128, about even at 256, faster from 512
   // (cuda/PERFORMANCE.md).
-  if (schedule == GemmSchedule::kStaged && m <= kStagedRows) schedule = GemmSchedule::kPipelined;
+  if ((schedule == GemmSchedule::kStaged || schedule == GemmSchedule::kTiled) && m <= kStagedRows)
+    schedule = GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
@@ -1092,6 +1283,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                                         normed, activated);
   } else if (schedule == GemmSchedule::kStaged) {
     launched = launchStaged<8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+  } else if (schedule == GemmSchedule::kTiled) {
+    launched = launchTiled(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);

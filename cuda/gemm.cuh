@@ -113,7 +113,7 @@ struct GemmActivatedInput {
 
 // How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
 // blocks to keep the GPU's memory busy on a small weight, without splitting a long row thinner
-// than 32 k blocks a block.
+// than 32 k blocks a block, nor past 256 blocks to fewer than 8 k blocks a warp.
 int gemmSplits(int n, int k);
 
 // When a warp issues its loads. All give every output the same sequence of operations (the same
@@ -132,11 +132,15 @@ enum class GemmSchedule {
   kStaged,       // over kStagedRows rows (prefill), a block's four warps take four weight tiles
                  // and share each k block's tokens, staged once in shared memory (a quarter of
                  // the token reads); the token blocks of a tile side by side (pipelined below)
+  kTiled,        // over kStagedRows rows (prefill), blocks of 64 weight rows by 64 tokens, both
+                 // staged in shared memory a k block at a time, four stages in flight, each warp
+                 // 32 rows by 32 tokens; the block runs the k splits' lanes one after another
+                 // (pipelined below)
 };
 inline constexpr int kStagedRows = 256;
 inline constexpr GemmSchedule kGemmSchedules[] = {
     GemmSchedule::kPlain, GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kStaged};
+    GemmSchedule::kInterleaved, GemmSchedule::kStaged,    GemmSchedule::kTiled};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -144,12 +148,12 @@ inline int gemmBucket(int rows) {
   return rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
 }
 // The fastest of each bucket in bench-engine on Qwen2.5 0.5B and 7B shapes (H100, cuda/
-// PERFORMANCE.md): pipelined at 1-8 and 33-256 rows, plain at 17-32, staged over 256 (prefill);
+// PERFORMANCE.md): pipelined at 1-8 and 33-256 rows, plain at 17-32, tiled over 256 (prefill);
 // 9-16 not yet measured.
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
-    GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kStaged};
+    GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, staged.
+// two_tiles, interleaved, staged, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
@@ -157,7 +161,8 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
-                                           : "staged";
+         : s == GemmSchedule::kStaged      ? "staged"
+                                           : "tiled";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

@@ -225,6 +225,9 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   ASSERT_TRUE(staged.ok()) << staged.status().toString();
   EXPECT_EQ((*staged)[2], cuda::GemmSchedule::kStaged);
   EXPECT_EQ((*staged)[3], cuda::GemmSchedule::kStaged);
+  auto tiled = cuda::parseGemmSchedules("tiled");
+  ASSERT_TRUE(tiled.ok()) << tiled.status().toString();
+  EXPECT_EQ((*tiled)[3], cuda::GemmSchedule::kTiled);
   for (const cuda::GemmSchedule s : cuda::kGemmSchedules) {
     auto named = cuda::parseGemmSchedules(cuda::gemmScheduleName(s));
     ASSERT_TRUE(named.ok()) << named.status().toString();

@@ -80,8 +80,10 @@ __device__ void storeCores(const __nv_bfloat16* src, int rows, int k, int k0, __
 // lbo/sbo: the descriptors' offsets between core matrices along k and along rows.
 __global__ void groupProduct(const __nv_bfloat16* a, const __nv_bfloat16* b, int k, float* d,
                              bool a_in_smem, uint32_t lbo, uint32_t sbo) {
-  __shared__ alignas(128) __nv_bfloat16 sa[kM * 16];
-  __shared__ alignas(128) __nv_bfloat16 sb[kN * 16];
+  // Twice what the layouts hold: a misread assignment of the offsets (B's second k half at 256
+  // bytes) reads past them, never past the arrays.
+  __shared__ alignas(128) __nv_bfloat16 sa[kM * 32];
+  __shared__ alignas(128) __nv_bfloat16 sb[kN * 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int r0 = 16 * warp + g, r1 = r0 + 8;
   float acc[4] = {d[r0 * kN + 2 * c], d[r0 * kN + 2 * c + 1], d[r1 * kN + 2 * c],

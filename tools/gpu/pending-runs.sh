@@ -38,6 +38,9 @@
 #   staged  the product's GPU tests (every schedule), the model cases of every schedule, then
 #           bench-engine on both shapes (prefill of 128-token prompts, decode at 1 to 512 rows)
 #           with the 33+ bucket staged (the default: staged over 256 rows) against pipelined
+#   tiled   the product tests (the tiled schedule among them), then bench-engine on both shapes:
+#           prefill of one 2,048-token prompt a step and of 32 and 64 128-token prompts a step,
+#           the bucket of 33+ rows staged (the default) against tiled (both over 256 rows)
 #   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
 #           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -219,6 +222,21 @@ for group in "$@"; do
         for schedules in pipelined,plain,plain,staged pipelined,plain,plain,pipelined; do
           run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
             --batch 1,32,64,128,512 --no-compare --gemm-schedules $schedules
+        done
+      done
+      ;;
+    tiled)
+      run gemm-tests-tiled 300 "$bundle/gpu_tests" \
+        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*ProductSchedules*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for last in staged tiled; do
+          run "bench-engine-$shape-prefill-2048-$last" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
+            --gemm-schedules pipelined,plain,plain,$last
+          run "bench-engine-$shape-prefill-128-$last" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 32,64 --steps 8 --no-compare \
+            --gemm-schedules pipelined,plain,plain,$last
         done
       done
       ;;
