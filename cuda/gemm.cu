@@ -646,17 +646,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The staged schedule's kernel (over kStagedRows rows: prefill steps): the four warps of a block
-// take four tiles of 16 weight rows and share each k block's tokens, which the block stages once in
-// shared memory (cp.async, two stages in flight), where gemmKernel's warps take the k blocks of one
-// tile and each loads the tokens of its own. Every output is still gemmKernel's sequence of
-// operations: each lane v's sum (the mma over its k blocks v, v + lanes, ... in increasing order,
-// from zero), those of a cluster rank's kWarps lanes added in lane order, then the ranks' in rank
-// order. A warp here runs its rank's lanes one after another for its own tile and keeps the sum of
-// those done: ((p0 + p1) + p2) + p3, as gemmKernel's block adds its warps' partial sums. A lane
-// with no k block adds its zero, as gemmKernel's idle warp does.
-constexpr int kStagedUnroll = 4;  // k blocks whose tokens stage together
-
+// cp.async: 16 bytes from global memory into shared memory, in flight until waited for.
 __device__ __forceinline__ void cpAsync16(void* shared, const void* global, bool valid) {
   const unsigned to = unsigned(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
@@ -668,183 +658,6 @@ __device__ __forceinline__ void cpAsyncCommit() {
 template <int kPending>
 __device__ __forceinline__ void cpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// Where a rank's run of k blocks stands: lane j (of its kWarps) at k block kb.
-struct StagedCursor {
-  int j, kb;
-  __device__ bool done(int k_blocks) const { return j >= kWarps || kb >= k_blocks; }
-  __device__ void advance(int rank, int lanes, int k_blocks) {
-    kb += lanes;
-    if (kb >= k_blocks) kb = rank * kWarps + ++j;
-  }
-};
-
-template <int kGroups, bool kResidual>
-__global__ void __launch_bounds__(kThreads)
-    stagedGemmKernel(const __nv_bfloat16* __restrict__ x, int m,
-                     const __nv_bfloat16* __restrict__ w, int n, int k, float* __restrict__ y,
-                     int ldy, GemmFold fold, int splits, int token_blocks, GemmResidual res,
-                     GemmNormedInput nin) {
-  constexpr int kTokens = 8 * kGroups;  // a block's tokens
-  constexpr int kRows = 16 * kWarps;    // a block's weight rows: a tile a warp
-  constexpr int kOutputs = kRows * kTokens;
-  constexpr int kPieces = kTokens * 4;  // 16-byte pieces of one k block's tokens
-  constexpr int kStagePieces = kStagedUnroll * kPieces;
-  static_assert(kPieces % kThreads == 0 && kOutputs % (kMaxSplits * kThreads) == 0);
-  constexpr int kSharedBytes =
-      2 * kStagePieces * 16 > kOutputs * 4 ? 2 * kStagePieces * 16 : kOutputs * 4;
-  // Two stages of tokens ([stage][item][token][piece]) while multiplying; the block's sums
-  // ([token][row]) after.
-  __shared__ __align__(16) unsigned char shared[kSharedBytes];
-  uint4* const staged = reinterpret_cast<uint4*>(shared);
-  float* const block_sum = reinterpret_cast<float*>(shared);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits;
-  const int tile = cell / token_blocks, token_block = cell % token_blocks;
-  const int n0 = tile * kRows, m0 = token_block * kTokens;
-  const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
-  if (tile >= (n + kRows - 1) / kRows) {
-    // The clusters past the weight's tiles: the product's own side of its consumers' checks
-    // (a lane for each consumer and k block, as gemmKernel's check tile).
-    tokenChecks<kGroups>(x, nin, m0, m, k,
-                         (tile - (n + kRows - 1) / kRows) * lanes + rank * kWarps + warp);
-    return;  // the whole cluster
-  }
-  const int lo_index = n0 + 16 * warp + g;
-  const bool row_lo = lo_index < n, row_hi = lo_index + 8 < n;
-  const __nv_bfloat16* const w_lo = w + size_t(row_lo ? lo_index : 0) * k + 8 * c;
-  const __nv_bfloat16* const w_hi = w + size_t(row_hi ? lo_index + 8 : 0) * k + 8 * c;
-  const bool folding = fold.weights > 0 && token_block == 0;
-  const uint32_t key_lo = foldKeys(g, 4 * c), key_hi = foldKeys(g, 16 + 4 * c);
-  uint32_t fold_acc[4] = {};
-
-  // The rank's run: item after item, each a k block of one of its lanes, lane by lane.
-  int items = 0;
-  for (int j = 0; j < kWarps; ++j) {
-    const int v = rank * kWarps + j;
-    if (v < k_blocks) items += (k_blocks - v + lanes - 1) / lanes;
-  }
-  const int stages = (items + kStagedUnroll - 1) / kStagedUnroll;
-  StagedCursor loading{0, rank * kWarps}, multiplying{0, rank * kWarps};
-  uint4 a_lo[2][kStagedUnroll], a_hi[2][kStagedUnroll];
-  // The next stage's weights, from where loading stands (which it does not move).
-  auto loadWeights = [&](int set) {
-    StagedCursor at = loading;
-#pragma unroll
-    for (int u = 0; u < kStagedUnroll; ++u) {
-      const bool in = !at.done(k_blocks) && 32 * at.kb + 8 * c < k;
-      a_lo[set][u] = load16(w_lo + 32 * at.kb, in && row_lo);
-      a_hi[set][u] = load16(w_hi + 32 * at.kb, in && row_hi);
-      at.advance(rank, lanes, k_blocks);
-    }
-  };
-  // The same stage's tokens into buffer `buffer`, 16 bytes a thread at a time; moves loading on.
-  auto stageTokens = [&](int buffer) {
-#pragma unroll
-    for (int u = 0; u < kStagedUnroll; ++u) {
-      const bool in = !loading.done(k_blocks);
-#pragma unroll
-      for (int p = threadIdx.x; p < kPieces; p += kThreads) {
-        const int token = m0 + p / 4, k0 = 32 * loading.kb + 8 * (p % 4);
-        const bool valid = in && token < m && k0 < k;
-        cpAsync16(staged + (buffer * kStagedUnroll + u) * kPieces + p,
-                  valid ? x + size_t(token) * k + k0 : x, valid);
-      }
-      loading.advance(rank, lanes, k_blocks);
-    }
-    cpAsyncCommit();
-  };
-  float acc[kGroups][4] = {}, block_acc[kGroups][4] = {};
-  int lane_now = 0;  // the rank's lane whose k blocks acc sums
-  auto finishLane = [&]() {
-#pragma unroll
-    for (int t = 0; t < kGroups; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        block_acc[t][i] = lane_now == 0 ? acc[t][i] : block_acc[t][i] + acc[t][i];
-        acc[t][i] = 0.0f;
-      }
-    ++lane_now;
-  };
-  // Stage `stage`'s multiplies and fold, from register set `set` and buffer `set`.
-  auto multiply = [&](int set, int stage) {
-#pragma unroll
-    for (int u = 0; u < kStagedUnroll; ++u) {
-      if (stage * kStagedUnroll + u >= items) break;  // the same for the whole block
-      while (lane_now < multiplying.j) finishLane();
-      const uint4 &lo = a_lo[set][u], &hi = a_hi[set][u];
-      const uint4* tokens = staged + (set * kStagedUnroll + u) * kPieces;
-#pragma unroll
-      for (int t = 0; t < kGroups; ++t) {
-        const uint4 tok = tokens[(8 * t + g) * 4 + c];
-        mma(acc[t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
-        mma(acc[t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
-      }
-      if (folding) {
-        foldMma(fold_acc, lo.x, hi.x, lo.y, hi.y, key_lo, key_hi);
-        foldMma(fold_acc, lo.z, hi.z, lo.w, hi.w, key_lo, key_hi);
-      }
-      multiplying.advance(rank, lanes, k_blocks);
-    }
-  };
-  // The first stage's weights (which no kernel writes) before the wait for the kernel before;
-  // the tokens (its output) after it.
-  loadWeights(0);
-  gridDependencyWait();
-  allowDependentLaunch();
-  stageTokens(0);
-  for (int stage = 0; stage < stages; stage += 2) {
-    if (stage + 1 < stages) {
-      loadWeights(1);
-      stageTokens(1);
-      cpAsyncWait<1>();
-    } else {
-      cpAsyncWait<0>();
-    }
-    __syncthreads();
-    multiply(0, stage);
-    __syncthreads();  // buffer 0 is free for the stage after next
-    if (stage + 1 >= stages) break;
-    if (stage + 2 < stages) {
-      loadWeights(0);
-      stageTokens(0);
-      cpAsyncWait<1>();
-    } else {
-      cpAsyncWait<0>();
-    }
-    __syncthreads();
-    multiply(1, stage + 1);
-    __syncthreads();
-  }
-  while (lane_now < kWarps) finishLane();  // the last lane, then any with no k block (zero)
-  cpAsyncWait<0>();                        // a rank with no k block still staged (zeros)
-  __syncthreads();
-
-  // The block's sums, over the staged tokens (every warp is past its last multiply). Accumulator
-  // i is weight row g (+ 8 for i >= 2) of the warp's tile and token column 2c + i % 2.
-#pragma unroll
-  for (int t = 0; t < kGroups; ++t)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      block_sum[(8 * t + 2 * c + i % 2) * kRows + 16 * warp + g + 8 * (i / 2)] = block_acc[t][i];
-  if (folding) {
-    // This warp's tile: the words this rank folded (the ranks' folds add up to the tile's);
-    // rank 0 counts the tile's words.
-    const int tile_row = n0 + 16 * warp;
-    const unsigned long long folded = warpSum64(tileFold(fold, tile_row, g, c, fold_acc));
-    if (lane == 0 && tile_row < n) {
-      FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
-      atomicAdd(&account->sum, folded);
-      if (rank == 0)
-        atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
-    }
-  }
-  // Output e is weight row e % kRows and token e / kRows: neighbouring threads store neighbouring
-  // outputs (storeOutput).
-  storeBlockSums<kOutputs>(block_sum, rank, splits, [&](int e, float value) {
-    storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, value, n, m, y, ldy, res);
-  });
 }
 
 // A product kernel's launch: 128 threads a block, clusters of `splits` blocks along x (the k
@@ -914,26 +727,7 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
-// The staged kernel for a product of bf16 tokens (over kStagedRows rows): blocks of 64 weight rows
-// and 8 * kGroups tokens, a tile's token blocks side by side; the check tile as gemmKernel's.
-template <int kGroups>
-cudaError_t launchStaged(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
-                         int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
-                         const GemmResidual& res, const GemmNormedInput& nin) {
-  const int lanes = splits * kWarps, k_blocks = (k + 31) / 32;
-  const int token_checks = tokenConsumers(nin) * k_blocks;
-  const int tiles = (n + 16 * kWarps - 1) / (16 * kWarps) + (token_checks + lanes - 1) / lanes;
-  const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
-  ProductLaunch setup(dim3(unsigned(tiles * splits * token_blocks)), splits, stream);
-  auto go = [&](auto kernel) {
-    return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
-                              token_blocks, res, nin);
-  };
-  return res.x != nullptr ? go(stagedGemmKernel<kGroups, true>)
-                          : go(stagedGemmKernel<kGroups, false>);
-}
-
-// The tiled schedule's kernel (over kStagedRows rows: prefill steps): a block of four warps takes
+// The tiled schedule's kernel (over kPrefillRows rows: prefill steps): a block of four warps takes
 // kTiledRows weight rows by kTiledTokens tokens and stages each k block of both in shared memory
 // (cp.async, kTiledStages k blocks in flight); warp w multiplies rows 32 (w / 2) .. + 31 by tokens
 // 32 (w % 2) .. + 31, so each loaded byte feeds four times the multiplies a gemmKernel warp gets
@@ -1103,7 +897,7 @@ __global__ void __launch_bounds__(kThreads)
                            res);
 }
 
-// The tiled kernel for a product of bf16 tokens (over kStagedRows rows): a tile's token blocks
+// The tiled kernel for a product of bf16 tokens (over kPrefillRows rows): a tile's token blocks
 // side by side, then the blocks of the product's own checks (a warp each consumer and k block).
 cudaError_t launchTiled(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
                         int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
@@ -1158,7 +952,7 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     }
     if (!known)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved, staged, tiled)");
+                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1247,11 +1041,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
-  // Staged up to kStagedRows is pipelined: against it the staged kernel measured slower in decode
-  // steps of 17-64 rows and in prefill steps of 128, about even at 256, faster from 512
-  // (cuda/PERFORMANCE.md).
-  if ((schedule == GemmSchedule::kStaged || schedule == GemmSchedule::kTiled) && m <= kStagedRows)
-    schedule = GemmSchedule::kPipelined;
+  // Tiled up to kPrefillRows is pipelined: the threshold measured for the staged kernel the tiled
+  // one replaced (slower than pipelined in decode steps of 17-64 rows and in prefill steps of
+  // 128, about even at 256; cuda/PERFORMANCE.md). The tiled kernel below it is not yet measured.
+  if (schedule == GemmSchedule::kTiled && m <= kPrefillRows) schedule = GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
@@ -1281,8 +1074,6 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
-  } else if (schedule == GemmSchedule::kStaged) {
-    launched = launchStaged<8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kTiled) {
     launched = launchTiled(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {

@@ -129,18 +129,15 @@ enum class GemmSchedule {
   kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
                  // tile launched side by side: the tile's second and later reads come from the
                  // L2 cache (plain for up to 32 rows)
-  kStaged,       // over kStagedRows rows (prefill), a block's four warps take four weight tiles
-                 // and share each k block's tokens, staged once in shared memory (a quarter of
-                 // the token reads); the token blocks of a tile side by side (pipelined below)
-  kTiled,        // over kStagedRows rows (prefill), blocks of 64 weight rows by 64 tokens, both
+  kTiled,        // over kPrefillRows rows (prefill), blocks of 64 weight rows by 64 tokens, both
                  // staged in shared memory a k block at a time, four stages in flight, each warp
                  // 32 rows by 32 tokens; the block runs the k splits' lanes one after another
                  // (pipelined below)
 };
-inline constexpr int kStagedRows = 256;
-inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain, GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kStaged,    GemmSchedule::kTiled};
+inline constexpr int kPrefillRows = 256;
+inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
+                                                  GemmSchedule::kTwoTiles,
+                                                  GemmSchedule::kInterleaved, GemmSchedule::kTiled};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -153,7 +150,7 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, staged, tiled.
+// two_tiles, interleaved, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
@@ -161,7 +158,6 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
-         : s == GemmSchedule::kStaged      ? "staged"
                                            : "tiled";
 }
 

@@ -97,8 +97,6 @@ const Path kPaths[] = {
     {"+fold", "two_tiles_folding", false, cuda::GemmSchedule::kTwoTiles, true},
     {"interleaved", "interleaved", false, cuda::GemmSchedule::kInterleaved},
     {"+fold", "interleaved_folding", false, cuda::GemmSchedule::kInterleaved, true},
-    {"staged", "staged", false, cuda::GemmSchedule::kStaged},
-    {"+fold", "staged_folding", false, cuda::GemmSchedule::kStaged, true},
     {"tiled", "tiled", false, cuda::GemmSchedule::kTiled},
     {"+fold", "tiled_folding", false, cuda::GemmSchedule::kTiled, true},
     {"cublas", "cublas", true},
@@ -226,7 +224,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf("%28s splits (plain/pipelined/two_tiles/interleaved/staged/tiled us), a step uses %d:",
+      std::printf("%28s splits (plain/pipelined/two_tiles/interleaved/tiled us), a step uses %d:",
                   "", cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {

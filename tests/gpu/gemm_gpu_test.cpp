@@ -28,7 +28,7 @@ const Shape kShapes[] = {{896, 896},    {1152, 896},    {9728, 896},  {896, 4864
                          {151936, 896}, {4608, 3584},   {3584, 3584}, {37888, 3584},
                          {3584, 18944}, {152064, 3584}, {128, 64},    {352, 64},
                          {64, 176},     {10, 24},       {33, 40},     {100, 4008}};
-constexpr int kMaxRows = 300;  // over cuda::kStagedRows: the staged schedule's own kernel
+constexpr int kMaxRows = 300;  // over cuda::kPrefillRows: the tiled schedule's own kernel
 
 class GemmGpuTest : public testing::TestWithParam<Shape> {};
 
@@ -58,7 +58,7 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
   std::vector<int> counts;
   for (int m = 1; m <= 64; ++m)
     if (!big || m <= 3 || m == 8 || m == 9 || m == 17 || m == 33 || m == 64) counts.push_back(m);
-  for (int m : {65, 130, cuda::kStagedRows + 1, kMaxRows}) counts.push_back(m);
+  for (int m : {65, 130, cuda::kPrefillRows + 1, kMaxRows}) counts.push_back(m);
   // Every schedule gives the same bits.
   for (auto schedule : cuda::kGemmSchedules) {
     for (int m : counts) {
@@ -221,12 +221,9 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   auto interleaved = cuda::parseGemmSchedules("interleaved");
   ASSERT_TRUE(interleaved.ok()) << interleaved.status().toString();
   EXPECT_EQ((*interleaved)[3], cuda::GemmSchedule::kInterleaved);
-  auto staged = cuda::parseGemmSchedules("pipelined,plain,staged,staged");
-  ASSERT_TRUE(staged.ok()) << staged.status().toString();
-  EXPECT_EQ((*staged)[2], cuda::GemmSchedule::kStaged);
-  EXPECT_EQ((*staged)[3], cuda::GemmSchedule::kStaged);
-  auto tiled = cuda::parseGemmSchedules("tiled");
+  auto tiled = cuda::parseGemmSchedules("pipelined,plain,tiled,tiled");
   ASSERT_TRUE(tiled.ok()) << tiled.status().toString();
+  EXPECT_EQ((*tiled)[2], cuda::GemmSchedule::kTiled);
   EXPECT_EQ((*tiled)[3], cuda::GemmSchedule::kTiled);
   for (const cuda::GemmSchedule s : cuda::kGemmSchedules) {
     auto named = cuda::parseGemmSchedules(cuda::gemmScheduleName(s));

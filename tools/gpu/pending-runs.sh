@@ -34,13 +34,10 @@
 #           two_tiles, interleaved) in every bucket, no comparison columns
 #   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
 #           a step of 2,048 rows) with the 33+ row bucket pipelined (its token blocks side by
-#           side over 64 rows), plain (token blocks along y), interleaved and staged
-#   staged  the product's GPU tests (every schedule), the model cases of every schedule, then
-#           bench-engine on both shapes (prefill of 128-token prompts, decode at 1 to 512 rows)
-#           with the 33+ bucket staged (the default: staged over 256 rows) against pipelined
+#           side over 64 rows), plain (token blocks along y), interleaved and tiled
 #   tiled   the product tests (the tiled schedule among them), then bench-engine on both shapes:
 #           prefill of one 2,048-token prompt a step and of 32 and 64 128-token prompts a step,
-#           the bucket of 33+ rows staged (the default) against tiled (both over 256 rows)
+#           the bucket of 33+ rows pipelined against tiled (the default over 256 rows)
 #   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
 #           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -207,21 +204,10 @@ for group in "$@"; do
       run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
-        for last in pipelined plain interleaved staged; do
+        for last in pipelined plain interleaved tiled; do
           run "bench-engine-$shape-prefill-$last" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1,8 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
             --gemm-schedules pipelined,plain,plain,$last
-        done
-      done
-      ;;
-    staged)
-      run gemm-tests-staged 300 "$bundle/gpu_tests" \
-        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*ProductSchedules*'
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for schedules in pipelined,plain,plain,staged pipelined,plain,plain,pipelined; do
-          run "bench-engine-$shape-$schedules" 150 "$bh" bench-engine --model "$m" --backend cuda \
-            --batch 1,32,64,128,512 --no-compare --gemm-schedules $schedules
         done
       done
       ;;
@@ -230,7 +216,7 @@ for group in "$@"; do
         --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*ProductSchedules*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
-        for last in staged tiled; do
+        for last in pipelined tiled; do
           run "bench-engine-$shape-prefill-2048-$last" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
             --gemm-schedules pipelined,plain,plain,$last
