@@ -70,7 +70,8 @@ struct Measured {
   double prefill_tokens_per_s = 0;
   double step_p50_us = 0;
   double step_p99_us = 0;
-  std::vector<LaunchTime> launches;  // the timed steps', with kernel times
+  std::vector<LaunchTime> launches;          // the timed steps', with kernel times
+  std::vector<LaunchTime> prefill_launches;  // the whole prefill's, with kernel times
 };
 
 // Weight bytes a decode step of `batch` sequences reads: every used tensor but the embedding
@@ -171,6 +172,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
     auto start = Clock::now();
     BULKHEAD_RETURN_IF_ERROR(prefill(*backend, steps, dst, limits.max_step_tokens));
     m.prefill_tokens_per_s = double(batch) * o.prompt / (usSince(start) * 1e-6);
+    m.prefill_launches = backend->takeLaunchTimes();
     std::vector<double> us;
     for (uint32_t step = 0; step < kWarmupSteps + o.steps; ++step) {
       for (uint32_t s = 0; s < batch; ++s) {
@@ -181,7 +183,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
         steps[s].tokens = next[s];
         steps[s].logits_rows = first_row;
       }
-      if (step == kWarmupSteps) backend->takeLaunchTimes();  // the prefill's and warm-up's
+      if (step == kWarmupSteps) backend->takeLaunchTimes();  // the warm-up's
       start = Clock::now();
       BULKHEAD_RETURN_IF_ERROR(runStep(*backend, steps, dst));
       if (step >= kWarmupSteps) us.push_back(usSince(start));
@@ -231,7 +233,22 @@ nlohmann::json printLaunchTimes(const EngineBenchOptions& o, const std::vector<M
     std::printf("%-26s %9s %10s %10.1f", "total", "", "", total);
     if (unchecked != nullptr) std::printf(" %12.1f %10.1f", total_off, total - total_off);
     std::printf("\n");
-    out.push_back({{"batch", o.batches[i]}, {"launches", rows}});
+    // The prefill before the decode steps: where a prefill step's device time goes (its products
+    // against its attention and the rest), checked only.
+    std::printf(
+        "batch %u, device time of the whole prefill (%u prompts of %u tokens) by launch:\n"
+        "%-26s %9s %10s %7s\n",
+        o.batches[i], o.batches[i], o.prompt, "launch", "launches", "us", "share");
+    double prefill_total = 0;
+    for (const LaunchTime& t : checked[i].prefill_launches) prefill_total += t.total_us;
+    nlohmann::json prefill = nlohmann::json::array();
+    for (const LaunchTime& t : checked[i].prefill_launches) {
+      std::printf("%-26s %9llu %10.1f %6.1f%%\n", t.what.c_str(), (unsigned long long)t.launches,
+                  t.total_us, prefill_total > 0 ? 100 * t.total_us / prefill_total : 0.0);
+      prefill.push_back({{"launch", t.what}, {"launches", t.launches}, {"us", t.total_us}});
+    }
+    std::printf("%-26s %9s %10.1f\n", "total", "", prefill_total);
+    out.push_back({{"batch", o.batches[i]}, {"launches", rows}, {"prefill_launches", prefill}});
   }
   return out;
 }

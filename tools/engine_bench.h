@@ -25,7 +25,8 @@ struct EngineBenchOptions {
   uint32_t steps = 64;               // timed decode steps per batch size (after 8 untimed)
   bool compare = true;               // CUDA: also without checks, and through cuBLAS
   // Then the same decode steps with each launch timed (Backend::takeLaunchTimes), checked and,
-  // with compare, unchecked: a table per batch size of where a step's device time goes.
+  // with compare, unchecked: a table per batch size of where a step's device time goes, and one
+  // of where the prefill's went (checked).
   bool kernel_times = false;
   bool residual_in_products = false;       // CudaBackend::Options::residual_in_products (ours only)
   bool norm_in_products = false;           // CudaBackend::Options::norm_in_products (ours only)

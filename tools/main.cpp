@@ -237,7 +237,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   engine_bench->add_flag("--kernel-times", engine_opts.kernel_times,
                          "CUDA: then where a decode step's device time goes, launch by launch "
-                         "(an event after each, no graphs), with and without the checks");
+                         "(an event after each, no graphs), with and without the checks, and "
+                         "where the prefill's went");
   engine_bench->add_option("--json", engine_opts.json_path, "Also write the results as JSON");
 
   GemmBenchOptions gemm_opts;

@@ -23,6 +23,8 @@
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   times   bench-engine --kernel-times on both shapes at batch 1 and 32: where a step's
 #           device time goes, launch by launch, with and without the checks
+#   prefill-times bench-engine --kernel-times on both shapes with one 2,048-token prompt a
+#           step: where a prefill step's device time goes (products, attention, the rest)
 #   residual the GPU tests of products that add into the residual stream, normalise their own
 #           tokens or compute their own activation, then both shapes' kernel times with the
 #           first, and bench-engine with all three (compare with `times` and `engine`)
@@ -156,6 +158,13 @@ for group in "$@"; do
         m=$(model $shape)
         run "kernel-times-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
           --batch 1,32 --steps 32 --kernel-times
+      done
+      ;;
+    prefill-times)
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        run "kernel-times-prefill-$shape" 200 "$bh" bench-engine --model "$m" --backend cuda \
+          --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 4 --kernel-times --no-compare
       done
       ;;
     residual)
