@@ -79,6 +79,66 @@ WorkerFailure withReply(const std::vector<capnp::word>& words, uint64_t request_
   }
 }
 
+// The step's own check of the weight words its kernels read, as StepDone reports it: none, or the
+// integrity failure naming the tensor and which check failed.
+WorkerFailure weightReadsFailure(wire::WeightReads::Reader reads, uint64_t step_id) {
+  if (reads.getFailedTensor().size() == 0) return WorkerFailure{};
+  WorkerFailure bad =
+      failure(Kind::kIntegrityFailure,
+              "step " + std::to_string(step_id) + " read " + std::string(reads.getFailedTensor()) +
+                  " wrongly: " + std::string(reads.getWhy()) + " (in-step check)");
+  switch (reads.getFailedCheck()) {
+    case wire::WeightCheck::SLOT_TAG:
+      bad.check = IntegrityCheck::kSlotTag;
+      break;
+    case wire::WeightCheck::ARITHMETIC:
+      bad.check = IntegrityCheck::kArithmetic;
+      break;
+    default:  // READS, and any value this build does not know: the strictest reading
+      bad.check = IntegrityCheck::kWeightReads;
+      break;
+  }
+  return bad;
+}
+
+// StepDone's row references against the rows a step asked for, (sequence, token index) each in
+// slots from `first_slot`, every row's header checked in the arena; the rows into `rows`, in
+// request order.
+WorkerFailure checkRows(const LogitsArena& arena, uint64_t incarnation, uint64_t step_id,
+                        uint32_t first_slot, std::span<const std::pair<uint64_t, uint32_t>> asked,
+                        capnp::List<wire::RowRef>::Reader refs, std::vector<PendingRow>& rows) {
+  rows.reserve(asked.size());
+  for (size_t r = 0; r < asked.size(); ++r) {
+    const auto [sequence_id, token_index] = asked[r];
+    auto ref = refs[unsigned(r)];
+    RowExpectation expect{.incarnation = incarnation,
+                          .step_id = step_id,
+                          .sequence_id = sequence_id,
+                          .token_index = token_index,
+                          .slot = ref.getSlot(),
+                          .reported_checksum = ref.getChecksum()};
+    if (ref.getSequenceId() != sequence_id || ref.getTokenIndex() != token_index)
+      return failure(Kind::kProtocolViolation, "StepDone rows out of order");
+    if (ref.getSlot() != first_slot + r) {
+      WorkerFailure bad =
+          failure(Kind::kIntegrityFailure, "row " + std::to_string(r) + " in slot " +
+                                               std::to_string(ref.getSlot()) + ", asked for slot " +
+                                               std::to_string(first_slot + r));
+      bad.check = IntegrityCheck::kSlotRange;
+      return bad;
+    }
+    IntegrityCheck check = IntegrityCheck::kNone;
+    auto row = arena.checkHeader(expect, &check);
+    if (!row.ok()) {
+      WorkerFailure bad = failure(Kind::kIntegrityFailure, row.status().message());
+      bad.check = check;
+      return bad;
+    }
+    rows.push_back({*row, expect.reported_checksum});
+  }
+  return WorkerFailure{};
+}
+
 ScrubStatus readScrub(wire::ScrubReport::Reader report) {
   ScrubStatus s;
   s.clean_through = report.getCleanThrough();
@@ -468,54 +528,9 @@ WorkerResult<StepReply> WorkerClient::awaitStep() {
     auto reads = done.getWeightReads();
     if (hello_.in_step_checks && !reads.getChecked())
       return failure(Kind::kProtocolViolation, "StepDone lacks the in-step weight check");
-    if (reads.getFailedTensor().size() > 0) {
-      WorkerFailure bad = failure(
-          Kind::kIntegrityFailure,
-          "step " + std::to_string(sent.step_id) + " read " + std::string(reads.getFailedTensor()) +
-              " wrongly: " + std::string(reads.getWhy()) + " (in-step check)");
-      switch (reads.getFailedCheck()) {
-        case wire::WeightCheck::SLOT_TAG:
-          bad.check = IntegrityCheck::kSlotTag;
-          break;
-        case wire::WeightCheck::ARITHMETIC:
-          bad.check = IntegrityCheck::kArithmetic;
-          break;
-        default:  // READS, and any value this build does not know: the strictest reading
-          bad.check = IntegrityCheck::kWeightReads;
-          break;
-      }
-      return bad;
-    }
-    result.rows.reserve(sent.rows.size());
-    for (size_t r = 0; r < sent.rows.size(); ++r) {
-      const auto [sequence_id, token_index] = sent.rows[r];
-      auto ref = refs[unsigned(r)];
-      RowExpectation expect{.incarnation = hello_.incarnation,
-                            .step_id = sent.step_id,
-                            .sequence_id = sequence_id,
-                            .token_index = token_index,
-                            .slot = ref.getSlot(),
-                            .reported_checksum = ref.getChecksum()};
-      if (ref.getSequenceId() != sequence_id || ref.getTokenIndex() != token_index)
-        return failure(Kind::kProtocolViolation, "StepDone rows out of order");
-      if (ref.getSlot() != sent.first_slot + r) {
-        WorkerFailure bad =
-            failure(Kind::kIntegrityFailure,
-                    "row " + std::to_string(r) + " in slot " + std::to_string(ref.getSlot()) +
-                        ", asked for slot " + std::to_string(sent.first_slot + r));
-        bad.check = IntegrityCheck::kSlotRange;
-        return bad;
-      }
-      IntegrityCheck check = IntegrityCheck::kNone;
-      auto row = arena_->checkHeader(expect, &check);
-      if (!row.ok()) {
-        WorkerFailure bad = failure(Kind::kIntegrityFailure, row.status().message());
-        bad.check = check;
-        return bad;
-      }
-      result.rows.push_back({*row, expect.reported_checksum});
-    }
-    return WorkerFailure{};
+    if (WorkerFailure bad = weightReadsFailure(reads, sent.step_id); !bad.ok()) return bad;
+    return checkRows(*arena_, hello_.incarnation, sent.step_id, sent.first_slot, sent.rows, refs,
+                     result.rows);
   });
   // A rejected step, or rows that failed verification, leave the stream in step: the connection
   // stays usable (the caller decides whether to retry or replace the worker). Anything else
