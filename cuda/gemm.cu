@@ -889,12 +889,11 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  __syncthreads();
   // Output e is weight row e % kTiledRows and token e / kTiledRows: a warp's lanes store
-  // neighbouring rows of one token (storeOutput).
-  for (int e = threadIdx.x; e < kOutputs; e += kThreads)
-    storeOutput<kResidual>(n0 + e % kTiledRows, m0 + e / kTiledRows, block_sum[e], n, m, y, ldy,
-                           res);
+  // neighbouring rows of one token (storeOutput). One block holds every split's sum.
+  storeBlockSums<kOutputs>(block_sum, 0, 1, [&](int e, float value) {
+    storeOutput<kResidual>(n0 + e % kTiledRows, m0 + e / kTiledRows, value, n, m, y, ldy, res);
+  });
 }
 
 // The tiled kernel for a product of bf16 tokens (over kPrefillRows rows): a tile's token blocks
