@@ -736,18 +736,26 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
 // and adds the lanes' sums as gemmKernel's blocks and clusters do: a rank's kWarps lanes in lane
 // order, then the ranks in rank order. So every output is the same sequence of operations as in
 // every other schedule. A lane with no k block adds its zero, as an idle warp does there.
+// kCluster (the tiled_cluster schedule, any number of rows): the splits are a cluster's blocks as
+// in gemmKernel, rank r running lanes r * kWarps .. + kWarps - 1 and the ranks' sums added
+// through distributed shared memory (storeBlockSums), so a small weight still spreads over the
+// GPU.
 constexpr int kTiledRows = 64, kTiledTokens = 64, kTiledStages = 4;
 
-// Where the tiled kernel's run stands: lane v at k block kb (lanes without a k block skipped).
+// Where the tiled kernel's run stands: lane v at k block kb (lanes up to `end` without a k block
+// skipped).
 struct TiledCursor {
   int v, kb;
-  __device__ void advance(int lanes, int k_blocks) {
+  __device__ void skipEmpty(int k_blocks, int end) {
+    while (kb >= k_blocks && v < end) kb = ++v;
+  }
+  __device__ void advance(int lanes, int k_blocks, int end) {
     kb += lanes;
-    while (kb >= k_blocks && v < lanes) kb = ++v;
+    skipEmpty(k_blocks, end);
   }
 };
 
-template <bool kResidual>
+template <bool kResidual, bool kCluster>
 __global__ void __launch_bounds__(kThreads)
     tiledGemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                     int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
@@ -762,15 +770,21 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint4 shared[kTiledStages * kStagePieces];
   float* const block_sum = reinterpret_cast<float*>(shared);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int tile = int(blockIdx.x) / token_blocks, token_block = int(blockIdx.x) % token_blocks;
+  const int rank = kCluster ? int(blockIdx.x) % splits : 0;
+  const int cell = kCluster ? int(blockIdx.x) / splits : int(blockIdx.x);
+  const int tile = cell / token_blocks, token_block = cell % token_blocks;
   const int n0 = tile * kTiledRows, m0 = token_block * kTiledTokens;
   const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
+  // The lanes this block runs: all of them, or its rank's.
+  const int first_lane = kCluster ? rank * kWarps : 0,
+            end_lane = kCluster ? first_lane + kWarps : lanes;
   const int weight_tiles = (n + kTiledRows - 1) / kTiledRows;
   if (tile >= weight_tiles) {
     // The blocks past the weight's tiles: the product's own side of its consumers' checks (a
     // warp for each consumer and k block, as gemmKernel's check tile).
-    tokenChecks<kTiledTokens / 8>(x, nin, m0, m, k, (tile - weight_tiles) * kWarps + warp);
-    return;
+    tokenChecks<kTiledTokens / 8>(
+        x, nin, m0, m, k, (tile - weight_tiles) * (end_lane - first_lane) + first_lane + warp);
+    return;  // the whole cluster
   }
   const int rows0 = 32 * (warp / 2), tokens0 = 32 * (warp % 2);  // the warp's part of the tile
   const bool folding = fold.weights > 0 && token_block == 0 && tokens0 == 0;
@@ -790,11 +804,16 @@ __global__ void __launch_bounds__(kThreads)
     weight_from[h] = w + size_t(weight_in[h] ? n0 + piece_row + 32 * h : 0) * k + 8 * piece;
     token_from[h] = x + size_t(token_in[h] ? m0 + piece_row + 32 * h : 0) * k + 8 * piece;
   }
-  TiledCursor loading{0, 0}, multiplying{0, 0};
+  TiledCursor loading{first_lane, first_lane};
+  loading.skipEmpty(k_blocks, end_lane);
+  TiledCursor multiplying = loading;
+  int items = 0;
+  for (int v = first_lane; v < end_lane; ++v)
+    if (v < k_blocks) items += (k_blocks - v + lanes - 1) / lanes;
   // The next k block of the run into buffer `buffer` (zeros past the weight's rows, the step's
   // tokens or k); one commit group either way.
   auto stage = [&](int buffer) {
-    if (loading.v < lanes) {
+    if (loading.v < end_lane) {
       uint4* const into = shared + buffer * kStagePieces + threadIdx.x;
       const int at = 32 * loading.kb;
       const bool k_in = at + 8 * piece < k;
@@ -804,12 +823,12 @@ __global__ void __launch_bounds__(kThreads)
         cpAsync16(into + kWeightPieces + h * kThreads, token_from[h] + (k_in ? at : 0),
                   token_in[h] && k_in);
       }
-      loading.advance(lanes, k_blocks);
+      loading.advance(lanes, k_blocks, end_lane);
     }
     cpAsyncCommit();
   };
   float acc[2][4][4] = {}, rank_sum[2][4][4] = {}, total[2][4][4] = {};
-  int lane_now = 0;  // the lane whose k blocks acc sums
+  int lane_now = first_lane;  // the lane whose k blocks acc sums
   auto finishLane = [&]() {
     const int j = lane_now % kWarps, r = lane_now / kWarps;
 #pragma unroll
@@ -820,7 +839,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int q = 0; q < 4; ++q) {
           rank_sum[i][t][q] = j == 0 ? acc[i][t][q] : rank_sum[i][t][q] + acc[i][t][q];
           acc[i][t][q] = 0.0f;
-          if (j == kWarps - 1)
+          if (!kCluster && j == kWarps - 1)
             total[i][t][q] = r == 0 ? rank_sum[i][t][q] : total[i][t][q] + rank_sum[i][t][q];
         }
     ++lane_now;
@@ -831,7 +850,7 @@ __global__ void __launch_bounds__(kThreads)
   allowDependentLaunch();
 #pragma unroll
   for (int s = 0; s + 1 < kTiledStages; ++s) stage(s);
-  for (int item = 0; item < k_blocks; ++item) {
+  for (int item = 0; item < items; ++item) {
     cpAsyncWait<kTiledStages - 2>();  // this item's k block has arrived (for this thread) ...
     __syncthreads();  // ... and for the block, which is also past the item before's buffer
     stage((item + kTiledStages - 1) % kTiledStages);
@@ -860,9 +879,9 @@ __global__ void __launch_bounds__(kThreads)
         foldMma(fold_acc[i], lo[i].z, hi[i].z, lo[i].w, hi[i].w, key_lo, key_hi);
       }
     }
-    multiplying.advance(lanes, k_blocks);
+    multiplying.advance(lanes, k_blocks, end_lane);
   }
-  while (lane_now < lanes) finishLane();  // the last lane, then any with no k block (zero)
+  while (lane_now < end_lane) finishLane();  // the last lane, then any with no k block (zero)
   cpAsyncWait<0>();
   __syncthreads();  // every warp is past its last multiply: the buffers take the sums
 
@@ -875,9 +894,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         block_sum[(tokens0 + 8 * t + 2 * c + q % 2) * kTiledRows + rows0 + 16 * i + g +
-                  8 * (q / 2)] = total[i][t][q];
+                  8 * (q / 2)] = kCluster ? rank_sum[i][t][q] : total[i][t][q];
   if (folding) {
-    // This warp's two tiles, whose every k block it folded; it counts their words.
+    // This warp's two tiles, whose k blocks it folded (the ranks' folds add up to the tiles'); it
+    // counts their words (rank 0).
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int tile_row = n0 + rows0 + 16 * i;
@@ -885,31 +905,40 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0 && tile_row < n) {
         FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
         atomicAdd(&account->sum, folded);
-        atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
+        if (rank == 0)
+          atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
       }
     }
   }
   // Output e is weight row e % kTiledRows and token e / kTiledRows: a warp's lanes store
-  // neighbouring rows of one token (storeOutput). One block holds every split's sum.
-  storeBlockSums<kOutputs>(block_sum, 0, 1, [&](int e, float value) {
+  // neighbouring rows of one token (storeOutput). Without kCluster one block holds every split's
+  // sum.
+  static_assert(kOutputs % (kMaxSplits * kThreads) == 0);
+  storeBlockSums<kOutputs>(block_sum, rank, kCluster ? splits : 1, [&](int e, float value) {
     storeOutput<kResidual>(n0 + e % kTiledRows, m0 + e / kTiledRows, value, n, m, y, ldy, res);
   });
 }
 
-// The tiled kernel for a product of bf16 tokens (over kPrefillRows rows): a tile's token blocks
-// side by side, then the blocks of the product's own checks (a warp each consumer and k block).
+// The tiled kernel for a product of bf16 tokens: a tile's token blocks side by side (each a
+// cluster of the splits' blocks with kCluster), then the blocks of the product's own checks (a
+// warp each consumer and k block).
+template <bool kCluster>
 cudaError_t launchTiled(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
                         int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                         const GemmResidual& res, const GemmNormedInput& nin) {
   const int token_checks = tokenConsumers(nin) * ((k + 31) / 32);
-  const int tiles = (n + kTiledRows - 1) / kTiledRows + (token_checks + kWarps - 1) / kWarps;
+  const int check_lanes = kCluster ? splits * kWarps : kWarps;  // a tile of check blocks
+  const int tiles =
+      (n + kTiledRows - 1) / kTiledRows + (token_checks + check_lanes - 1) / check_lanes;
   const int token_blocks = (m + kTiledTokens - 1) / kTiledTokens;
-  ProductLaunch setup(dim3(unsigned(tiles * token_blocks)), 1, stream);
+  const int ranks = kCluster ? splits : 1;
+  ProductLaunch setup(dim3(unsigned(tiles * token_blocks * ranks)), ranks, stream);
   auto go = [&](auto kernel) {
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
                               token_blocks, res, nin);
   };
-  return res.x != nullptr ? go(tiledGemmKernel<true>) : go(tiledGemmKernel<false>);
+  return res.x != nullptr ? go(tiledGemmKernel<true, kCluster>)
+                          : go(tiledGemmKernel<false, kCluster>);
 }
 
 }  // namespace
@@ -950,8 +979,9 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
       }
     }
     if (!known)
-      return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled)");
+      return invalidArgument(
+          "product schedule \"" + std::string(name) +
+          "\" (known: plain, pipelined, two_tiles, interleaved, tiled, tiled_cluster)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1074,7 +1104,9 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
   } else if (schedule == GemmSchedule::kTiled) {
-    launched = launchTiled(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+    launched = launchTiled<false>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+  } else if (schedule == GemmSchedule::kTiledCluster && !is_normed && !is_activated) {
+    launched = launchTiled<true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);

@@ -225,6 +225,9 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   ASSERT_TRUE(tiled.ok()) << tiled.status().toString();
   EXPECT_EQ((*tiled)[2], cuda::GemmSchedule::kTiled);
   EXPECT_EQ((*tiled)[3], cuda::GemmSchedule::kTiled);
+  auto clustered = cuda::parseGemmSchedules("tiled_cluster");
+  ASSERT_TRUE(clustered.ok()) << clustered.status().toString();
+  EXPECT_EQ((*clustered)[0], cuda::GemmSchedule::kTiledCluster);
   for (const cuda::GemmSchedule s : cuda::kGemmSchedules) {
     auto named = cuda::parseGemmSchedules(cuda::gemmScheduleName(s));
     ASSERT_TRUE(named.ok()) << named.status().toString();
