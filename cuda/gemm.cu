@@ -782,8 +782,9 @@ __global__ void __launch_bounds__(kThreads)
   if (tile >= weight_tiles) {
     // The blocks past the weight's tiles: the product's own side of its consumers' checks (a
     // warp for each consumer and k block, as gemmKernel's check tile).
+    // A tile of check blocks takes `lanes` check lanes (kCluster: over its ranks), else kWarps.
     tokenChecks<kTiledTokens / 8>(
-        x, nin, m0, m, k, (tile - weight_tiles) * (end_lane - first_lane) + first_lane + warp);
+        x, nin, m0, m, k, (tile - weight_tiles) * (kCluster ? lanes : kWarps) + first_lane + warp);
     return;  // the whole cluster
   }
   const int rows0 = 32 * (warp / 2), tokens0 = 32 * (warp % 2);  // the warp's part of the tile
