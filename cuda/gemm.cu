@@ -729,7 +729,7 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
 
 // The tiled schedule's kernel (over kPrefillRows rows: prefill steps): a block of four warps takes
 // kTiledRows weight rows by kTiledTokens tokens and stages each k block of both in shared memory
-// (cp.async, kTiledStages k blocks in flight); warp w multiplies rows 32 (w / 2) .. + 31 by tokens
+// (cp.async, several k blocks in flight); warp w multiplies rows 32 (w / 2) .. + 31 by tokens
 // 32 (w % 2) .. + 31, so each loaded byte feeds four times the multiplies a gemmKernel warp gets
 // from it. No cluster: the block runs the whole k range itself, lane after lane of gemmKernel's
 // `lanes` = splits x kWarps (lane v's k blocks v, v + lanes, ... in increasing order, from zero),
@@ -739,8 +739,9 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
 // kCluster (the tiled_cluster schedule, any number of rows): the splits are a cluster's blocks as
 // in gemmKernel, rank r running lanes r * kWarps .. + kWarps - 1 and the ranks' sums added
 // through distributed shared memory (storeBlockSums), so a small weight still spreads over the
-// GPU.
-constexpr int kTiledRows = 64, kTiledTokens = 64, kTiledStages = 4;
+// GPU. kStageBlocks: k blocks a stage (1: four stages; 2: three, a barrier for every two k
+// blocks).
+constexpr int kTiledRows = 64, kTiledTokens = 64;
 
 // Where the tiled kernel's run stands: lane v at k block kb (lanes up to `end` without a k block
 // skipped).
@@ -755,7 +756,7 @@ struct TiledCursor {
   }
 };
 
-template <bool kResidual, bool kCluster>
+template <bool kResidual, bool kCluster, int kStageBlocks>
 __global__ void __launch_bounds__(kThreads)
     tiledGemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                     int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
@@ -764,10 +765,12 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kStagePieces = kWeightPieces + kTokenPieces;
   constexpr int kOutputs = kTiledRows * kTiledTokens;
   static_assert(kWeightPieces % kThreads == 0 && kTokenPieces % kThreads == 0 &&
-                kOutputs % kThreads == 0 && kTiledStages * kStagePieces * 16 >= kOutputs * 4);
-  // kTiledStages k blocks ([stage][weight rows, then tokens][piece]) while multiplying; the
-  // block's sums ([token][row]) after.
-  __shared__ uint4 shared[kTiledStages * kStagePieces];
+                kOutputs % kThreads == 0);
+  constexpr int kStages = kStageBlocks == 1 ? 4 : 3;
+  static_assert(kStages * kStageBlocks * kStagePieces * 16 >= kOutputs * 4);
+  // kStages stages of kStageBlocks k blocks ([stage][block][weight rows, then tokens][piece])
+  // while multiplying; the block's sums ([token][row]) after.
+  __shared__ uint4 shared[kStages * kStageBlocks * kStagePieces];
   float* const block_sum = reinterpret_cast<float*>(shared);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int rank = kCluster ? int(blockIdx.x) % splits : 0;
@@ -811,11 +814,13 @@ __global__ void __launch_bounds__(kThreads)
   int items = 0;
   for (int v = first_lane; v < end_lane; ++v)
     if (v < k_blocks) items += (k_blocks - v + lanes - 1) / lanes;
-  // The next k block of the run into buffer `buffer` (zeros past the weight's rows, the step's
-  // tokens or k); one commit group either way.
+  // The run's next kStageBlocks k blocks into stage `buffer` (zeros past the weight's rows, the
+  // step's tokens or k); one commit group either way.
   auto stage = [&](int buffer) {
-    if (loading.v < end_lane) {
-      uint4* const into = shared + buffer * kStagePieces + threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < kStageBlocks; ++u) {
+      if (loading.v >= end_lane) break;
+      uint4* const into = shared + (buffer * kStageBlocks + u) * kStagePieces + threadIdx.x;
       const int at = 32 * loading.kb;
       const bool k_in = at + 8 * piece < k;
 #pragma unroll
@@ -850,37 +855,42 @@ __global__ void __launch_bounds__(kThreads)
   gridDependencyWait();
   allowDependentLaunch();
 #pragma unroll
-  for (int s = 0; s + 1 < kTiledStages; ++s) stage(s);
-  for (int item = 0; item < items; ++item) {
-    cpAsyncWait<kTiledStages - 2>();  // this item's k block has arrived (for this thread) ...
-    __syncthreads();  // ... and for the block, which is also past the item before's buffer
-    stage((item + kTiledStages - 1) % kTiledStages);
-    while (lane_now < multiplying.v) finishLane();
-    const uint4* const weights = shared + (item % kTiledStages) * kStagePieces;
-    const uint4* const tokens = weights + kWeightPieces;
-    uint4 lo[2], hi[2], tok[4];
+  for (int s = 0; s + 1 < kStages; ++s) stage(s);
+  const int rounds = (items + kStageBlocks - 1) / kStageBlocks;
+  for (int round = 0; round < rounds; ++round) {
+    cpAsyncWait<kStages - 2>();  // this round's k blocks have arrived (for this thread) ...
+    __syncthreads();  // ... and for the block, which is also past the round before's stage
+    stage((round + kStages - 1) % kStages);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      lo[i] = weights[(rows0 + 16 * i + g) * 4 + c];
-      hi[i] = weights[(rows0 + 16 * i + 8 + g) * 4 + c];
-    }
-#pragma unroll
-    for (int t = 0; t < 4; ++t) tok[t] = tokens[(tokens0 + 8 * t + g) * 4 + c];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        mma(acc[i][t], lo[i].x, hi[i].x, lo[i].y, hi[i].y, tok[t].x, tok[t].y);
-        mma(acc[i][t], lo[i].z, hi[i].z, lo[i].w, hi[i].w, tok[t].z, tok[t].w);
-      }
-    if (folding) {
+    for (int u = 0; u < kStageBlocks; ++u) {
+      if (round * kStageBlocks + u >= items) break;  // the same for the whole block
+      while (lane_now < multiplying.v) finishLane();
+      const uint4* const weights = shared + ((round % kStages) * kStageBlocks + u) * kStagePieces;
+      const uint4* const tokens = weights + kWeightPieces;
+      uint4 lo[2], hi[2], tok[4];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        foldMma(fold_acc[i], lo[i].x, hi[i].x, lo[i].y, hi[i].y, key_lo, key_hi);
-        foldMma(fold_acc[i], lo[i].z, hi[i].z, lo[i].w, hi[i].w, key_lo, key_hi);
+        lo[i] = weights[(rows0 + 16 * i + g) * 4 + c];
+        hi[i] = weights[(rows0 + 16 * i + 8 + g) * 4 + c];
       }
+#pragma unroll
+      for (int t = 0; t < 4; ++t) tok[t] = tokens[(tokens0 + 8 * t + g) * 4 + c];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          mma(acc[i][t], lo[i].x, hi[i].x, lo[i].y, hi[i].y, tok[t].x, tok[t].y);
+          mma(acc[i][t], lo[i].z, hi[i].z, lo[i].w, hi[i].w, tok[t].z, tok[t].w);
+        }
+      if (folding) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          foldMma(fold_acc[i], lo[i].x, hi[i].x, lo[i].y, hi[i].y, key_lo, key_hi);
+          foldMma(fold_acc[i], lo[i].z, hi[i].z, lo[i].w, hi[i].w, key_lo, key_hi);
+        }
+      }
+      multiplying.advance(lanes, k_blocks, end_lane);
     }
-    multiplying.advance(lanes, k_blocks, end_lane);
   }
   while (lane_now < end_lane) finishLane();  // the last lane, then any with no k block (zero)
   cpAsyncWait<0>();
@@ -923,7 +933,7 @@ __global__ void __launch_bounds__(kThreads)
 // The tiled kernel for a product of bf16 tokens: a tile's token blocks side by side (each a
 // cluster of the splits' blocks with kCluster), then the blocks of the product's own checks (a
 // warp each consumer and k block).
-template <bool kCluster>
+template <bool kCluster, int kStageBlocks>
 cudaError_t launchTiled(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
                         int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                         const GemmResidual& res, const GemmNormedInput& nin) {
@@ -938,8 +948,8 @@ cudaError_t launchTiled(int splits, const __nv_bfloat16* x, int m, const __nv_bf
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
                               token_blocks, res, nin);
   };
-  return res.x != nullptr ? go(tiledGemmKernel<true, kCluster>)
-                          : go(tiledGemmKernel<false, kCluster>);
+  return res.x != nullptr ? go(tiledGemmKernel<true, kCluster, kStageBlocks>)
+                          : go(tiledGemmKernel<false, kCluster, kStageBlocks>);
 }
 
 }  // namespace
@@ -982,7 +992,8 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     if (!known)
       return invalidArgument(
           "product schedule \"" + std::string(name) +
-          "\" (known: plain, pipelined, two_tiles, interleaved, tiled, tiled_cluster)");
+          "\" (known: plain, pipelined, two_tiles, interleaved, tiled, tiled_cluster, tiled_k64, "
+          "tiled_cluster_k64)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1074,7 +1085,9 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   // Tiled up to kPrefillRows is pipelined: the threshold measured for the staged kernel the tiled
   // one replaced (slower than pipelined in decode steps of 17-64 rows and in prefill steps of
   // 128, about even at 256; cuda/PERFORMANCE.md). The tiled kernel below it is not yet measured.
-  if (schedule == GemmSchedule::kTiled && m <= kPrefillRows) schedule = GemmSchedule::kPipelined;
+  if ((schedule == GemmSchedule::kTiled || schedule == GemmSchedule::kTiledK64) &&
+      m <= kPrefillRows)
+    schedule = GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
@@ -1105,9 +1118,13 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
   } else if (schedule == GemmSchedule::kTiled) {
-    launched = launchTiled<false>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+    launched = launchTiled<false, 1>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+  } else if (schedule == GemmSchedule::kTiledK64) {
+    launched = launchTiled<false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kTiledCluster && !is_normed && !is_activated) {
-    launched = launchTiled<true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+    launched = launchTiled<true, 1>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+  } else if (schedule == GemmSchedule::kTiledClusterK64 && !is_normed && !is_activated) {
+    launched = launchTiled<true, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);

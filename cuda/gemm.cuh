@@ -135,11 +135,14 @@ enum class GemmSchedule {
                   // (pipelined below)
   kTiledCluster,  // tiled's blocks at any number of rows, the k splits a cluster's blocks as
                   // in the other schedules (a product of bf16 tokens; others run plain)
+  kTiledK64,      // tiled with two k blocks a stage (a barrier for every two)
+  kTiledClusterK64,  // tiled_cluster with two k blocks a stage
 };
 inline constexpr int kPrefillRows = 256;
 inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain,       GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kTiled,     GemmSchedule::kTiledCluster};
+    GemmSchedule::kPlain,       GemmSchedule::kPipelined,      GemmSchedule::kTwoTiles,
+    GemmSchedule::kInterleaved, GemmSchedule::kTiled,          GemmSchedule::kTiledCluster,
+    GemmSchedule::kTiledK64,    GemmSchedule::kTiledClusterK64};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -152,16 +155,18 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, tiled, tiled_cluster.
+// two_tiles, interleaved, tiled, tiled_cluster, tiled_k64, tiled_cluster_k64.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
-  return s == GemmSchedule::kPlain         ? "plain"
-         : s == GemmSchedule::kPipelined   ? "pipelined"
-         : s == GemmSchedule::kTwoTiles    ? "two_tiles"
-         : s == GemmSchedule::kInterleaved ? "interleaved"
-         : s == GemmSchedule::kTiled       ? "tiled"
-                                           : "tiled_cluster";
+  return s == GemmSchedule::kPlain          ? "plain"
+         : s == GemmSchedule::kPipelined    ? "pipelined"
+         : s == GemmSchedule::kTwoTiles     ? "two_tiles"
+         : s == GemmSchedule::kInterleaved  ? "interleaved"
+         : s == GemmSchedule::kTiled        ? "tiled"
+         : s == GemmSchedule::kTiledCluster ? "tiled_cluster"
+         : s == GemmSchedule::kTiledK64     ? "tiled_k64"
+                                            : "tiled_cluster_k64";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

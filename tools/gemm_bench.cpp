@@ -101,6 +101,8 @@ const Path kPaths[] = {
     {"+fold", "tiled_folding", false, cuda::GemmSchedule::kTiled, true},
     {"tiled_cluster", "tiled_cluster", false, cuda::GemmSchedule::kTiledCluster},
     {"+fold", "tiled_cluster_folding", false, cuda::GemmSchedule::kTiledCluster, true},
+    {"tiled_k64", "tiled_k64", false, cuda::GemmSchedule::kTiledK64},
+    {"tiled_cluster_k64", "tiled_cluster_k64", false, cuda::GemmSchedule::kTiledClusterK64},
     {"cublas", "cublas", true},
 };
 
@@ -227,7 +229,9 @@ Status runGemmBench(const GemmBenchOptions& o) {
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
       std::printf(
-          "%28s splits (plain/pipelined/two_tiles/interleaved/tiled/tiled_cluster us), a step uses "
+          "%28s splits "
+          "(plain/pipelined/two_tiles/interleaved/tiled/tiled_cluster/tiled_k64/tiled_cluster_k64 "
+          "us), a step uses "
           "%d:",
           "", cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();

@@ -288,9 +288,11 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   std::string defaults;
   for (const cuda::GemmSchedule s : cuda::kDefaultGemmSchedules)
     defaults += std::string(defaults.empty() ? "" : ",") + cuda::gemmScheduleName(s);
-  for (const std::string& names : {std::string("pipelined"), std::string("two_tiles"),
-                                   std::string("two_tiles,pipelined,two_tiles,pipelined"),
-                                   std::string("tiled"), std::string("tiled_cluster"), defaults}) {
+  for (const std::string& names :
+       {std::string("pipelined"), std::string("two_tiles"),
+        std::string("two_tiles,pipelined,two_tiles,pipelined"), std::string("tiled"),
+        std::string("tiled_cluster"), std::string("tiled_cluster_k64,plain,plain,tiled_k64"),
+        defaults}) {
     auto schedules = cuda::parseGemmSchedules(names);
     ASSERT_TRUE(schedules.ok()) << schedules.status().toString();
     auto other = cudaBackend(checkpoint_, true, 0, false, *schedules);
