@@ -42,8 +42,9 @@
 #           the bucket of 33+ rows pipelined against tiled (the default over 256 rows)
 #   tiled-cluster the product tests (tiled_cluster and the k64 variants among them), then
 #           bench-engine on both shapes in decode at 33 to 256 rows with the 33+ bucket
-#           pipelined, tiled_cluster and tiled_cluster_k64, prefill (as `tiled`) with tiled,
-#           tiled_k64, tiled_cluster and tiled_cluster_k64, and bench-gemm at 64 and 128 rows
+#           pipelined, tiled_cluster and tiled_cluster_k64
+#   tiled-cluster-prefill bench-engine prefill of a 2,048-token prompt on both shapes with tiled,
+#           tiled_k64, tiled_cluster and tiled_cluster_k64, then bench-gemm at 64 and 128 rows
 #   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
 #           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -249,6 +250,11 @@ for group in "$@"; do
             --backend cuda --batch 33,48,64,96,128,256 --steps 32 --no-compare \
             --gemm-schedules pipelined,plain,plain,$last
         done
+      done
+      ;;
+    tiled-cluster-prefill)
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
         for last in tiled tiled_k64 tiled_cluster tiled_cluster_k64; do
           run "bench-engine-$shape-prefill-2048-$last" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
