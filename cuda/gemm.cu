@@ -727,20 +727,17 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
-// The tiled schedule's kernel (over kPrefillRows rows: prefill steps): a block of four warps takes
-// kTiledRows weight rows by kTiledTokens tokens and stages each k block of both in shared memory
-// (cp.async, several k blocks in flight); warp w multiplies rows 32 (w / 2) .. + 31 by tokens
-// 32 (w % 2) .. + 31, so each loaded byte feeds four times the multiplies a gemmKernel warp gets
-// from it. No cluster: the block runs the whole k range itself, lane after lane of gemmKernel's
-// `lanes` = splits x kWarps (lane v's k blocks v, v + lanes, ... in increasing order, from zero),
-// and adds the lanes' sums as gemmKernel's blocks and clusters do: a rank's kWarps lanes in lane
-// order, then the ranks in rank order. So every output is the same sequence of operations as in
-// every other schedule. A lane with no k block adds its zero, as an idle warp does there.
-// kCluster (the tiled_cluster schedule, any number of rows): the splits are a cluster's blocks as
-// in gemmKernel, rank r running lanes r * kWarps .. + kWarps - 1 and the ranks' sums added
-// through distributed shared memory (storeBlockSums), so a small weight still spreads over the
-// GPU. kStageBlocks: k blocks a stage (1: four stages; 2: three, a barrier for every two k
-// blocks).
+// The tiled schedule's kernel (from kTiledFromRows rows: large decode steps and prefill): a block
+// of four warps takes kTiledRows weight rows by kTiledTokens tokens and stages each k block of
+// both in shared memory (cp.async, kStageBlocks k blocks a stage, several stages in flight);
+// warp w multiplies rows 32 (w / 2) .. + 31 by tokens 32 (w % 2) .. + 31, so each loaded byte
+// feeds four times the multiplies a gemmKernel warp gets from it. The k splits are a cluster's
+// blocks as in gemmKernel: rank r runs lanes r * kWarps .. + kWarps - 1 of gemmKernel's
+// `lanes` = splits x kWarps (lane v's k blocks v, v + lanes, ... in increasing order, from zero)
+// one after another, adding them in lane order as gemmKernel's warps are added, and the ranks'
+// sums are added in rank order through distributed shared memory (storeBlockSums). So every
+// output is the same sequence of operations as in every other schedule. A lane with no k block
+// adds its zero, as an idle warp does there.
 constexpr int kTiledRows = 64, kTiledTokens = 64;
 
 // Where the tiled kernel's run stands: lane v at k block kb (lanes up to `end` without a k block
@@ -756,7 +753,7 @@ struct TiledCursor {
   }
 };
 
-template <bool kResidual, bool kCluster, int kStageBlocks>
+template <bool kResidual>
 __global__ void __launch_bounds__(kThreads)
     tiledGemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                     int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
@@ -766,28 +763,25 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kOutputs = kTiledRows * kTiledTokens;
   static_assert(kWeightPieces % kThreads == 0 && kTokenPieces % kThreads == 0 &&
                 kOutputs % kThreads == 0);
-  constexpr int kStages = kStageBlocks == 1 ? 4 : 3;
+  constexpr int kStageBlocks = 2, kStages = 3;
   static_assert(kStages * kStageBlocks * kStagePieces * 16 >= kOutputs * 4);
   // kStages stages of kStageBlocks k blocks ([stage][block][weight rows, then tokens][piece])
   // while multiplying; the block's sums ([token][row]) after.
   __shared__ uint4 shared[kStages * kStageBlocks * kStagePieces];
   float* const block_sum = reinterpret_cast<float*>(shared);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int rank = kCluster ? int(blockIdx.x) % splits : 0;
-  const int cell = kCluster ? int(blockIdx.x) / splits : int(blockIdx.x);
+  const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits;
   const int tile = cell / token_blocks, token_block = cell % token_blocks;
   const int n0 = tile * kTiledRows, m0 = token_block * kTiledTokens;
   const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
-  // The lanes this block runs: all of them, or its rank's.
-  const int first_lane = kCluster ? rank * kWarps : 0,
-            end_lane = kCluster ? first_lane + kWarps : lanes;
+  const int first_lane = rank * kWarps, end_lane = first_lane + kWarps;  // the rank's lanes
   const int weight_tiles = (n + kTiledRows - 1) / kTiledRows;
   if (tile >= weight_tiles) {
     // The blocks past the weight's tiles: the product's own side of its consumers' checks (a
     // warp for each consumer and k block, as gemmKernel's check tile).
-    // A tile of check blocks takes `lanes` check lanes (kCluster: over its ranks), else kWarps.
-    tokenChecks<kTiledTokens / 8>(
-        x, nin, m0, m, k, (tile - weight_tiles) * (kCluster ? lanes : kWarps) + first_lane + warp);
+    // A tile of check blocks takes `lanes` check lanes, over its ranks.
+    tokenChecks<kTiledTokens / 8>(x, nin, m0, m, k,
+                                  (tile - weight_tiles) * lanes + first_lane + warp);
     return;  // the whole cluster
   }
   const int rows0 = 32 * (warp / 2), tokens0 = 32 * (warp % 2);  // the warp's part of the tile
@@ -833,10 +827,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     cpAsyncCommit();
   };
-  float acc[2][4][4] = {}, rank_sum[2][4][4] = {}, total[2][4][4] = {};
+  float acc[2][4][4] = {}, rank_sum[2][4][4] = {};
   int lane_now = first_lane;  // the lane whose k blocks acc sums
   auto finishLane = [&]() {
-    const int j = lane_now % kWarps, r = lane_now / kWarps;
+    const int j = lane_now % kWarps;
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -845,8 +839,6 @@ __global__ void __launch_bounds__(kThreads)
         for (int q = 0; q < 4; ++q) {
           rank_sum[i][t][q] = j == 0 ? acc[i][t][q] : rank_sum[i][t][q] + acc[i][t][q];
           acc[i][t][q] = 0.0f;
-          if (!kCluster && j == kWarps - 1)
-            total[i][t][q] = r == 0 ? rank_sum[i][t][q] : total[i][t][q] + rank_sum[i][t][q];
         }
     ++lane_now;
   };
@@ -905,7 +897,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         block_sum[(tokens0 + 8 * t + 2 * c + q % 2) * kTiledRows + rows0 + 16 * i + g +
-                  8 * (q / 2)] = kCluster ? rank_sum[i][t][q] : total[i][t][q];
+                  8 * (q / 2)] = rank_sum[i][t][q];
   if (folding) {
     // This warp's two tiles, whose k blocks it folded (the ranks' folds add up to the tiles'); it
     // counts their words (rank 0).
@@ -922,34 +914,30 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   // Output e is weight row e % kTiledRows and token e / kTiledRows: a warp's lanes store
-  // neighbouring rows of one token (storeOutput). Without kCluster one block holds every split's
-  // sum.
+  // neighbouring rows of one token (storeOutput).
   static_assert(kOutputs % (kMaxSplits * kThreads) == 0);
-  storeBlockSums<kOutputs>(block_sum, rank, kCluster ? splits : 1, [&](int e, float value) {
+  storeBlockSums<kOutputs>(block_sum, rank, splits, [&](int e, float value) {
     storeOutput<kResidual>(n0 + e % kTiledRows, m0 + e / kTiledRows, value, n, m, y, ldy, res);
   });
 }
 
-// The tiled kernel for a product of bf16 tokens: a tile's token blocks side by side (each a
-// cluster of the splits' blocks with kCluster), then the blocks of the product's own checks (a
-// warp each consumer and k block).
-template <bool kCluster, int kStageBlocks>
+// The tiled kernel for a product of bf16 tokens: a tile's token blocks side by side, each a
+// cluster of the splits' blocks, then the blocks of the product's own checks (a warp each consumer
+// and k block).
 cudaError_t launchTiled(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
                         int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                         const GemmResidual& res, const GemmNormedInput& nin) {
   const int token_checks = tokenConsumers(nin) * ((k + 31) / 32);
-  const int check_lanes = kCluster ? splits * kWarps : kWarps;  // a tile of check blocks
+  const int check_lanes = splits * kWarps;  // a tile of check blocks
   const int tiles =
       (n + kTiledRows - 1) / kTiledRows + (token_checks + check_lanes - 1) / check_lanes;
   const int token_blocks = (m + kTiledTokens - 1) / kTiledTokens;
-  const int ranks = kCluster ? splits : 1;
-  ProductLaunch setup(dim3(unsigned(tiles * token_blocks * ranks)), ranks, stream);
+  ProductLaunch setup(dim3(unsigned(tiles * token_blocks * splits)), splits, stream);
   auto go = [&](auto kernel) {
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
                               token_blocks, res, nin);
   };
-  return res.x != nullptr ? go(tiledGemmKernel<true, kCluster, kStageBlocks>)
-                          : go(tiledGemmKernel<false, kCluster, kStageBlocks>);
+  return res.x != nullptr ? go(tiledGemmKernel<true>) : go(tiledGemmKernel<false>);
 }
 
 }  // namespace
@@ -990,10 +978,8 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
       }
     }
     if (!known)
-      return invalidArgument(
-          "product schedule \"" + std::string(name) +
-          "\" (known: plain, pipelined, two_tiles, interleaved, tiled, tiled_cluster, tiled_k64, "
-          "tiled_cluster_k64)");
+      return invalidArgument("product schedule \"" + std::string(name) +
+                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1082,12 +1068,9 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
-  // Tiled up to kPrefillRows is pipelined: the threshold measured for the staged kernel the tiled
-  // one replaced (slower than pipelined in decode steps of 17-64 rows and in prefill steps of
-  // 128, about even at 256; cuda/PERFORMANCE.md). The tiled kernel below it is not yet measured.
-  if ((schedule == GemmSchedule::kTiled || schedule == GemmSchedule::kTiledK64) &&
-      m <= kPrefillRows)
-    schedule = GemmSchedule::kPipelined;
+  // Tiled below kTiledFromRows is pipelined (faster there in bench-engine decode on both shapes;
+  // cuda/PERFORMANCE.md).
+  if (schedule == GemmSchedule::kTiled && m < kTiledFromRows) schedule = GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
@@ -1117,14 +1100,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
-  } else if (schedule == GemmSchedule::kTiled) {
-    launched = launchTiled<false, 1>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
-  } else if (schedule == GemmSchedule::kTiledK64) {
-    launched = launchTiled<false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
-  } else if (schedule == GemmSchedule::kTiledCluster && !is_normed && !is_activated) {
-    launched = launchTiled<true, 1>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
-  } else if (schedule == GemmSchedule::kTiledClusterK64 && !is_normed && !is_activated) {
-    launched = launchTiled<true, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
+  } else if (schedule == GemmSchedule::kTiled && !is_normed && !is_activated) {
+    launched = launchTiled(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);

@@ -120,29 +120,24 @@ int gemmSplits(int n, int k);
 // bits); a step uses its bucket's (kDefaultGemmSchedules unless asked otherwise), and
 // `bulkhead bench-gemm` measures each against cuBLAS.
 enum class GemmSchedule {
-  kPlain,         // a round's loads, then its multiplies
-  kPipelined,     // the next round's loads in flight while a round multiplies (half the unroll);
-                  // over 64 rows (prefill) the token blocks of each weight tile are launched side
-                  // by side, as kInterleaved's are, so the tile is read from memory once
-  kTwoTiles,      // two weight tiles a warp, multiplied by each token fragment it loads (half the
-                  // unroll): the tokens are read from the L2 cache half as often
-  kInterleaved,   // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
-                  // tile launched side by side: the tile's second and later reads come from the
-                  // L2 cache (plain for up to 32 rows)
-  kTiled,         // over kPrefillRows rows (prefill), blocks of 64 weight rows by 64 tokens, both
-                  // staged in shared memory a k block at a time, four stages in flight, each warp
-                  // 32 rows by 32 tokens; the block runs the k splits' lanes one after another
-                  // (pipelined below)
-  kTiledCluster,  // tiled's blocks at any number of rows, the k splits a cluster's blocks as
-                  // in the other schedules (a product of bf16 tokens; others run plain)
-  kTiledK64,      // tiled with two k blocks a stage (a barrier for every two)
-  kTiledClusterK64,  // tiled_cluster with two k blocks a stage
+  kPlain,        // a round's loads, then its multiplies
+  kPipelined,    // the next round's loads in flight while a round multiplies (half the unroll);
+                 // over 64 rows (prefill) the token blocks of each weight tile are launched side
+                 // by side, as kInterleaved's are, so the tile is read from memory once
+  kTwoTiles,     // two weight tiles a warp, multiplied by each token fragment it loads (half the
+                 // unroll): the tokens are read from the L2 cache half as often
+  kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
+                 // tile launched side by side: the tile's second and later reads come from the
+                 // L2 cache (plain for up to 32 rows)
+  kTiled,        // from kTiledFromRows rows, blocks of 64 weight rows by 64 tokens, both staged
+                 // in shared memory two k blocks a stage (three stages in flight), each warp 32
+                 // rows by 32 tokens, the k splits a cluster's blocks as in the other schedules
+                 // (a product of bf16 tokens; others run plain); pipelined below
 };
-inline constexpr int kPrefillRows = 256;
-inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain,       GemmSchedule::kPipelined,      GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kTiled,          GemmSchedule::kTiledCluster,
-    GemmSchedule::kTiledK64,    GemmSchedule::kTiledClusterK64};
+inline constexpr int kTiledFromRows = 96;
+inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
+                                                  GemmSchedule::kTwoTiles,
+                                                  GemmSchedule::kInterleaved, GemmSchedule::kTiled};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -150,23 +145,20 @@ inline int gemmBucket(int rows) {
   return rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
 }
 // The fastest of each bucket in bench-engine on Qwen2.5 0.5B and 7B shapes (H100, cuda/
-// PERFORMANCE.md): pipelined at 1-8 and 33-256 rows, plain at 17-32, tiled over 256 (prefill);
-// 9-16 not yet measured.
+// PERFORMANCE.md): pipelined at 1-8 and 33-95 rows, plain at 17-32, tiled from 96 (large
+// decode steps and prefill); 9-16 not yet measured.
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, tiled, tiled_cluster, tiled_k64, tiled_cluster_k64.
+// two_tiles, interleaved, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
-  return s == GemmSchedule::kPlain          ? "plain"
-         : s == GemmSchedule::kPipelined    ? "pipelined"
-         : s == GemmSchedule::kTwoTiles     ? "two_tiles"
-         : s == GemmSchedule::kInterleaved  ? "interleaved"
-         : s == GemmSchedule::kTiled        ? "tiled"
-         : s == GemmSchedule::kTiledCluster ? "tiled_cluster"
-         : s == GemmSchedule::kTiledK64     ? "tiled_k64"
-                                            : "tiled_cluster_k64";
+  return s == GemmSchedule::kPlain         ? "plain"
+         : s == GemmSchedule::kPipelined   ? "pipelined"
+         : s == GemmSchedule::kTwoTiles    ? "two_tiles"
+         : s == GemmSchedule::kInterleaved ? "interleaved"
+                                           : "tiled";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

@@ -71,8 +71,7 @@ int main(int argc, char** argv) {
                "it finishes; the logits are the same)");
   app.add_option("--gemm-schedules", backend_options.cuda_gemm_schedules,
                  "CUDA backend: the product's schedule, one for all steps or one per bucket of "
-                 "rows (1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, tiled, "
-                 "tiled_cluster, tiled_k64 or tiled_cluster_k64 "
+                 "rows (1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved or tiled "
                  "(the logits are the same; by default pipelined,plain,plain,tiled)");
   std::string canary_record;
   app.add_option("--canary-record", canary_record,

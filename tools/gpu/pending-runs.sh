@@ -38,13 +38,9 @@
 #           a step of 2,048 rows) with the 33+ row bucket pipelined (its token blocks side by
 #           side over 64 rows), plain (token blocks along y), interleaved and tiled
 #   tiled   the product tests (the tiled schedule among them), then bench-engine on both shapes:
-#           prefill of one 2,048-token prompt a step and of 32 and 64 128-token prompts a step,
-#           the bucket of 33+ rows pipelined against tiled (the default over 256 rows)
-#   tiled-cluster the product tests (tiled_cluster and the k64 variants among them), then
-#           bench-engine on both shapes in decode at 33 to 256 rows with the 33+ bucket
-#           pipelined, tiled_cluster and tiled_cluster_k64
-#   tiled-cluster-prefill bench-engine prefill of a 2,048-token prompt on both shapes with tiled,
-#           tiled_k64, tiled_cluster and tiled_cluster_k64, then bench-gemm at 64 and 128 rows
+#           decode at 33 to 256 rows (and the prefill of their 128-token prompts), prefill of one
+#           2,048-token prompt a step; the bucket of 33+ rows pipelined against tiled (the default
+#           from 96 rows)
 #   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
 #           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
@@ -231,37 +227,13 @@ for group in "$@"; do
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         for last in pipelined tiled; do
-          run "bench-engine-$shape-prefill-2048-$last" 150 "$bh" bench-engine --model "$m" \
-            --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
-            --gemm-schedules pipelined,plain,plain,$last
-          run "bench-engine-$shape-prefill-128-$last" 150 "$bh" bench-engine --model "$m" \
-            --backend cuda --batch 32,64 --steps 8 --no-compare \
-            --gemm-schedules pipelined,plain,plain,$last
-        done
-      done
-      ;;
-    tiled-cluster)
-      run gemm-tests-tiled-cluster 300 "$bundle/gpu_tests" \
-        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*ProductSchedules*'
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for last in pipelined tiled_cluster tiled_cluster_k64; do
           run "bench-engine-$shape-decode-$last" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 33,48,64,96,128,256 --steps 32 --no-compare \
             --gemm-schedules pipelined,plain,plain,$last
-        done
-      done
-      ;;
-    tiled-cluster-prefill)
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for last in tiled tiled_k64 tiled_cluster tiled_cluster_k64; do
           run "bench-engine-$shape-prefill-2048-$last" 150 "$bh" bench-engine --model "$m" \
             --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --no-compare \
             --gemm-schedules pipelined,plain,plain,$last
         done
-        run "bench-gemm-$shape-64-128" 200 "$bh" bench-gemm --shape $shape --rows 64,128 \
-          --launches 20
       done
       ;;
     wgmma-probe)
