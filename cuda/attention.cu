@@ -1,9 +1,9 @@
 // Paged attention: one block of 128 threads per (row, head), compiled per head size, or with
 // parallel splits (few rows, long contexts) several blocks per (row, head), each taking splits
-// z, z + kSplitBlocks, ... In each chunk of 128 positions, thread t scores position chunk + t;
-// the chunk's maximum and sum go through fixed trees; then thread (part, d) accumulates dimension
-// d over positions part, part + parts, ... in order (from the chunk's value rows, which thread t
-// staged in shared memory with its key row). A split's parts are added in part order;
+// z, z + kAttentionSplitBlocks, ... In each chunk of 128 positions, thread t scores position chunk
+// + t; the chunk's maximum and sum go through fixed trees; then thread (part, d) accumulates
+// dimension d over positions part, part + parts, ... in order (from the chunk's value rows, which
+// thread t staged in shared memory with its key row). A split's parts are added in part order;
 // splits are folded in split order by foldSplit.
 #include "cuda/attention.cuh"
 
@@ -18,7 +18,6 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kChunk = kThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSplitBlocks = 8;  // blocks per (row, head) with parallel splits
 static_assert(kAttentionSplit % kChunk == 0, "a split is whole chunks");
 
 __device__ float warpMax(float v) {
@@ -477,7 +476,7 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   // entries, before the wait for the kernel before (which writes the queries and the cache).
   const uint32_t len = a.positions[r] + 1;
   const uint32_t splits = (len + kAttentionSplit - 1) / kAttentionSplit;
-  const int first = kParallel ? int(blockIdx.z) : 0, step = kParallel ? kSplitBlocks : 1;
+  const int first = kParallel ? int(blockIdx.z) : 0, step = kParallel ? kAttentionSplitBlocks : 1;
   const CacheRows rows{a.block_tables + a.row_table[r], size_t(kvh) * a.block_size * HD,
                        size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
   auto splitEnd = [&](uint32_t s) { return min(len, (s + 1) * uint32_t(kAttentionSplit)); };
@@ -603,8 +602,8 @@ template <int HD, bool kRope>
 cudaError_t launchVariant(const AttentionArgs& a, cudaStream_t stream) {
   if (a.parallel_splits)
     return launchKernel(attentionKernel<HD, true, kRope>,
-                        dim3(unsigned(a.heads), unsigned(a.rows), unsigned(kSplitBlocks)), kThreads,
-                        stream, a);
+                        dim3(unsigned(a.heads), unsigned(a.rows), unsigned(kAttentionSplitBlocks)),
+                        kThreads, stream, a);
   return launchKernel(attentionKernel<HD, false, kRope>, dim3(unsigned(a.heads), unsigned(a.rows)),
                       kThreads, stream, a);
 }

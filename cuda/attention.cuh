@@ -21,8 +21,11 @@
 
 namespace bulkhead::cuda {
 
-// Positions per split. A row of at most this many positions is one split.
-constexpr int kAttentionSplit = 1024;
+// Positions per split. A row of at most this many positions is one split. Short enough that a
+// decode step of one row at a context of 2,048 has a block for each (head, split) of its 8 splits.
+constexpr int kAttentionSplit = 256;
+// Blocks per (row, head) with parallel splits, each taking splits z, z + this, ...
+constexpr int kAttentionSplitBlocks = 16;
 // Steps of at most this many rows may run a row's splits side by side (parallel_splits).
 constexpr int kAttentionParallelRows = 8;
 // Rows of one sequence a prefill tile holds (AttentionArgs::tiles), by head size: as many as

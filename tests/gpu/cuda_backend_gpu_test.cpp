@@ -369,8 +369,8 @@ TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {
 // Past one attention split (cuda::kAttentionSplit positions): a row is the same bit for bit
 // whether its splits ran one after another (steps of many rows: prefill chunks of 100) or side by
 // side (steps of 8 rows and of one, decoding as graphs, with and without programmatic launch,
-// past 8 splits so that a block takes several), and close to the CPU reference engine, whose
-// attention is one pass. The tiny model, its context raised to 16,384.
+// past cuda::kAttentionSplitBlocks splits so that a block takes several), and close to the CPU
+// reference engine, whose attention is one pass. The tiny model, its context raised to 16,384.
 TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
   test::TempDir tmp;
@@ -400,7 +400,8 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   auto gpu = backend(false);
   ASSERT_NE(gpu, nullptr);
   const uint32_t vocab = gpu->limits().vocab_size;
-  const size_t length = 9 * cuda::kAttentionSplit + 300, prefill = length - 600;
+  const size_t length = (cuda::kAttentionSplitBlocks + 1) * cuda::kAttentionSplit + 300,
+               prefill = length - 600;
   const auto tokens = randomTokens(length, vocab, 13);
   // Rows land in registered memory, as in the arena, so that decode steps run as graphs.
   std::vector<float> output(size_t(100) * ((vocab + 15) & ~15u));
