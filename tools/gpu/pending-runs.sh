@@ -43,6 +43,9 @@
 #           from 96 rows)
 #   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
 #           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
+#   context bench-engine on both shapes at prompt 128 and 2,048 (b1, 8, 32; the prompts prefilled
+#           whole): what a longer context adds to a decode step, on one card and one build, then
+#           the kernel times of a 7B b1 step after a 2,048-token prompt
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -243,6 +246,19 @@ for group in "$@"; do
           -o "$bundle/mma_equality_probe" tools/gpu/mma_equality_probe.cu; then
         run mma-equality-probe 60 "$bundle/mma_equality_probe"
       fi
+      ;;
+    context)
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for prompt in 128 2048; do
+          run "bench-engine-$shape-context-$prompt" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 1,8,32 --prompt $prompt --max-step-tokens 8192 --steps 32 \
+            --no-compare
+        done
+      done
+      run kernel-times-context-2048-qwen2.5-7b 150 "$bh" bench-engine --model "$m" \
+        --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --kernel-times \
+        --no-compare
       ;;
     long)
       run gpu-tests-long 200 "$bundle/gpu_tests" --gtest_filter='*LongContext*'
