@@ -64,7 +64,9 @@ if [[ $out == tar:* ]]; then
   trap 'tar czf "$tar_to/results.tgz" -C "$out" .; exit' EXIT TERM INT
 fi
 export LD_LIBRARY_PATH=$bundle/lib BULKHEAD_FIXTURES_DIR=$bundle/fixtures
-bh=$bundle/bulkhead
+# BULKHEAD_BIN: another build's bulkhead beside the bundle's (the same libraries), to compare two
+# builds on one card in one session: BULKHEAD_BIN=BUNDLE/bulkhead-main pending-runs.sh ...
+bh=${BULKHEAD_BIN:-$bundle/bulkhead}
 model() {  # model SHAPE: made once per host
   local m=/tmp/bulkhead-$1
   [ -d "$m" ] || timeout 300 "$bh" make-model --shape "$1" --out "$m" > /dev/null
