@@ -14,6 +14,9 @@
 #           the eighth it keeps beside a CPU worker (--warm-spinners)
 #   cpu-worker-spin step-bench and serve-bench on tiny-v152k with the worker watching its socket
 #           awake for 100 us after each reply; step-bench of a 0.5B CUDA worker without and with
+#   gpu-spin step-bench and serve-bench of a 0.5B CUDA worker at b1 / c1 and 32, as by default,
+#           with the worker watching its socket awake 200 us after each reply, with the broker
+#           watching 200 us for each reply, and with both: the round trip's wake-ups beside a GPU
 #   workers serve-bench at concurrency 64 behind 1, 2 and 4 CPU workers
 #   tests   the GPU tests
 #   gemm    the product's GPU tests, then gemm-bench
@@ -126,6 +129,19 @@ for group in "$@"; do
         --iterations 200 --warm-spinners $quarter
       run serve-bench-cpu-c1-spinners-quarter 120 "$bh" serve-bench --model "$m" --concurrency 1 \
         --requests-per-stream 16 --broker-arg=--warm-spinners=$quarter
+      ;;
+    gpu-spin)
+      m=$(model qwen2.5-0.5b)
+      for flags in "" "--worker-arg=--spin-us=200" "--broker-arg=--reply-spin-us=200" \
+        "--worker-arg=--spin-us=200 --broker-arg=--reply-spin-us=200"; do
+        name=$(echo "${flags:-default}" | tr -c 'a-z0-9\n' '-')
+        # step-bench takes the broker's watch as its own flag
+        step_flags=${flags//--broker-arg=--reply-spin-us/--reply-spin-us}
+        run "step-bench-cuda-$name" 120 "$bh" step-bench --model "$m" --backend cuda \
+          --batches 1,32 --iterations 200 $step_flags
+        run "serve-bench-cuda-$name" 150 "$bh" serve-bench --model "$m" --backend cuda \
+          --concurrency 1,32 $flags
+      done
       ;;
     workers)
       m=$(model tiny-v152k)
