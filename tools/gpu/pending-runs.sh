@@ -49,6 +49,8 @@
 #   context bench-engine on both shapes at prompt 128 and 2,048 (b1, 8, 32; the prompts prefilled
 #           whole): what a longer context adds to a decode step, on one card and one build, then
 #           the kernel times of a 7B b1 step after a 2,048-token prompt
+#   attention-ncu ncu (the full set) on one launch of the prefill attention kernel (tiles) and
+#           one of the gate/up product, in a 7B prefill of a 2,048-token prompt: what bounds them
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -277,6 +279,17 @@ for group in "$@"; do
       run kernel-times-context-2048-qwen2.5-7b 150 "$bh" bench-engine --model "$m" \
         --backend cuda --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 8 --kernel-times \
         --no-compare
+      ;;
+    attention-ncu)
+      m=$(model qwen2.5-7b)
+      # The fifth layer's attention; the first layer's gate/up (the third tiled launch).
+      for kernel_skip in attentionTileKernel:4 tiledGemmKernel:2; do
+        kernel=${kernel_skip%:*}
+        run "ncu-prefill-$kernel" 280 ncu --clock-control none --set full -k "regex:$kernel" \
+          --launch-skip "${kernel_skip#*:}" -c 1 --page details "$bh" bench-engine --model "$m" \
+          --backend cuda \
+          --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 1 --no-compare --graphs off
+      done
       ;;
     long)
       run gpu-tests-long 200 "$bundle/gpu_tests" --gtest_filter='*LongContext*'
