@@ -51,6 +51,9 @@
 #           the kernel times of a 7B b1 step after a 2,048-token prompt
 #   attention-ncu ncu (the full set) on one launch of the prefill attention kernel (tiles) and
 #           one of the gate/up product, in a 7B prefill of a 2,048-token prompt: what bounds them
+#   attention-probe a tensor-core attention's invariance (a query alone in a tile against among
+#           others, bit for bit), accuracy and speed at the 7B prefill
+#           (tools/gpu/attention_mma_probe.cu, built there)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -258,6 +261,14 @@ for group in "$@"; do
             --gemm-schedules pipelined,plain,plain,$last
         done
       done
+      ;;
+    attention-probe)
+      nvcc=/usr/local/cuda/bin/nvcc
+      [ -x "$nvcc" ] || nvcc=nvcc
+      if "$nvcc" -std=c++17 -gencode arch=compute_90,code=sm_90 -O3 \
+          -o "$bundle/attention_mma_probe" tools/gpu/attention_mma_probe.cu; then
+        run attention-mma-probe 120 "$bundle/attention_mma_probe"
+      fi
       ;;
     wgmma-probe)
       nvcc=/usr/local/cuda/bin/nvcc
