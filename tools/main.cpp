@@ -136,6 +136,9 @@ int main(int argc, char** argv) {
   serve_bench->add_option("--gen-len", serve_opts.gen_len, "Generated tokens per request");
   serve_bench->add_option("--requests-per-stream", serve_opts.requests_per_stream,
                           "Requests each stream sends");
+  serve_bench->add_option("--warmup-requests-per-stream", serve_opts.warmup_requests_per_stream,
+                          "Untimed requests each stream sends first (the fresh worker's graph "
+                          "captures and first launches; the broker's own columns include them)");
   serve_bench
       ->add_option("--broker-arg", serve_opts.broker_args,
                    "Extra broker flag (repeatable; default: the broker's defaults)")

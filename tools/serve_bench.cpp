@@ -47,11 +47,12 @@ Status runServeBench(const ServeBenchOptions& o) {
   };
   const Mode modes[] = {{"greedy", 0, 1}, {"t0.8-p0.9", 0.8f, 0.9f}};
   std::printf(
-      "\n== end to end through a fresh broker per row (prompt %u, gen %u); release_p99, "
+      "\n== end to end through a fresh broker per row (prompt %u, gen %u, after %u untimed "
+      "requests a stream); release_p99, "
       "step_p50 (round trip), compute_p50 (the worker's), sample_p50, between_p50 (reply to "
       "next request) and overlap (steps sent while another was in flight) are the broker's own; "
       "decode_step the in-run step-bench round trip at that batch ==\n",
-      o.prompt_len, o.gen_len);
+      o.prompt_len, o.gen_len, o.warmup_requests_per_stream);
   if (o.workers.size() > 1 || o.workers[0] != 1)
     std::printf(
         "(ceiling and ratio: one worker's; scaling: tokens/s against the same row with the "
@@ -60,11 +61,10 @@ Status runServeBench(const ServeBenchOptions& o) {
               "workers", "concurrency", "sampling", "tokens/s", "ceiling", "ratio", "scaling",
               "ttft_p50", "itl_p50", "itl_p99", "release_p99", "step_p50", "compute_p50",
               "sample_p50", "between_p50", "overlap", "decode_step");
-  nlohmann::json report = {{"model", o.model_dir},
-                           {"backend", o.backend},
-                           {"prompt_len", o.prompt_len},
-                           {"gen_len", o.gen_len},
-                           {"results", nlohmann::json::array()}};
+  nlohmann::json report = {
+      {"model", o.model_dir},       {"backend", o.backend},
+      {"prompt_len", o.prompt_len}, {"warmup_requests_per_stream", o.warmup_requests_per_stream},
+      {"gen_len", o.gen_len},       {"results", nlohmann::json::array()}};
   Status status;
   for (size_t i = 0; i < o.concurrency.size(); ++i) {
     const double ceiling_tok_s = ceiling[i].batch / (ceiling[i].compute_p50_us * 1e-6);
@@ -91,6 +91,13 @@ Status runServeBench(const ServeBenchOptions& o) {
                        .prompt_len = o.prompt_len,
                        .gen_len = o.gen_len,
                        .requests = o.concurrency[i] * o.requests_per_stream};
+        if (o.warmup_requests_per_stream > 0) {
+          BenchCommand warmup = c;
+          warmup.requests = o.concurrency[i] * o.warmup_requests_per_stream;
+          const BenchResult w = measureBench(warmup);
+          if (w.failed > 0 || w.tokens == 0)
+            return unavailable("the warm-up requests failed: " + w.first_error);
+        }
         const BenchResult r = measureBench(c);
         const double ratio = r.tokens_per_s / ceiling_tok_s;
         if (workers == o.workers[0]) first_tokens_per_s = r.tokens_per_s;

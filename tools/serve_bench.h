@@ -2,7 +2,10 @@
 // in one run. The ceiling at concurrency C is C / (the worker's compute time of a decode step at
 // batch C), measured by step-bench first; then a fresh broker with default flags (one per row, so
 // its latency windows hold that row alone) serves `bench` load at each concurrency, greedy and
-// with temperature 0.8 + top-p 0.9, and the ratio is printed.
+// with temperature 0.8 + top-p 0.9, and the ratio is printed. Each row first sends untimed
+// requests (warmup_requests_per_stream a stream), as step-bench and bench-engine take untimed
+// steps first: a fresh worker's first steps of each size capture their CUDA graphs and load their
+// kernels, which a serving worker has long done.
 #pragma once
 
 #include <string>
@@ -23,8 +26,9 @@ struct ServeBenchOptions {
   uint32_t prompt_len = 32;
   uint32_t gen_len = 128;
   uint32_t requests_per_stream = 4;
-  std::vector<std::string> broker_args;  // extra flags for the broker (default: none)
-  std::vector<std::string> worker_args;  // extra flags for every worker, the ceiling's included
+  uint32_t warmup_requests_per_stream = 1;  // untimed, before each row's timed requests
+  std::vector<std::string> broker_args;     // extra flags for the broker (default: none)
+  std::vector<std::string> worker_args;     // extra flags for every worker, the ceiling's included
   std::string json_path;
 };
 
