@@ -1069,8 +1069,12 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   const int splits = forced_splits > 0 ? forced_splits : gemmSplits(n, k);
   cudaError_t launched;
   // Tiled below kTiledFromRows is pipelined (faster there in bench-engine decode on both shapes;
-  // cuda/PERFORMANCE.md).
-  if (schedule == GemmSchedule::kTiled && m < kTiledFromRows) schedule = GemmSchedule::kPipelined;
+  // cuda/PERFORMANCE.md), and so is a weight too small to give kTiledMinBlocks blocks.
+  const int tiled_blocks =
+      (n + kTiledRows - 1) / kTiledRows * ((m + kTiledTokens - 1) / kTiledTokens) * splits;
+  if (schedule == GemmSchedule::kTiled &&
+      (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
+    schedule = GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,

@@ -72,6 +72,14 @@ TEST_P(GemmGpuTest, RowsAreBitIdenticalForEveryRowCountAndMatchTheProduct) {
             << ")";
     }
   }
+  // The tiled kernel itself on every shape: a small weight runs pipelined unless its split count
+  // is forced (here the one it has anyway, so the same order).
+  for (int m : counts) {
+    if (m < cuda::kTiledFromRows) continue;
+    const std::vector<float> part = product(m, cuda::GemmSchedule::kTiled, cuda::gemmSplits(n, k));
+    ASSERT_EQ(std::memcmp(part.data(), all.data(), part.size() * 4), 0)
+        << m << " rows through the tiled kernel differ (shape " << n << "x" << k << ")";
+  }
 
   // Another split of k (bench-gemm's comparison): another order, still the product, and still
   // the same bits whatever the number of rows.
