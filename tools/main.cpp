@@ -108,6 +108,8 @@ int main(int argc, char** argv) {
   bench->add_option("--prompt-len", bench_cmd.prompt_len, "Prompt tokens per request");
   bench->add_option("--gen-len", bench_cmd.gen_len, "Generated tokens per request");
   bench->add_option("--requests", bench_cmd.requests, "Requests in all (default 4 x concurrency)");
+  bench->add_option("--warmup-requests", bench_cmd.warmup_requests,
+                    "Requests sent first and not measured (default 0)");
   bench->add_option("--json", bench_cmd.json_path, "Also write the results as JSON");
   bench->add_option("--temperature", bench_cmd.temperature, "0 = greedy");
   bench->add_option("--top-p", bench_cmd.top_p, "Nucleus sampling mass (with --temperature)");

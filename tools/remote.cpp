@@ -135,6 +135,18 @@ Status runRemoteGenerate(const RemoteGenerateCommand& c) {
 
 BenchResult measureBench(const BenchCommand& c) {
   BenchResult result;
+  if (c.warmup_requests > 0) {
+    BenchCommand warmup = c;
+    warmup.requests = c.warmup_requests;
+    warmup.warmup_requests = 0;
+    warmup.seed = c.seed + 0x9e3779b9u;  // other prompts than the measured ones
+    const BenchResult w = measureBench(warmup);
+    if (w.failed > 0 || w.tokens == 0) {
+      result.failed = std::max<uint32_t>(w.failed, 1);
+      result.first_error = "warm-up: " + w.first_error;
+      return result;
+    }
+  }
   auto connection = connectTo(c.server, c.security);
   if (!connection.ok()) {
     result.first_error = connection.status().message();
@@ -216,6 +228,7 @@ Status runBench(const BenchCommand& c) {
                         {"top_p", c.top_p},
                         {"requests", r.requests},
                         {"failed", r.failed},
+                        {"warmup_requests", c.warmup_requests},
                         {"tokens", r.tokens},
                         {"tokens_per_s", r.tokens_per_s},
                         {"ttft_ms_p50", r.ttft_ms_p50},

@@ -44,6 +44,9 @@ struct BenchCommand {
   uint32_t prompt_len = 32;
   uint32_t gen_len = 64;
   uint32_t requests = 0;  // 0: 4 x concurrency
+  // Sent first and not measured (a fresh worker's first steps of each size capture their CUDA
+  // graphs and load their kernels).
+  uint32_t warmup_requests = 0;
   uint64_t seed = 1;
   std::string json_path = {};
 };

@@ -90,14 +90,8 @@ Status runServeBench(const ServeBenchOptions& o) {
                        .concurrency = o.concurrency[i],
                        .prompt_len = o.prompt_len,
                        .gen_len = o.gen_len,
-                       .requests = o.concurrency[i] * o.requests_per_stream};
-        if (o.warmup_requests_per_stream > 0) {
-          BenchCommand warmup = c;
-          warmup.requests = o.concurrency[i] * o.warmup_requests_per_stream;
-          const BenchResult w = measureBench(warmup);
-          if (w.failed > 0 || w.tokens == 0)
-            return unavailable("the warm-up requests failed: " + w.first_error);
-        }
+                       .requests = o.concurrency[i] * o.requests_per_stream,
+                       .warmup_requests = o.concurrency[i] * o.warmup_requests_per_stream};
         const BenchResult r = measureBench(c);
         const double ratio = r.tokens_per_s / ceiling_tok_s;
         if (workers == o.workers[0]) first_tokens_per_s = r.tokens_per_s;
