@@ -10,11 +10,13 @@
 // of that row (its maximum stays, its scale is exp(0) = 1, its probabilities are 0), so a row
 // gives the same bits whatever rows share its warp and however far they reach.
 //
-// The probe checks that claim: every query's output alone in a tile (at a random row of a
-// random warp, the other rows empty) against the same query among others (random tiles mixing
-// queries of any length), bit for bit; then against a double-precision reference (from the
-// same bf16 queries, keys and values); then times the 7B prefill's attention for one layer
-// (28 heads on 4 KV heads, 2,048 positions, causal).
+// The probe checks that claim at head sizes 64 and 128: every (head, query) item's output alone
+// in a tile (at a random row of a random warp, the other rows empty) against the same item as
+// prefill takes it (64 queries of one head a tile), as decode would (the q heads of one KV head
+// for one query a warp) and among others (items of one KV group shuffled into tiles with gaps),
+// bit for bit; then against a double-precision reference (from the same bf16 queries, keys and
+// values); then times one layer's prefill attention at both Qwen2.5 shapes (2,048 positions,
+// causal) and 32 decode rows at a context of 2,048.
 //
 // Build: nvcc -std=c++17 -gencode arch=compute_90,code=sm_90 -O3 -o attention_mma_probe \
 //          tools/gpu/attention_mma_probe.cu
@@ -41,21 +43,20 @@
 
 namespace {
 
-constexpr int kHd = 128;                // head size
 constexpr int kChunk = 64;              // key positions a chunk
 constexpr int kWarps = 4;               // a block's warps, 16 query rows each
 constexpr int kTileRows = 16 * kWarps;  // query rows a block
-constexpr int kStride = kHd + 8;        // a staged key or value row, in bf16 (272 bytes)
-constexpr int kPieces = kHd / 8;        // 16-byte pieces a row
 
+// Item i is head i / queries's query i % queries: q and out at i * head size.
 struct Args {
-  const __nv_bfloat16* q;  // [head][query][kHd]
-  const __nv_bfloat16* k;  // [kv_head][position][kHd]
+  const __nv_bfloat16* q;  // [head][query][head size]
+  const __nv_bfloat16* k;  // [kv_head][position][head size]
   const __nv_bfloat16* v;
-  const int* tile_rows;  // [tile][kTileRows]: the query in each row of the tile, -1: none
-  const int* ends;       // [query]: positions 0 .. ends - 1 attended
-  float* out;            // [head][query][kHd]
-  int queries, positions, heads, kv_heads;
+  const int* tile_items;  // [tile][kTileRows]: the item in each row of the tile, -1: none
+  const int* tile_kv;     // [tile]: the KV head every item of the tile reads
+  const int* ends;        // [query]: positions 0 .. ends - 1 attended
+  float* out;             // [head][query][head size]
+  int queries, positions;
   float scale;
 };
 
@@ -89,29 +90,30 @@ __device__ __forceinline__ void loadTransposed(uint32_t& r0, uint32_t& r1, const
                : "r"(at));
 }
 
-// Block (tile, head): kTileRows query rows of one head; warp w takes rows 16w .. 16w + 15, lane
+// Block `tile`: kTileRows items reading one KV head; warp w takes rows 16w .. 16w + 15, lane
 // (g, c) holding rows g and g + 8 of them as mma.sync's fragments do.
+template <int kHd>
 __global__ void __launch_bounds__(32 * kWarps) attentionMma(Args a) {
+  constexpr int kStride = kHd + 8;  // a staged key or value row, in bf16 (no bank conflicts)
+  constexpr int kPieces = kHd / 8;  // 16-byte pieces a row
   __shared__ __align__(16) __nv_bfloat16 ks[kChunk * kStride];
   __shared__ __align__(16) __nv_bfloat16 vs[kChunk * kStride];
-  const int tile = blockIdx.x, h = blockIdx.y, kvh = h / (a.heads / a.kv_heads);
+  const int tile = blockIdx.x, kvh = a.tile_kv[tile];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int* rows = a.tile_rows + size_t(tile) * kTileRows;
-  const int query[2] = {rows[16 * warp + g], rows[16 * warp + g + 8]};
+  const int* rows = a.tile_items + size_t(tile) * kTileRows;
+  const int item[2] = {rows[16 * warp + g], rows[16 * warp + g + 8]};
   int end[2];
-  for (int i = 0; i < 2; ++i) end[i] = query[i] >= 0 ? a.ends[query[i]] : 0;
+  for (int i = 0; i < 2; ++i) end[i] = item[i] >= 0 ? a.ends[item[i] % a.queries] : 0;
   int block_end = 0;
   for (int r = 0; r < kTileRows; ++r)
-    if (rows[r] >= 0) block_end = max(block_end, a.ends[rows[r]]);
+    if (rows[r] >= 0) block_end = max(block_end, a.ends[rows[r] % a.queries]);
   // The warp's queries as mma.sync's A fragments, all of the head's k16 steps (zeros for an
   // empty row).
   uint32_t qf[kHd / 16][4];
   for (int s = 0; s < kHd / 16; ++s)
     for (int i = 0; i < 4; ++i) {
       const int row = i % 2, col = 16 * s + 2 * c + 8 * (i / 2);
-      qf[s][i] = query[row] >= 0
-                     ? pair(a.q + (size_t(h) * a.queries + size_t(query[row])) * kHd + col)
-                     : 0u;
+      qf[s][i] = item[row] >= 0 ? pair(a.q + size_t(item[row]) * kHd + col) : 0u;
     }
   const __nv_bfloat16* kh = a.k + size_t(kvh) * a.positions * kHd;
   const __nv_bfloat16* vh = a.v + size_t(kvh) * a.positions * kHd;
@@ -204,8 +206,8 @@ __global__ void __launch_bounds__(32 * kWarps) attentionMma(Args a) {
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    if (query[i] < 0) continue;
-    float* out = a.out + (size_t(h) * a.queries + size_t(query[i])) * kHd;
+    if (item[i] < 0) continue;
+    float* out = a.out + size_t(item[i]) * kHd;
 #pragma unroll
     for (int d = 0; d < kHd / 8; ++d) {
       out[8 * d + 2 * c] = o[d][2 * i] / running_sum[i];
@@ -230,30 +232,54 @@ std::vector<__nv_bfloat16> randomBf16(size_t n, std::mt19937& rng, float sigma) 
 }
 
 struct Problem {
-  int queries, positions, heads, kv_heads;
+  int hd, queries, positions, heads, kv_heads;
   std::vector<__nv_bfloat16> q, k, v;
   std::vector<int> ends;
+  int group() const { return heads / kv_heads; }
 };
 
-// Runs the kernel over `tiles` (each kTileRows queries or -1) and returns out.
-std::vector<float> run(const Problem& p, const std::vector<int>& tiles, int launches = 1,
+Problem makeProblem(int hd, int queries, int positions, int heads, int kv_heads, bool causal,
+                    std::mt19937& rng) {
+  Problem p{hd, queries, positions, heads, kv_heads};
+  p.q = randomBf16(size_t(heads) * queries * hd, rng, 1.0f);
+  p.k = randomBf16(size_t(kv_heads) * positions * hd, rng, 1.0f);
+  p.v = randomBf16(size_t(kv_heads) * positions * hd, rng, 1.0f);
+  p.ends.resize(size_t(queries));
+  for (int i = 0; i < queries; ++i)
+    p.ends[size_t(i)] = causal ? positions - queries + i + 1 : 1 + int(rng() % uint32_t(positions));
+  return p;
+}
+
+// Tiles of items and the KV head each reads.
+struct Tiles {
+  std::vector<int> items, kv;
+  // Appends a tile of `items` (padded with -1) reading KV head `kvh`.
+  void add(const std::vector<int>& tile, int kvh) {
+    for (int r = 0; r < kTileRows; ++r)
+      items.push_back(r < int(tile.size()) ? tile[size_t(r)] : -1);
+    kv.push_back(kvh);
+  }
+};
+
+// Runs the kernel over `tiles` and returns out (NaN bits where no tile wrote).
+template <int kHd>
+std::vector<float> run(const Problem& p, const Tiles& tiles, int launches = 1,
                        float* us_a_launch = nullptr) {
   Args a{};
   a.q = upload(p.q);
   a.k = upload(p.k);
   a.v = upload(p.v);
-  a.tile_rows = upload(tiles);
+  a.tile_items = upload(tiles.items);
+  a.tile_kv = upload(tiles.kv);
   a.ends = upload(p.ends);
   const size_t out_n = size_t(p.heads) * p.queries * kHd;
   CHECK(cudaMalloc(&a.out, out_n * 4));
   CHECK(cudaMemset(a.out, 0xff, out_n * 4));
   a.queries = p.queries;
   a.positions = p.positions;
-  a.heads = p.heads;
-  a.kv_heads = p.kv_heads;
   a.scale = 1.0f / std::sqrt(float(kHd));
-  const dim3 grid(unsigned(tiles.size() / kTileRows), unsigned(p.heads));
-  attentionMma<<<grid, 32 * kWarps>>>(a);
+  const dim3 grid(unsigned(tiles.kv.size()));
+  attentionMma<kHd><<<grid, 32 * kWarps>>>(a);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
   if (launches > 1) {
@@ -261,7 +287,7 @@ std::vector<float> run(const Problem& p, const std::vector<int>& tiles, int laun
     CHECK(cudaEventCreate(&start));
     CHECK(cudaEventCreate(&stop));
     CHECK(cudaEventRecord(start));
-    for (int i = 0; i < launches; ++i) attentionMma<<<grid, 32 * kWarps>>>(a);
+    for (int i = 0; i < launches; ++i) attentionMma<kHd><<<grid, 32 * kWarps>>>(a);
     CHECK(cudaGetLastError());
     CHECK(cudaEventRecord(stop));
     CHECK(cudaEventSynchronize(stop));
@@ -271,93 +297,162 @@ std::vector<float> run(const Problem& p, const std::vector<int>& tiles, int laun
   }
   std::vector<float> out(out_n);
   CHECK(cudaMemcpy(out.data(), a.out, out_n * 4, cudaMemcpyDeviceToHost));
-  for (const void* ptr : {static_cast<const void*>(a.q), static_cast<const void*>(a.k),
-                          static_cast<const void*>(a.v), static_cast<const void*>(a.tile_rows),
-                          static_cast<const void*>(a.ends), static_cast<const void*>(a.out)})
+  for (const void* ptr :
+       {static_cast<const void*>(a.q), static_cast<const void*>(a.k), static_cast<const void*>(a.v),
+        static_cast<const void*>(a.tile_items), static_cast<const void*>(a.tile_kv),
+        static_cast<const void*>(a.ends), static_cast<const void*>(a.out)})
     CHECK(cudaFree(const_cast<void*>(ptr)));
   return out;
 }
 
-}  // namespace
+// Prefill's tiles: 64 consecutive queries of one head.
+Tiles prefillTiles(const Problem& p) {
+  Tiles t;
+  for (int h = 0; h < p.heads; ++h)
+    for (int q0 = 0; q0 < p.queries; q0 += kTileRows) {
+      std::vector<int> tile;
+      for (int q = q0; q < std::min(p.queries, q0 + kTileRows); ++q)
+        tile.push_back(h * p.queries + q);
+      t.add(tile, h / p.group());
+    }
+  return t;
+}
 
-int main() {
-  std::mt19937 rng(7);
-  bool ok = true;
+// Decode's: a query's q heads of one KV head in a warp (the other rows of the tile empty).
+Tiles decodeTiles(const Problem& p) {
+  Tiles t;
+  for (int q = 0; q < p.queries; ++q)
+    for (int kvh = 0; kvh < p.kv_heads; ++kvh) {
+      std::vector<int> tile;
+      for (int j = 0; j < p.group(); ++j) tile.push_back((kvh * p.group() + j) * p.queries + q);
+      t.add(tile, kvh);
+    }
+  return t;
+}
 
-  // Invariance and accuracy: 300 queries of one head against 700 positions, ends anywhere.
-  Problem p{300, 700, 2, 1};
-  p.q = randomBf16(size_t(p.heads) * p.queries * kHd, rng, 1.0f);
-  p.k = randomBf16(size_t(p.kv_heads) * p.positions * kHd, rng, 1.0f);
-  p.v = randomBf16(size_t(p.kv_heads) * p.positions * kHd, rng, 1.0f);
-  p.ends.resize(p.queries);
-  for (int& e : p.ends) e = 1 + int(rng() % uint32_t(p.positions));
-  // Mixed: the queries shuffled into tiles, a few rows left empty.
-  std::vector<int> order(p.queries);
-  for (int i = 0; i < p.queries; ++i) order[i] = i;
-  std::shuffle(order.begin(), order.end(), rng);
-  std::vector<int> mixed;
-  for (int i = 0; i < p.queries; ++i) {
-    if (rng() % 7 == 0) mixed.push_back(-1);
-    mixed.push_back(order[i]);
+// Each item alone, at a random row.
+Tiles aloneTiles(const Problem& p, std::mt19937& rng) {
+  Tiles t;
+  for (int h = 0; h < p.heads; ++h)
+    for (int q = 0; q < p.queries; ++q) {
+      std::vector<int> tile(kTileRows, -1);
+      tile[rng() % kTileRows] = h * p.queries + q;
+      t.add(tile, h / p.group());
+    }
+  return t;
+}
+
+// A KV group's items shuffled into tiles, a few rows left empty.
+Tiles mixedTiles(const Problem& p, std::mt19937& rng) {
+  Tiles t;
+  for (int kvh = 0; kvh < p.kv_heads; ++kvh) {
+    std::vector<int> items;
+    for (int j = 0; j < p.group(); ++j)
+      for (int q = 0; q < p.queries; ++q) items.push_back((kvh * p.group() + j) * p.queries + q);
+    std::shuffle(items.begin(), items.end(), rng);
+    std::vector<int> tile;
+    for (int item : items) {
+      if (rng() % 7 == 0) tile.push_back(-1);
+      tile.push_back(item);
+      if (int(tile.size()) >= kTileRows) {
+        t.add({tile.begin(), tile.begin() + kTileRows}, kvh);
+        tile.erase(tile.begin(), tile.begin() + kTileRows);
+      }
+    }
+    if (!tile.empty()) t.add(tile, kvh);
   }
-  while (mixed.size() % kTileRows != 0) mixed.push_back(-1);
-  // Alone: each query in a tile of its own, at a random row.
-  std::vector<int> alone(size_t(p.queries) * kTileRows, -1);
-  for (int i = 0; i < p.queries; ++i) alone[size_t(i) * kTileRows + rng() % kTileRows] = i;
-  const std::vector<float> got_mixed = run(p, mixed), got_alone = run(p, alone);
-  size_t differ = 0;
-  for (size_t i = 0; i < got_mixed.size(); ++i)
-    differ += std::memcmp(&got_mixed[i], &got_alone[i], 4) != 0;
-  std::printf("invariance: %zu of %zu outputs differ between a query alone and among others\n",
-              differ, got_mixed.size());
-  ok = ok && differ == 0;
+  return t;
+}
 
+// The worst relative error of an item's row against double precision, over every item.
+double worstError(const Problem& p, const std::vector<float>& got) {
   double worst = 0;
   for (int h = 0; h < p.heads; ++h) {
-    const int kvh = h / (p.heads / p.kv_heads);
+    const int kvh = h / p.group();
     for (int qi = 0; qi < p.queries; ++qi) {
-      const __nv_bfloat16* q = &p.q[(size_t(h) * p.queries + qi) * kHd];
-      std::vector<double> w(p.ends[qi]);
+      const __nv_bfloat16* q = &p.q[(size_t(h) * p.queries + qi) * p.hd];
+      const int end = p.ends[size_t(qi)];
+      std::vector<double> w(static_cast<size_t>(end));
       double m = -1e300, z = 0;
-      for (int pos = 0; pos < p.ends[qi]; ++pos) {
+      for (int pos = 0; pos < end; ++pos) {
         double dot = 0;
-        for (int d = 0; d < kHd; ++d)
+        for (int d = 0; d < p.hd; ++d)
           dot += double(__bfloat162float(q[d])) *
-                 double(__bfloat162float(p.k[(size_t(kvh) * p.positions + pos) * kHd + d]));
-        w[pos] = dot / std::sqrt(double(kHd));
-        m = std::max(m, w[pos]);
+                 double(__bfloat162float(p.k[(size_t(kvh) * p.positions + pos) * p.hd + d]));
+        w[size_t(pos)] = dot / std::sqrt(double(p.hd));
+        m = std::max(m, w[size_t(pos)]);
       }
       for (double& x : w) z += (x = std::exp(x - m));
       double err = 0, norm = 0;
-      for (int d = 0; d < kHd; ++d) {
+      for (int d = 0; d < p.hd; ++d) {
         double want = 0;
-        for (int pos = 0; pos < p.ends[qi]; ++pos)
-          want +=
-              w[pos] * double(__bfloat162float(p.v[(size_t(kvh) * p.positions + pos) * kHd + d]));
+        for (int pos = 0; pos < end; ++pos)
+          want += w[size_t(pos)] *
+                  double(__bfloat162float(p.v[(size_t(kvh) * p.positions + pos) * p.hd + d]));
         want /= z;
-        const double diff = got_mixed[(size_t(h) * p.queries + qi) * kHd + d] - want;
+        const double diff = got[(size_t(h) * p.queries + qi) * p.hd + d] - want;
         err += diff * diff;
         norm += want * want;
       }
       worst = std::max(worst, std::sqrt(err / std::max(norm, 1e-30)));
     }
   }
-  std::printf("accuracy: worst relative error of a row against double precision %.3g\n", worst);
-  ok = ok && worst < 2e-2;
+  return worst;
+}
 
-  // Speed: one 7B layer's attention in a prefill of 2,048 tokens (causal), consecutive tiles.
-  Problem s{2048, 2048, 28, 4};
-  s.q = randomBf16(size_t(s.heads) * s.queries * kHd, rng, 1.0f);
-  s.k = randomBf16(size_t(s.kv_heads) * s.positions * kHd, rng, 1.0f);
-  s.v = randomBf16(size_t(s.kv_heads) * s.positions * kHd, rng, 1.0f);
-  s.ends.resize(s.queries);
-  for (int i = 0; i < s.queries; ++i) s.ends[i] = i + 1;
-  std::vector<int> consecutive(s.queries);
-  for (int i = 0; i < s.queries; ++i) consecutive[i] = i;
+size_t differing(const std::vector<float>& a, const std::vector<float>& b) {
+  size_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += std::memcmp(&a[i], &b[i], 4) != 0;
+  return n;
+}
+
+// Invariance and accuracy at head size kHd: 14 heads on 2 KV heads (a group of 7, as both
+// Qwen2.5 shapes have), 120 queries of any length against 700 positions.
+template <int kHd>
+bool checkHeadSize(std::mt19937& rng) {
+  const Problem p = makeProblem(kHd, 120, 700, 14, 2, /*causal=*/false, rng);
+  const std::vector<float> alone = run<kHd>(p, aloneTiles(p, rng));
+  bool ok = true;
+  const struct {
+    const char* name;
+    Tiles tiles;
+  } ways[] = {
+      {"prefill", prefillTiles(p)}, {"decode", decodeTiles(p)}, {"mixed", mixedTiles(p, rng)}};
+  for (const auto& way : ways) {
+    const size_t n = differing(alone, run<kHd>(p, way.tiles));
+    std::printf("head size %d, %s tiles: %zu of %zu outputs differ from each item alone\n", kHd,
+                way.name, n, alone.size());
+    ok = ok && n == 0;
+  }
+  const double worst = worstError(p, alone);
+  std::printf("head size %d: worst relative error of a row against double precision %.3g\n", kHd,
+              worst);
+  return ok && worst < 2e-2;
+}
+
+// One layer's attention: a causal prefill of 2,048 tokens, and 32 decode rows at a context of
+// 2,048 (each its own sequence here: one query against the same keys, 32 times over).
+template <int kHd>
+void time(const char* shape, int heads, int kv_heads, std::mt19937& rng) {
+  const Problem prefill = makeProblem(kHd, 2048, 2048, heads, kv_heads, true, rng);
   float us = 0;
-  run(s, consecutive, 20, &us);
-  const double flops = 4.0 * kHd * s.heads * (double(s.queries) * (s.queries + 1) / 2);
-  std::printf("speed: 7B prefill attention, 2,048 tokens, one layer: %.1f us (%.1f TFLOPS)\n", us,
+  run<kHd>(prefill, prefillTiles(prefill), 20, &us);
+  const double flops = 4.0 * kHd * heads * (2048.0 * 2049.0 / 2);
+  std::printf("%s prefill attention, 2,048 tokens, one layer: %.1f us (%.1f TFLOPS)\n", shape, us,
               flops / (us * 1e-6) / 1e12);
+  Problem decode = makeProblem(kHd, 32, 2048, heads, kv_heads, false, rng);
+  for (int& e : decode.ends) e = 2048;
+  run<kHd>(decode, decodeTiles(decode), 20, &us);
+  std::printf("%s decode attention, 32 rows at 2,048 positions, one layer: %.1f us\n", shape, us);
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(7);
+  bool ok = checkHeadSize<64>(rng);
+  ok = checkHeadSize<128>(rng) && ok;
+  time<128>("7B", 28, 4, rng);
+  time<64>("0.5B", 14, 2, rng);
   return ok ? 0 : 1;
 }

@@ -51,8 +51,9 @@
 #           the kernel times of a 7B b1 step after a 2,048-token prompt
 #   attention-ncu ncu (the full set) on one launch of the prefill attention kernel (tiles) and
 #           one of the gate/up product, in a 7B prefill of a 2,048-token prompt: what bounds them
-#   attention-probe a tensor-core attention's invariance (a query alone in a tile against among
-#           others, bit for bit), accuracy and speed at the 7B prefill
+#   attention-probe a tensor-core attention's invariance (an item alone in a tile against as
+#           prefill, decode and a shuffle take it, bit for bit, head sizes 64 and 128), accuracy,
+#           and one layer's prefill and 32-row decode time at both shapes
 #           (tools/gpu/attention_mma_probe.cu, built there)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
