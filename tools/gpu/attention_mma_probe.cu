@@ -32,14 +32,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(call)                                                                              \
-  do {                                                                                           \
-    cudaError_t e_ = (call);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
+#include "probe.cuh"
 
 namespace {
 
@@ -60,26 +53,11 @@ struct Args {
   float scale;
 };
 
-__device__ __forceinline__ uint32_t pair(const __nv_bfloat16* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 __device__ __forceinline__ uint32_t packRounded(float lo, float hi) {
   const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
   uint32_t v;
   std::memcpy(&v, &p, 4);
   return v;
-}
-
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Two 8 x 8 bf16 matrices, transposed: rows from lanes 0-7 and 8-15.
@@ -113,7 +91,7 @@ __global__ void __launch_bounds__(32 * kWarps) attentionMma(Args a) {
   for (int s = 0; s < kHd / 16; ++s)
     for (int i = 0; i < 4; ++i) {
       const int row = i % 2, col = 16 * s + 2 * c + 8 * (i / 2);
-      qf[s][i] = item[row] >= 0 ? pair(a.q + size_t(item[row]) * kHd + col) : 0u;
+      qf[s][i] = item[row] >= 0 ? pairOf(a.q + size_t(item[row]) * kHd + col) : 0u;
     }
   const __nv_bfloat16* kh = a.k + size_t(kvh) * a.positions * kHd;
   const __nv_bfloat16* vh = a.v + size_t(kvh) * a.positions * kHd;
@@ -141,7 +119,7 @@ __global__ void __launch_bounds__(32 * kWarps) attentionMma(Args a) {
 #pragma unroll
       for (int j = 0; j < kChunk / 8; ++j) {
         const __nv_bfloat16* key = ks + (8 * j + g) * kStride + 16 * s + 2 * c;
-        mma(sc[j], qf[s][0], qf[s][1], qf[s][2], qf[s][3], pair(key), pair(key + 8));
+        mmaBf16(sc[j], qf[s][0], qf[s][1], qf[s][2], qf[s][3], pairOf(key), pairOf(key + 8));
       }
     // Row i (g, then g + 8): scaled, masked past its end, its chunk maximum over the quad.
     float chunk_max[2] = {-INFINITY, -INFINITY};
@@ -201,7 +179,7 @@ __global__ void __launch_bounds__(32 * kWarps) attentionMma(Args a) {
       for (int d = 0; d < kHd / 8; ++d) {
         uint32_t b0, b1;
         loadTransposed(b0, b1, vs + (16 * s + lane % 16) * kStride + 8 * d);
-        mma(o[d], pf[2 * s][0], pf[2 * s][1], pf[2 * s + 1][0], pf[2 * s + 1][1], b0, b1);
+        mmaBf16(o[d], pf[2 * s][0], pf[2 * s][1], pf[2 * s + 1][0], pf[2 * s + 1][1], b0, b1);
       }
   }
 #pragma unroll

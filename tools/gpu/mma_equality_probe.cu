@@ -20,22 +20,9 @@
 #include <random>
 #include <vector>
 
-#define CHECK(call)                                                                              \
-  do {                                                                                           \
-    cudaError_t e_ = (call);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
+#include "probe.cuh"
 
 constexpr int kM = 64, kN = 8;
-
-__device__ uint32_t pack(const __nv_bfloat16* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 
 // a: kM x k row-major, b: kN x k row-major (each output row n's k values contiguous), d: kM x kN.
 // Warp w takes rows 16w..16w+15 with mma.sync, k16 step after k16 step from d's start values.
@@ -45,14 +32,11 @@ __global__ void warpProduct(const __nv_bfloat16* a, const __nv_bfloat16* b, int 
   float acc[4] = {d[r0 * kN + 2 * c], d[r0 * kN + 2 * c + 1], d[r1 * kN + 2 * c],
                   d[r1 * kN + 2 * c + 1]};
   for (int k0 = 0; k0 < k; k0 += 16) {
-    const uint32_t a0 = pack(a + r0 * k + k0 + 2 * c), a1 = pack(a + r1 * k + k0 + 2 * c),
-                   a2 = pack(a + r0 * k + k0 + 2 * c + 8), a3 = pack(a + r1 * k + k0 + 2 * c + 8);
-    const uint32_t b0 = pack(b + g * k + k0 + 2 * c), b1 = pack(b + g * k + k0 + 2 * c + 8);
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    const uint32_t a0 = pairOf(a + r0 * k + k0 + 2 * c), a1 = pairOf(a + r1 * k + k0 + 2 * c),
+                   a2 = pairOf(a + r0 * k + k0 + 2 * c + 8),
+                   a3 = pairOf(a + r1 * k + k0 + 2 * c + 8);
+    const uint32_t b0 = pairOf(b + g * k + k0 + 2 * c), b1 = pairOf(b + g * k + k0 + 2 * c + 8);
+    mmaBf16(acc, a0, a1, a2, a3, b0, b1);
   }
   d[r0 * kN + 2 * c] = acc[0];
   d[r0 * kN + 2 * c + 1] = acc[1];
@@ -106,8 +90,9 @@ __global__ void groupProduct(const __nv_bfloat16* a, const __nv_bfloat16* b, int
           : "l"(da), "l"(db)
           : "memory");
     } else {
-      const uint32_t a0 = pack(a + r0 * k + k0 + 2 * c), a1 = pack(a + r1 * k + k0 + 2 * c),
-                     a2 = pack(a + r0 * k + k0 + 2 * c + 8), a3 = pack(a + r1 * k + k0 + 2 * c + 8);
+      const uint32_t a0 = pairOf(a + r0 * k + k0 + 2 * c), a1 = pairOf(a + r1 * k + k0 + 2 * c),
+                     a2 = pairOf(a + r0 * k + k0 + 2 * c + 8),
+                     a3 = pairOf(a + r1 * k + k0 + 2 * c + 8);
       asm volatile(
           "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
           "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
