@@ -90,6 +90,12 @@ run() {  # run NAME TIMEOUT COMMAND...: output to OUTDIR/NAME.txt, the tables to
   echo "rc=$? in $((SECONDS - t0)) s"
   grep -v '^\[\|^20[0-9][0-9]-' "$out/$name.txt" | tail -40
 }
+probe() {  # probe NAME TIMEOUT NVCC_FLAGS...: tools/gpu/NAME.cu built here, then run
+  local name=$1 limit=$2 nvcc=/usr/local/cuda/bin/nvcc
+  shift 2
+  [ -x "$nvcc" ] || nvcc=nvcc
+  "$nvcc" "$@" -o "$bundle/$name" "tools/gpu/$name.cu" && run "$name" "$limit" "$bundle/$name"
+}
 nproc
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for group in "$@"; do
@@ -264,20 +270,10 @@ for group in "$@"; do
       done
       ;;
     attention-probe)
-      nvcc=/usr/local/cuda/bin/nvcc
-      [ -x "$nvcc" ] || nvcc=nvcc
-      if "$nvcc" -std=c++17 -gencode arch=compute_90,code=sm_90 -O3 \
-          -o "$bundle/attention_mma_probe" tools/gpu/attention_mma_probe.cu; then
-        run attention-mma-probe 120 "$bundle/attention_mma_probe"
-      fi
+      probe attention_mma_probe 120 -std=c++17 -gencode arch=compute_90,code=sm_90 -O3
       ;;
     wgmma-probe)
-      nvcc=/usr/local/cuda/bin/nvcc
-      [ -x "$nvcc" ] || nvcc=nvcc
-      if "$nvcc" -std=c++20 -gencode arch=compute_90a,code=sm_90a -O2 \
-          -o "$bundle/mma_equality_probe" tools/gpu/mma_equality_probe.cu; then
-        run mma-equality-probe 60 "$bundle/mma_equality_probe"
-      fi
+      probe mma_equality_probe 60 -std=c++20 -gencode arch=compute_90a,code=sm_90a -O2
       ;;
     context)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
