@@ -218,8 +218,9 @@ __device__ void normedChecks(const GemmNormedInput& nin, const float (&inv)[kGro
       words += __shfl_xor_sync(0xffffffffu, words, offset);
     }
     if (lane == 0) {
-      atomicAdd(&nin.weight_fold->sum, fold);
-      atomicAdd(&nin.weight_fold->words, words);
+      FoldSlot& slot = nin.weight_fold->mine();
+      atomicAdd(&slot.sum, fold);
+      atomicAdd(&slot.words, words);
     }
   }
 }
@@ -638,10 +639,10 @@ __global__ void __launch_bounds__(kThreads)
       if (tile_row >= n) break;  // past the weight's last row: nothing was loaded
       unsigned long long block_fold = 0;
       for (int v = 0; v < kWarps; ++v) block_fold += fold_scratch[v][i];
-      FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
-      atomicAdd(&account->sum, block_fold);
+      FoldSlot& slot = foldAccount(fold, foldSegment(fold, tile_row))->mine();
+      atomicAdd(&slot.sum, block_fold);
       if (rank == 0)
-        atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
+        atomicAdd(&slot.words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
     }
   }
 }
@@ -906,10 +907,10 @@ __global__ void __launch_bounds__(kThreads)
       const int tile_row = n0 + rows0 + 16 * i;
       const unsigned long long folded = warpSum64(tileFold(fold, tile_row, g, c, fold_acc[i]));
       if (lane == 0 && tile_row < n) {
-        FoldAccount* account = foldAccount(fold, foldSegment(fold, tile_row));
-        atomicAdd(&account->sum, folded);
+        FoldSlot& slot = foldAccount(fold, foldSegment(fold, tile_row))->mine();
+        atomicAdd(&slot.sum, folded);
         if (rank == 0)
-          atomicAdd(&account->words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
+          atomicAdd(&slot.words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
       }
     }
   }

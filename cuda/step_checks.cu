@@ -1,6 +1,8 @@
 // The end of a step's arithmetic checks, and the compute-fault injection.
 #include "cuda/step_checks.cuh"
 
+#include <algorithm>
+
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
 
@@ -8,10 +10,13 @@ namespace bulkhead::cuda {
 namespace {
 
 __global__ void countFailedKernel(ProductCheck* products, int total, int roles,
-                                  const ProductScale* scales, ProductCounts counts) {
+                                  const ProductScale* scales, ProductCounts counts,
+                                  const FoldAccount* folds, int fold_count,
+                                  FoldTotal* fold_totals) {
   gridDependencyWait();
   allowDependentLaunch();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < fold_count) fold_totals[i] = {folds[i].sum(), folds[i].words()};
   if (i >= total) return;
   const ProductCheck p = products[i];
   products[i] = ProductCheck{};                                          // zero for the next step
@@ -38,13 +43,14 @@ __global__ void flipKernel(float* y, size_t index) {
 
 Status launchCountFailedProducts(ProductCheck* products, int rows, int roles,
                                  const ProductScale* scales, ProductCounts counts,
+                                 const FoldAccount* folds, int fold_count, FoldTotal* fold_totals,
                                  cudaStream_t stream) {
-  const int total = rows * roles;
-  if (total <= 0) return okStatus();
+  const int total = rows * roles, threads = std::max(total, fold_count);
+  if (threads <= 0) return okStatus();
   constexpr int kThreads = 256;
   BULKHEAD_CUDA_RETURN_IF_ERROR(
-      launchKernel(countFailedKernel, dim3(unsigned((total + kThreads - 1) / kThreads)), kThreads,
-                   stream, products, total, roles, scales, counts));
+      launchKernel(countFailedKernel, dim3(unsigned((threads + kThreads - 1) / kThreads)), kThreads,
+                   stream, products, total, roles, scales, counts, folds, fold_count, fold_totals));
   return okStatus();
 }
 

@@ -37,10 +37,35 @@ struct ProductScale {
 };
 
 // One weight's folded reads in one step: the sum of foldWordTerm(word, salt, index) over the
-// words loaded, and how many.
-struct FoldAccount {
+// words loaded, and how many. A launch's blocks add into kFoldSlots slots (a block's slot from its
+// index, each slot a 32-byte sector of its own) rather than all into one address, where their
+// atomic adds would wait for one another; integer sums modulo 2^64, so the slots add up to the
+// same totals in any order.
+inline constexpr int kFoldSlots = 8;
+struct FoldSlot {
   unsigned long long sum;
   unsigned long long words;
+  unsigned long long unused[2];
+};
+struct FoldAccount {
+  FoldSlot slots[kFoldSlots];
+  BULKHEAD_HOST_DEVICE unsigned long long sum() const {
+    unsigned long long total = 0;
+    for (const FoldSlot& s : slots) total += s.sum;
+    return total;
+  }
+  BULKHEAD_HOST_DEVICE unsigned long long words() const {
+    unsigned long long total = 0;
+    for (const FoldSlot& s : slots) total += s.words;
+    return total;
+  }
+#ifdef __CUDACC__
+  // The calling block's slot (the linear block index modulo kFoldSlots).
+  __device__ FoldSlot& mine() {
+    const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return slots[block % kFoldSlots];
+  }
+#endif
 };
 
 // Where a kernel adds its part of the checks. products is [row][role], `roles` per row.
@@ -142,8 +167,9 @@ __device__ inline unsigned long long foldTerm(uint32_t word, uint32_t salt, uint
 __device__ inline void addFold(FoldAccount* account, unsigned long long sum,
                                unsigned long long words) {
   sum = warpSum64(sum);
-  if (threadIdx.x % 32 == 0) atomicAdd(&account->sum, sum);
-  if (threadIdx.x == 0) atomicAdd(&account->words, words);
+  FoldSlot& slot = account->mine();
+  if (threadIdx.x % 32 == 0) atomicAdd(&slot.sum, sum);
+  if (threadIdx.x == 0) atomicAdd(&slot.words, words);
 }
 
 // Adds each lane's folded words and their count (at most 2^27 a lane) to a weight's account, a
@@ -154,8 +180,9 @@ __device__ inline void addWarpFold(FoldAccount* account, unsigned long long sum,
   sum = warpSum64(sum);
   const unsigned warp_words = __reduce_add_sync(0xffffffffu, unsigned(words));
   if (threadIdx.x % 32 == 0 && warp_words > 0) {
-    atomicAdd(&account->sum, sum);
-    atomicAdd(&account->words, (unsigned long long)warp_words);
+    FoldSlot& slot = account->mine();
+    atomicAdd(&slot.sum, sum);
+    atomicAdd(&slot.words, (unsigned long long)warp_words);
   }
 }
 
@@ -171,10 +198,18 @@ struct ProductCounts {
   unsigned int* checked = nullptr;
 };
 
+// A weight's folded reads in one step, its account's slots added up.
+struct FoldTotal {
+  unsigned long long sum;
+  unsigned long long words;
+};
+
 // After a step: counts the `rows` x roles product checks into `counts`, and zeroes them for the
-// next step.
+// next step; and adds up each of the `fold_count` accounts' slots into fold_totals (so that the
+// host reads 16 bytes a weight, not the slots).
 Status launchCountFailedProducts(ProductCheck* products, int rows, int roles,
                                  const ProductScale* scales, ProductCounts counts,
+                                 const FoldAccount* folds, int fold_count, FoldTotal* fold_totals,
                                  cudaStream_t stream);
 
 // Fault injection (a faulty multiplier): flips the highest exponent bit of y[index].

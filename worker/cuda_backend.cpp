@@ -114,6 +114,9 @@ struct CudaState {
   cuda::CheckView view;  // products and the fold accounts in `results`
   struct Results {
     size_t folds = 0, row_sums = 0, failed = 0, strayed = 0, checked = 0, nonfinite = 0;
+    // The fold accounts' slots, last: zeroed with the rest before a step, but not read back (the
+    // count kernel adds them up into `folds`, FoldTotal a weight).
+    size_t fold_slots = 0;
     Layout layout;
   } res;
   DeviceMemory results;
@@ -516,16 +519,18 @@ Status CudaBackend::allocateStep(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(
       d.products, DeviceMemory::allocate(T * size_t(product_roles_) * sizeof(cuda::ProductCheck)));
   d.res.layout = {};
-  d.res.folds = d.res.layout.add(std::max<size_t>(1, folds_.size()) * sizeof(cuda::FoldAccount));
+  const size_t fold_count = std::max<size_t>(1, folds_.size());
+  d.res.folds = d.res.layout.add(fold_count * sizeof(cuda::FoldTotal));
   d.res.row_sums = d.res.layout.add(T * 8);
   d.res.failed = d.res.layout.add(size_t(product_roles_) * 4);
   d.res.strayed = d.res.layout.add(size_t(product_roles_) * 4);
   d.res.checked = d.res.layout.add(size_t(product_roles_) * 4);
   d.res.nonfinite = d.res.layout.add(T * 4);
+  d.res.fold_slots = d.res.layout.add(fold_count * sizeof(cuda::FoldAccount));
   BULKHEAD_ASSIGN_OR_RETURN(d.results, DeviceMemory::allocate(d.res.layout.bytes));
-  BULKHEAD_ASSIGN_OR_RETURN(d.results_host, PinnedMemory::allocate(d.res.layout.bytes));
+  BULKHEAD_ASSIGN_OR_RETURN(d.results_host, PinnedMemory::allocate(d.res.fold_slots));
   d.view = {d.products.get<cuda::ProductCheck>(), product_roles_,
-            d.result<cuda::FoldAccount>(d.res.folds)};
+            d.result<cuda::FoldAccount>(d.res.fold_slots)};
   return okStatus();
 }
 
@@ -1026,10 +1031,10 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
         d.view.products, n, product_roles_, d.product_scales.get<cuda::ProductScale>(),
         {d.result<unsigned int>(d.res.failed), d.result<unsigned int>(d.res.strayed),
          d.result<unsigned int>(d.res.checked)},
-        stream));
+        d.view.folds, int(folds_.size()), d.result<cuda::FoldTotal>(d.res.folds), stream));
   BULKHEAD_RETURN_IF_ERROR(mark("count product checks"));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-      d.results_host.get(), d.results.get(), d.res.layout.bytes, cudaMemcpyDeviceToHost, stream));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.results_host.get(), d.results.get(),
+                                                d.res.fold_slots, cudaMemcpyDeviceToHost, stream));
   return mark("results read-back");
 }
 
@@ -1094,7 +1099,7 @@ WeightReadVerdict CudaBackend::verdictOfStep() const {
   WeightReadVerdict verdict;
   verdict.checked = limits_.checks_weight_reads;
   if (!verdict.checked) return verdict;
-  const auto* folds = d.resultHost<cuda::FoldAccount>(d.res.folds);
+  const auto* folds = d.resultHost<cuda::FoldTotal>(d.res.folds);
   const uint64_t rows = uint64_t(pending_.tokens), logits_rows = pending_.rows.size();
   for (size_t i = 0; i < folds_.size(); ++i) {
     const FoldRole& f = folds_[i];
@@ -1123,12 +1128,13 @@ WeightReadVerdict CudaBackend::verdictOfStep() const {
         want_words = pending_.gathered.size() * (f.words / f.row_expected.size());
         break;
     }
-    verdict.words_read += folds[i].words;
+    const uint64_t sum = folds[i].sum, words = folds[i].words;
+    verdict.words_read += words;
     const uint64_t mask = f.folded32() ? 0xffffffffu : ~uint64_t(0);
     if (verdict.failed_tensor.empty() &&
-        ((folds[i].sum & mask) != (want_sum & mask) || folds[i].words != want_words)) {
+        ((sum & mask) != (want_sum & mask) || words != want_words)) {
       verdict.failed_tensor = f.weight->role;
-      verdict.why = folds[i].words != want_words ? "not read in full"
+      verdict.why = words != want_words ? "not read in full"
                     : f.weight->ptr != d.slots[f.weight->tensor_index]
                         ? "read from another slot than its own"
                         : "its bytes differ from the checkpoint";

@@ -162,10 +162,10 @@ TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
       const std::vector<cuda::FoldAccount> got = accounts.read();
       for (int i = 0; i < fold.weights; ++i) {
         const uint64_t rows = uint64_t(i == 0 ? split : n - split);
-        EXPECT_EQ(uint32_t(got[size_t(i)].sum), want[i])
+        EXPECT_EQ(uint32_t(got[size_t(i)].sum()), want[i])
             << "weight " << i << ", " << m << " rows, schedule "
             << cuda::gemmScheduleName(schedule);
-        EXPECT_EQ(got[size_t(i)].words, rows * uint64_t(k / 2))
+        EXPECT_EQ(got[size_t(i)].words(), rows * uint64_t(k / 2))
             << "weight " << i << ", " << m << " rows, schedule "
             << cuda::gemmScheduleName(schedule);
       }
@@ -178,7 +178,7 @@ TEST_P(GemmGpuTest, FoldsEveryWeightWordAsTheHostDoes) {
   for (auto schedule : cuda::kGemmSchedules) {
     ASSERT_EQ(cudaMemset(accounts.p, 0, 3 * sizeof(cuda::FoldAccount)), cudaSuccess);
     ASSERT_TRUE(cuda::launchGemm(dx.p, 1, dflipped.p, n, k, dy.p, n, nullptr, fold, schedule).ok());
-    EXPECT_NE(uint32_t(accounts.read()[size_t(fold.weights - 1)].sum), want[fold.weights - 1])
+    EXPECT_NE(uint32_t(accounts.read()[size_t(fold.weights - 1)].sum()), want[fold.weights - 1])
         << "schedule " << cuda::gemmScheduleName(schedule);
   }
 }

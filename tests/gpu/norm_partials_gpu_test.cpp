@@ -310,7 +310,7 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
     const std::vector<float> want_default = dy.read();
     const std::vector<cuda::ProductCheck> want_checks = checks.read();
     const cuda::FoldAccount want_fold = fold.read()[0];
-    ASSERT_EQ(want_fold.words, uint64_t(rows) * uint64_t(k / 2));
+    ASSERT_EQ(want_fold.words(), uint64_t(rows) * uint64_t(k / 2));
     cuda::GemmNormedInput normed;
     normed.x = dx.p;
     normed.ldx = k;
@@ -349,8 +349,8 @@ TEST(NormedProduct, GivesTheNormKernelsRowsAndChecks) {
         EXPECT_EQ(i % roles == 0, b.expected == 0.0) << "role 0 is no consumer's";
       }
       const cuda::FoldAccount got_fold = fold.read()[0];
-      EXPECT_EQ(got_fold.sum, want_fold.sum) << how;
-      EXPECT_EQ(got_fold.words, want_fold.words) << how;
+      EXPECT_EQ(got_fold.sum(), want_fold.sum()) << how;
+      EXPECT_EQ(got_fold.words(), want_fold.words()) << how;
     }
     // More rows than the normed products take are refused, not computed wrongly.
     if (rows == 8) {
