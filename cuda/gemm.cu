@@ -332,7 +332,10 @@ __device__ __forceinline__ void storeOutput(int row, int token, float value, int
                                             const GemmResidual& res) {
   const bool valid = row < n && token < m;
   if constexpr (!kResidual) {
-    if (valid) y[size_t(token) * ldy + row] = value;
+    if (valid) {
+      y[size_t(token) * ldy + row] = value;
+      if (res.rows_to != nullptr) res.rows_to[token][row] = value;
+    }
     return;
   }
   if (valid && res.fault == (long long)token * n + row)
@@ -1023,6 +1026,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     if (fold.row_end[s] % 16 != 0)
       return invalidArgument("product fold boundary at row " + std::to_string(fold.row_end[s]) +
                              " is not a multiple of 16");
+  if (to_residual && residual.rows_to != nullptr)
+    return invalidArgument("a product into the residual stores no rows elsewhere (rows_to)");
   if (to_residual &&
       (residual.ldx < n || residual.partials == nullptr || residual.ldp < normTiles(n) ||
        (residual.checks != nullptr && (residual.role < 0 || residual.role >= residual.roles))))

@@ -73,6 +73,10 @@ struct GemmResidual {
   // Fault injection (a faulty multiplier): output row * n + column has its highest exponent bit
   // flipped before it is used; -1: none.
   long long fault = -1;
+  // Without x: each output also stored to rows_to[token][column] (device-visible pointers, such
+  // as the logits rows' slots in the host-registered arena), so the rows cross PCIe while the
+  // product runs rather than in a copy after it. Null: y only.
+  float* const* rows_to = nullptr;
 };
 
 // A product whose input is the RMSNorm of the residual stream, normalised as its tokens load

@@ -35,10 +35,10 @@ __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
   unsigned long long sum = 0;
   unsigned bad = 0;
   double produced[2] = {};  // lm_head's produced sum and sum of squares
-  if (a.aligned && a.vocab % 4 == 0) {
+  if ((a.aligned || a.rows_written) && a.vocab % 4 == 0) {
     for (int i = begin + 4 * threadIdx.x; i < end; i += 4 * kThreads) {
       const float4 v = *reinterpret_cast<const float4*>(src + i);
-      *reinterpret_cast<float4*>(dst + i) = v;
+      if (!a.rows_written) *reinterpret_cast<float4*>(dst + i) = v;
       account(v.x, i, sum, bad, produced);
       account(v.y, i + 1, sum, bad, produced);
       account(v.z, i + 2, sum, bad, produced);
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
   } else {
     for (int i = begin + threadIdx.x; i < end; i += kThreads) {
       const float v = src[i];
-      dst[i] = v;
+      if (!a.rows_written) dst[i] = v;
       account(v, i, sum, bad, produced);
     }
   }

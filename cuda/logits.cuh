@@ -1,8 +1,8 @@
 // Logits rows out of the device: lm_head's fp32 output copied to each row's destination (a slot
-// of the host-registered logits arena, so the row reaches the broker with no host copy), and as
-// each value is written, the row's checksum (shared/checksum.h checkRow: the order-independent
-// sum of each word's term keyed by its index) and finite flag, and lm_head's produced sum for
-// its arithmetic check.
+// of the host-registered logits arena, so the row reaches the broker with no host copy), unless
+// the product stored them there itself, and for each value the row's checksum (shared/checksum.h
+// checkRow: the order-independent sum of each word's term keyed by its index) and finite flag, and
+// lm_head's produced sum for its arithmetic check.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,6 +24,9 @@ struct LogitsArgs {
   int role = -1;                           // lm_head's product role
   int check_row = 0;                       // the first row's index in the product checks
   CheckView checks;
+  // The product already stored the rows to dst (GemmResidual::rows_to): only their checksums,
+  // finite flags and produced sums, from `logits` (the same values).
+  bool rows_written = false;
 };
 
 // Device memory (dst may be mapped host memory), asynchronous on `stream`.

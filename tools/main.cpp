@@ -240,6 +240,12 @@ int main(int argc, char** argv) {
                    "loading each key and value once for them")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  engine_bench
+      ->add_option("--logits-in-product", engine_opts.logits_in_product,
+                   "CUDA: lm_head stores the logits rows to their destinations as it computes "
+                   "them (off: a copy after it)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   engine_bench->add_flag("--kernel-times", engine_opts.kernel_times,
                          "CUDA: then where a decode step's device time goes, launch by launch "
                          "(an event after each, no graphs), with and without the checks, and "

@@ -190,6 +190,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->rope_in_attention_ =
       options.rope_in_attention.value_or(b->config().head_dim <= kRopeInAttentionHeads);
   b->attention_tiles_ = options.attention_tiles;
+  b->logits_in_product_ = options.logits_in_product;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->d_ = std::make_unique<CudaState>();
@@ -734,7 +735,8 @@ Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
 
 Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
                              float* y, int ldy, const cuda::GemmNormedInput* normed,
-                             const cuda::GemmActivatedInput* activated, int check_row) {
+                             const cuda::GemmActivatedInput* activated, int check_row,
+                             float* const* rows_to) {
   // One product over the group when its slots lie one after another (one weight matrix), else
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
@@ -754,8 +756,9 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
   const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
-  if ((normed != nullptr || activated != nullptr) && (!adjacent || d_->cublas != nullptr))
-    return internalError("a computed input for products that are not one of ours");
+  if ((normed != nullptr || activated != nullptr || rows_to != nullptr) &&
+      (!adjacent || d_->cublas != nullptr))
+    return internalError("a computed input or rows stored elsewhere for products not one of ours");
   if (d_->cublas != nullptr) {
     if (!adjacent || ldy != n)
       return unimplemented("cuBLAS products need a group's weights adjacent and its output packed");
@@ -765,9 +768,11 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     const cuda::GemmNormedInput own = normed == nullptr && activated == nullptr
                                           ? ownChecks(group, check_row)
                                           : cuda::GemmNormedInput{};
+    cuda::GemmResidual epilogue;
+    epilogue.rows_to = rows_to;
     BULKHEAD_RETURN_IF_ERROR(
         cuda::launchGemm(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy,
-                         stream, fused, schedule, 0, {}, normed != nullptr ? *normed : own,
+                         stream, fused, schedule, 0, epilogue, normed != nullptr ? *normed : own,
                          activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
   }
 
@@ -1000,9 +1005,13 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   auto* const* dst_host = d.inputHost<float*>(d.in.dst);
   for (int first = 0; first < m; first += kLogitsChunk) {
     const int rows = std::min(kLogitsChunk, m - first);
-    BULKHEAD_RETURN_IF_ERROR(
-        products({&lm_head_}, d.final_rows.get<__nv_bfloat16>() + size_t(first) * c.hidden_size,
-                 rows, d.logits.get<float>(), vocab, nullptr, nullptr, first));
+    // lm_head stores its rows to their destinations itself (Options::logits_in_product), except
+    // through cuBLAS or with a compute fault armed (which flips an output after the product).
+    const bool in_product =
+        logits_in_product_ && d.cublas == nullptr && fault_role_ != lm_head_.product;
+    BULKHEAD_RETURN_IF_ERROR(products(
+        {&lm_head_}, d.final_rows.get<__nv_bfloat16>() + size_t(first) * c.hidden_size, rows,
+        d.logits.get<float>(), vocab, nullptr, nullptr, first, in_product ? dst + first : nullptr));
     BULKHEAD_RETURN_IF_ERROR(mark("product lm_head"));
     cuda::LogitsArgs la;
     la.logits = d.logits.get<float>();
@@ -1015,6 +1024,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
     la.role = checks ? lm_head_.product : -1;
     la.check_row = first;
     la.checks = d.view;
+    la.rows_written = in_product;
     BULKHEAD_RETURN_IF_ERROR(cuda::launchLogits(la, stream));
     BULKHEAD_RETURN_IF_ERROR(mark("logits rows out"));
     // Rows not in the registered arena went to the fallback buffer: copy them out in order.

@@ -75,6 +75,10 @@ class CudaBackend final : public Backend {
     // AttentionArgs::tiles), instead of a block a row: the same numbers, prefill 2-2.4 times as
     // fast on long prompts (cuda/PERFORMANCE.md).
     bool attention_tiles = true;
+    // lm_head stores its logits rows to their destinations (the arena's slots) as it computes
+    // them, so they cross PCIe during the product instead of in a copy after it; the rows kernel
+    // then only checksums them from the device copy. The same rows either way.
+    bool logits_in_product = true;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -163,10 +167,12 @@ class CudaBackend final : public Backend {
   // With `normed`, the group's input is the norm it describes, not x (one product: the group's
   // slots adjacent, ours, at most cuda::kMaxNormedRows rows). With neither `normed` nor
   // `activated`, our products add their weights' expected sums and bounds themselves, from x
-  // (ownChecks), for check rows check_row onwards.
+  // (ownChecks), for check rows check_row onwards. With `rows_to` (one of our products), each
+  // output row is also stored to rows_to[row] (cuda::GemmResidual::rows_to).
   Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
                   int ldy, const cuda::GemmNormedInput* normed = nullptr,
-                  const cuda::GemmActivatedInput* activated = nullptr, int check_row = 0);
+                  const cuda::GemmActivatedInput* activated = nullptr, int check_row = 0,
+                  float* const* rows_to = nullptr);
   // Whether the group's slots lie one after another, each but the last ending on a 16-row tile
   // (one product for the group).
   static bool adjacentGroup(std::initializer_list<const Weight*> group);
@@ -220,6 +226,7 @@ class CudaBackend final : public Backend {
   bool silu_in_products_ = false;
   bool rope_in_attention_ = false;
   bool attention_tiles_ = false;
+  bool logits_in_product_ = true;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   int device_ = 0;

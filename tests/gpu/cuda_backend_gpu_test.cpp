@@ -39,6 +39,7 @@ bool norm_in_products = false;   // and CudaBackend::Options::norm_in_products
 bool silu_in_products = false;   // and CudaBackend::Options::silu_in_products
 bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
 bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
+bool logits_in_product = true;   // CudaBackend::Options::logits_in_product
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -49,6 +50,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.silu_in_products = silu_in_products;
   options.rope_in_attention = rope_in_attention;
   options.attention_tiles = attention_tiles;
+  options.logits_in_product = logits_in_product;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -215,6 +217,23 @@ TEST_P(CudaBackendModels, GraphsDoNotChangeLogits) {
   EXPECT_GT(backend_->graphLaunches(), 0u) << "no step ran as a graph";
   EXPECT_EQ(plain->graphLaunches(), 0u);
   expectIdentical(with, without, "graphs");
+}
+
+// lm_head storing its rows to their destinations itself gives the rows the copy after it gives,
+// bit for bit, with graphs and without (its row checksums: RowChecksAreThoseOfTheBytesWritten).
+TEST_P(CudaBackendModels, LogitsStoredByTheProductAreTheCopiedOnes) {
+  logits_in_product = false;
+  auto copied = cudaBackend(checkpoint_), copied_plain = cudaBackend(checkpoint_, false);
+  logits_in_product = true;
+  ASSERT_NE(copied, nullptr);
+  ASSERT_NE(copied_plain, nullptr);
+  auto plain = cudaBackend(checkpoint_, /*graphs=*/false);
+  ASSERT_NE(plain, nullptr);
+  const test::Rows stored = decodeThree(*backend_, vocab_);
+  expectIdentical(stored, decodeThree(*copied, vocab_), "copied, graphs");
+  expectIdentical(stored, decodeThree(*copied_plain, vocab_), "copied, no graphs");
+  expectIdentical(stored, decodeThree(*plain, vocab_), "stored, no graphs");
+  EXPECT_GT(backend_->graphLaunches(), 0u) << "no step ran as a graph";
 }
 
 // The product checks start every step at zero: the kernel that counts them at a step's end clears
