@@ -55,6 +55,8 @@
 #           prefill, decode and a shuffle take it, bit for bit, head sizes 64 and 128), accuracy,
 #           and one layer's prefill and 32-row decode time at both shapes
 #           (tools/gpu/attention_mma_probe.cu, built there)
+#   logits  the GPU tests of lm_head storing its rows itself (and of every row's checksum), then
+#           bench-engine on both shapes at 1-64 rows with --logits-in-product on and off
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -297,6 +299,17 @@ for group in "$@"; do
           --launch-skip "${kernel_skip#*:}" -c 1 --page details "$bh" bench-engine --model "$m" \
           --backend cuda \
           --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 1 --no-compare --graphs off
+      done
+      ;;
+    logits)
+      run gpu-tests-logits 300 "$bundle/gpu_tests" \
+        --gtest_filter='*LogitsStoredByTheProduct*:*RowChecksAreThoseOfTheBytesWritten*:*Gemm*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for on in on off; do
+          run "bench-engine-$shape-logits-$on" 150 "$bh" bench-engine --model "$m" --backend cuda \
+            --batch 1,8,32,64 --no-compare --logits-in-product $on
+        done
       done
       ;;
     long)
