@@ -1,0 +1,369 @@
+// Attention on the tensor cores: see cuda/attention_mma.cuh. Block (tile, z): the tile's items,
+// lane (g, c) of warp w holding items 16 w + g and 16 w + g + 8 as mma.sync's fragments hold rows
+// g and g + 8; the block stages each chunk's keys and values in shared memory once for its four
+// warps.
+#include "cuda/attention_mma.cuh"
+
+#include <cstring>
+#include <string>
+
+#include "cuda/cuda_check.cuh"
+#include "cuda/launch.cuh"
+
+namespace bulkhead::cuda {
+namespace {
+
+constexpr int kChunk = 64;  // key positions a chunk
+constexpr int kWarps = kMmaTileItems / 16;
+constexpr int kThreads = 32 * kWarps;
+static_assert(kAttentionSplit % kChunk == 0, "a split is whole chunks");
+
+__device__ __forceinline__ uint32_t pairOf(const __nv_bfloat16* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+__device__ __forceinline__ uint32_t packRounded(float lo, float hi) {
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  uint32_t v;
+  std::memcpy(&v, &p, 4);
+  return v;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two 8 x 8 bf16 matrices, transposed: rows from lanes 0-7 and 8-15.
+__device__ __forceinline__ void loadTransposed(uint32_t& r0, uint32_t& r1, const void* row) {
+  const unsigned at = unsigned(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(at));
+}
+
+// A lane's two items: their online softmax over one split (or the fold of several), and the
+// lane's dimensions of their outputs (o[d][2 i], o[d][2 i + 1]: item i, dimensions 8 d + 2 c and
+// 8 d + 2 c + 1).
+template <int HD>
+struct State {
+  float max[2], sum[2];
+  float o[HD / 8][4];
+  __device__ void clear() {
+    max[0] = max[1] = -INFINITY;
+    sum[0] = sum[1] = 0.0f;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] = 0.0f;
+  }
+};
+
+// Folds item i of split result `s` into `into` (which holds splits 0 .. before it), by the formula
+// cuda/attention.cu's foldSplit uses.
+template <int HD>
+__device__ __forceinline__ void foldItem(State<HD>& into, const State<HD>& s, int i) {
+  const float m = fmaxf(into.max[i], s.max[i]);
+  const float a = expf(into.max[i] - m), b = expf(s.max[i] - m);
+  into.sum[i] = fmaf(into.sum[i], a, s.sum[i] * b);
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) {
+    into.o[d][2 * i] = fmaf(into.o[d][2 * i], a, s.o[d][2 * i] * b);
+    into.o[d][2 * i + 1] = fmaf(into.o[d][2 * i + 1], a, s.o[d][2 * i + 1] * b);
+  }
+  into.max[i] = m;
+}
+
+struct Tile {
+  int first, count, kvh, items, group;
+};
+
+__device__ __forceinline__ Tile tileOf(const MmaAttentionArgs& a) {
+  const uint32_t word = a.tiles[2 * blockIdx.x];
+  Tile t;
+  t.first = int(word & 0xffffffu);
+  t.count = int(word >> 24);
+  t.kvh = int(a.tiles[2 * blockIdx.x + 1]);
+  t.group = a.heads / a.kv_heads;
+  t.items = t.count * t.group;
+  return t;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs a) {
+  constexpr int kStride = HD + 8;  // a staged key or value row in bf16: no bank conflicts
+  constexpr int kPieces = HD / 8;  // 16-byte pieces a row
+  __shared__ __align__(16) __nv_bfloat16 ks[kChunk * kStride];
+  __shared__ __align__(16) __nv_bfloat16 vs[kChunk * kStride];
+  __shared__ bool last;
+  const Tile tile = tileOf(a);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int row[2], head[2];
+  uint32_t end[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int item = 16 * warp + g + 8 * i;
+    const bool valid = item < tile.items;
+    row[i] = valid ? tile.first + item / tile.group : -1;
+    head[i] = valid ? tile.kvh * tile.group + item % tile.group : 0;
+    end[i] = valid ? a.positions[row[i]] + 1 : 0;
+  }
+  uint32_t block_end = 0;
+  for (int r = 0; r < tile.count; ++r) block_end = max(block_end, a.positions[tile.first + r] + 1);
+  const uint32_t* table = a.block_tables + a.row_table[tile.first];
+  const size_t head_offset = size_t(tile.kvh) * a.block_size * HD,
+               block_stride = size_t(a.kv_heads) * a.block_size * HD;
+  auto cacheRow = [&](uint32_t p) {
+    return size_t(table[p / uint32_t(a.block_size)]) * block_stride + head_offset +
+           size_t(p % uint32_t(a.block_size)) * HD;
+  };
+  const uint32_t splits = (block_end + kAttentionSplit - 1) / kAttentionSplit;
+  gridDependencyWait();  // the queries and the cache are the kernels' before
+  allowDependentLaunch();
+  // The items' queries as mma.sync's A fragments, every k16 step of the head (zeros for an
+  // empty row), rounded to bf16.
+  uint32_t qf[HD / 16][4];
+#pragma unroll
+  for (int s = 0; s < HD / 16; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int it = i % 2, col = 16 * s + 2 * c + 8 * (i / 2);
+      const float* q = a.q + size_t(row[it] < 0 ? 0 : row[it]) * a.q_stride + head[it] * HD + col;
+      qf[s][i] = row[it] >= 0 ? packRounded(q[0], q[1]) : 0u;
+    }
+  State<HD> folded, run;
+  folded.clear();
+  // One split's online softmax over chunks of kChunk positions from `begin`, into `run`.
+  auto attendSplit = [&](uint32_t begin, uint32_t split_end) {
+    run.clear();
+    for (uint32_t chunk = begin; chunk < split_end; chunk += kChunk) {
+      __syncthreads();  // every warp is done with the chunk before
+      // Positions past the tile's last are zeros: the cache there may hold anything, and 0 times
+      // NaN is NaN.
+      for (int e = threadIdx.x; e < kChunk * kPieces; e += kThreads) {
+        const int p = e / kPieces, piece = e % kPieces;
+        const uint32_t position = chunk + uint32_t(p);
+        uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
+        if (position < block_end) {
+          const size_t at = cacheRow(position);
+          kv = reinterpret_cast<const uint4*>(a.k_cache + at)[piece];
+          vv = reinterpret_cast<const uint4*>(a.v_cache + at)[piece];
+        }
+        *reinterpret_cast<uint4*>(ks + p * kStride + 8 * piece) = kv;
+        *reinterpret_cast<uint4*>(vs + p * kStride + 8 * piece) = vv;
+      }
+      __syncthreads();
+      float sc[kChunk / 8][4] = {};
+#pragma unroll
+      for (int s = 0; s < HD / 16; ++s)
+#pragma unroll
+        for (int j = 0; j < kChunk / 8; ++j) {
+          const __nv_bfloat16* key = ks + (8 * j + g) * kStride + 16 * s + 2 * c;
+          mma(sc[j], qf[s][0], qf[s][1], qf[s][2], qf[s][3], pairOf(key), pairOf(key + 8));
+        }
+      float chunk_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < kChunk / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e / 2;
+          const uint32_t position = chunk + uint32_t(8 * j + 2 * c + e % 2);
+          const float s = position < end[i] ? __fmul_rn(sc[j][e], a.scale) : -INFINITY;
+          sc[j][e] = s;
+          chunk_max[i] = fmaxf(chunk_max[i], s);
+        }
+      float alpha[2], chunk_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        chunk_max[i] = fmaxf(chunk_max[i], __shfl_xor_sync(0xffffffffu, chunk_max[i], 1));
+        chunk_max[i] = fmaxf(chunk_max[i], __shfl_xor_sync(0xffffffffu, chunk_max[i], 2));
+        const float new_max = fmaxf(run.max[i], chunk_max[i]);
+        // 1 for an item this chunk does not reach (its maximum stays); 0 on an item's first.
+        alpha[i] = run.max[i] == new_max ? 1.0f : expf(run.max[i] - new_max);
+        run.max[i] = new_max;
+      }
+      uint32_t pf[kChunk / 8][2];
+#pragma unroll
+      for (int j = 0; j < kChunk / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float p[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float s = sc[j][2 * i + e];
+            p[e] =
+                s == -INFINITY ? 0.0f : __bfloat162float(__float2bfloat16_rn(expf(s - run.max[i])));
+            chunk_sum[i] += p[e];
+          }
+          pf[j][i] = packRounded(p[0], p[1]);
+        }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        chunk_sum[i] += __shfl_xor_sync(0xffffffffu, chunk_sum[i], 1);
+        chunk_sum[i] += __shfl_xor_sync(0xffffffffu, chunk_sum[i], 2);
+        run.sum[i] = fmaf(run.sum[i], alpha[i], chunk_sum[i]);
+      }
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) {
+        run.o[d][0] *= alpha[0];
+        run.o[d][1] *= alpha[0];
+        run.o[d][2] *= alpha[1];
+        run.o[d][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int s = 0; s < kChunk / 16; ++s)
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+          uint32_t b0, b1;
+          loadTransposed(b0, b1, vs + (16 * s + lane % 16) * kStride + 8 * d);
+          mma(run.o[d], pf[2 * s][0], pf[2 * s][1], pf[2 * s + 1][0], pf[2 * s + 1][1], b0, b1);
+        }
+    }
+  };
+  const uint32_t step = uint32_t(a.split_blocks);
+  unsigned mine = 0;
+  for (uint32_t s = blockIdx.y; s < splits; s += step, ++mine) {
+    const uint32_t begin = s * kAttentionSplit;
+    attendSplit(begin, min(block_end, begin + uint32_t(kAttentionSplit)));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (end[i] <= begin) continue;  // the split holds none of this item's positions
+      if (step > 1) {
+        float* at =
+            a.split_partials + ((size_t(row[i]) * a.heads + head[i]) * a.max_splits + s) * (HD + 2);
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+          at[8 * d + 2 * c] = run.o[d][2 * i];
+          at[8 * d + 2 * c + 1] = run.o[d][2 * i + 1];
+        }
+        if (c == 0) {
+          at[HD] = run.max[i];
+          at[HD + 1] = run.sum[i];
+        }
+      } else if (s == 0) {
+        folded.max[i] = run.max[i];
+        folded.sum[i] = run.sum[i];
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+          folded.o[d][2 * i] = run.o[d][2 * i];
+          folded.o[d][2 * i + 1] = run.o[d][2 * i + 1];
+        }
+      } else {
+        foldItem(folded, run, i);
+      }
+    }
+  }
+  if (step > 1) {
+    // The block that completes the tile's last split folds every split's partials in order.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned* count = a.split_counts + blockIdx.x;
+      last = atomicAdd(count, mine) + mine == splits;
+      if (last) *count = 0;  // left zero for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (row[i] < 0) continue;
+      const uint32_t item_splits = (end[i] + kAttentionSplit - 1) / kAttentionSplit;
+      for (uint32_t s = 0; s < item_splits; ++s) {
+        const float* at =
+            a.split_partials + ((size_t(row[i]) * a.heads + head[i]) * a.max_splits + s) * (HD + 2);
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+          run.o[d][2 * i] = __ldcg(at + 8 * d + 2 * c);
+          run.o[d][2 * i + 1] = __ldcg(at + 8 * d + 2 * c + 1);
+        }
+        run.max[i] = __ldcg(at + HD);
+        run.sum[i] = __ldcg(at + HD + 1);
+        if (s == 0) {
+          folded.max[i] = run.max[i];
+          folded.sum[i] = run.sum[i];
+#pragma unroll
+          for (int d = 0; d < HD / 8; ++d) {
+            folded.o[d][2 * i] = run.o[d][2 * i];
+            folded.o[d][2 * i + 1] = run.o[d][2 * i + 1];
+          }
+        } else {
+          foldItem(folded, run, i);
+        }
+      }
+    }
+  }
+  // The outputs, and the o product's expected sum and bound from them (a quad's four lanes hold
+  // an item's dimensions).
+  double sums[2][2] = {};  // [item][expected, bound]
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (row[i] < 0) continue;
+    __nv_bfloat16* out = a.out + size_t(row[i]) * a.heads * HD + size_t(head[i]) * HD;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int dim = 8 * d + 2 * c + e;
+        const __nv_bfloat16 o = __float2bfloat16_rn(folded.o[d][2 * i + e] / folded.sum[i]);
+        out[dim] = o;
+        if (a.consumer.role >= 0) {
+          const float of = __bfloat162float(o);
+          const int col = head[i] * HD + dim;
+          sums[i][0] += double(a.consumer.colsum[col]) * of;
+          sums[i][1] += double(a.consumer.abssum[col]) * fabsf(of);
+        }
+      }
+  }
+  if (a.consumer.role < 0) return;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      sums[i][v] += __shfl_xor_sync(0xffffffffu, sums[i][v], 1);
+      sums[i][v] += __shfl_xor_sync(0xffffffffu, sums[i][v], 2);
+    }
+  if (c != 0) return;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (row[i] < 0) continue;
+    ProductCheck& p = a.checks.products[size_t(row[i]) * a.checks.roles + a.consumer.role];
+    atomicAdd(&p.expected, sums[i][0]);
+    atomicAdd(&p.bound, sums[i][1]);
+  }
+}
+
+}  // namespace
+
+bool mmaAttentionSupportsHeadDim(int head_dim) {
+  return head_dim == 64 || head_dim == 128;
+}
+
+Status launchMmaAttention(const MmaAttentionArgs& a, cudaStream_t stream) {
+  if (a.rows < 0 || a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads != 0 ||
+      a.heads / a.kv_heads > kMmaTileItems || !mmaAttentionSupportsHeadDim(a.head_dim) ||
+      a.block_size <= 0 || a.q_stride < a.heads * a.head_dim || a.tiles == nullptr ||
+      a.split_blocks < 1)
+    return invalidArgument("tensor-core attention of " + std::to_string(a.heads) + " heads over " +
+                           std::to_string(a.kv_heads) + " kv heads of " +
+                           std::to_string(a.head_dim) + " in tiles");
+  if (a.split_blocks > 1 &&
+      (a.split_partials == nullptr || a.split_counts == nullptr || a.max_splits <= 0))
+    return invalidArgument(
+        "tensor-core attention with splits side by side needs partials and counts");
+  if (a.tile_count == 0) return okStatus();
+  const dim3 grid(unsigned(a.tile_count), unsigned(a.split_blocks));
+  const cudaError_t launched =
+      a.head_dim == 64 ? launchKernel(mmaAttentionKernel<64>, grid, kThreads, stream, a)
+                       : launchKernel(mmaAttentionKernel<128>, grid, kThreads, stream, a);
+  BULKHEAD_CUDA_RETURN_IF_ERROR(launched);
+  return okStatus();
+}
+
+}  // namespace bulkhead::cuda

@@ -1,0 +1,64 @@
+// Causal attention on the tensor cores (not yet wired into the backend): the design in
+// cuda/PERFORMANCE.md ("Where a prefill step's time goes"), checked by
+// tools/gpu/attention_mma_probe.cu. A tile is rows of one sequence against one KV head; its items
+// are (row, q head) pairs, the rows' heads of that KV group in turn, 16 to a warp, 64 to a block.
+// A warp scores its 16 items against each chunk of 64 key positions with mma.sync (bf16 queries
+// and keys, fp32 sums in fixed k16 steps), keeps an online softmax per item (each item's maximum
+// exact in any order; its probabilities rounded to bf16 once and summed a thread's 16 in
+// position order, then over the quad by xor 1 and 2), and multiplies the probabilities by the
+// values with mma.sync. Positions go in splits of kAttentionSplit from 0, each split's online
+// softmax starting afresh; the splits fold in split order by the formula cuda/attention.cu
+// uses, whether one block ran them one after another or several side by side. An item's output
+// therefore depends only on its query, its sequence's cache and its position: never on the other
+// items of its warp, the tile's rows, the batch, the chunking of its prompt or graph capture.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/attention.cuh"
+#include "cuda/step_checks.cuh"
+#include "shared/status.h"
+
+namespace bulkhead::cuda {
+
+// Items a block holds: four warps of 16.
+constexpr int kMmaTileItems = 64;
+
+struct MmaAttentionArgs {
+  const float* q = nullptr;  // rows x q_stride fp32, the rotated queries at the start of a row
+  int q_stride = 0;
+  int rows = 0, heads = 0, kv_heads = 0, head_dim = 0;  // head_dim 64 or 128
+  const uint32_t* positions = nullptr;                  // rows
+  const uint32_t* row_table = nullptr;                  // rows: where the row's block table starts
+  const uint32_t* block_tables = nullptr;
+  const __nv_bfloat16* k_cache = nullptr;  // this layer's, [block][kv_head][slot][head_dim]
+  const __nv_bfloat16* v_cache = nullptr;
+  int block_size = 0;
+  float scale = 1.0f;
+  __nv_bfloat16* out = nullptr;  // rows x heads * head_dim
+  ConsumerSums consumer;         // the o projection
+  CheckView checks;
+  // Tile i: tiles[2 i] = its first row | its row count << 24 (rows of one sequence, count x the
+  // group's heads at most kMmaTileItems), tiles[2 i + 1] = its KV head.
+  const uint32_t* tiles = nullptr;
+  int tile_count = 0;
+  // Splits side by side: split_blocks blocks a tile, block z taking splits z, z + split_blocks,
+  // ..., each split's result to the partials (rows x heads x max_splits x (head_dim + 2) floats);
+  // the block that completes a tile's last split folds them in split order. The counts (a tile
+  // each) must be zero before the launch and are left zero after it. 1: one block a tile.
+  int split_blocks = 1;
+  float* split_partials = nullptr;
+  unsigned* split_counts = nullptr;
+  int max_splits = 0;
+};
+
+// Whether the kernel supports this head size.
+bool mmaAttentionSupportsHeadDim(int head_dim);
+
+// Device memory, asynchronous on `stream`.
+Status launchMmaAttention(const MmaAttentionArgs& args, cudaStream_t stream);
+
+}  // namespace bulkhead::cuda
