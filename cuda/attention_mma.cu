@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
 
@@ -65,18 +66,36 @@ struct State {
   }
 };
 
-// Folds item i of split result `s` into `into` (which holds splits 0 .. before it), by the formula
-// cuda/attention.cu's foldSplit uses.
+// The splits folded so far: each item's maximum and sum in registers, the lane's output values
+// in shared memory (value k of thread t at k * kThreads + t), where registers are short.
+struct Folded {
+  float max[2], sum[2];
+};
+
+// Folds item i of split result `s` (split `split` of the item) into `into` and `o` (which hold
+// splits 0 .. split - 1), by the formula cuda/attention.cu's foldSplit uses; split 0 is copied.
 template <int HD>
-__device__ __forceinline__ void foldItem(State<HD>& into, const State<HD>& s, int i) {
+__device__ __forceinline__ void foldItem(Folded& into, float* o, const State<HD>& s, int i,
+                                         uint32_t split) {
+  if (split == 0) {
+    into.max[i] = s.max[i];
+    into.sum[i] = s.sum[i];
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) o[(4 * d + 2 * i + e) * kThreads] = s.o[d][2 * i + e];
+    return;
+  }
   const float m = fmaxf(into.max[i], s.max[i]);
   const float a = expf(into.max[i] - m), b = expf(s.max[i] - m);
   into.sum[i] = fmaf(into.sum[i], a, s.sum[i] * b);
 #pragma unroll
-  for (int d = 0; d < HD / 8; ++d) {
-    into.o[d][2 * i] = fmaf(into.o[d][2 * i], a, s.o[d][2 * i] * b);
-    into.o[d][2 * i + 1] = fmaf(into.o[d][2 * i + 1], a, s.o[d][2 * i + 1] * b);
-  }
+  for (int d = 0; d < HD / 8; ++d)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& v = o[(4 * d + 2 * i + e) * kThreads];
+      v = fmaf(v, a, s.o[d][2 * i + e] * b);
+    }
   into.max[i] = m;
 }
 
@@ -95,12 +114,30 @@ __device__ __forceinline__ Tile tileOf(const MmaAttentionArgs& a) {
   return t;
 }
 
+// A staged key or value row in bf16, padded against bank conflicts.
+__host__ __device__ constexpr int stagedStride(int head_dim) {
+  return head_dim + 8;
+}
+
+// Elements of one staged chunk of keys (or values).
+__host__ __device__ constexpr int chunkElems(int head_dim) {
+  return kChunk * stagedStride(head_dim);
+}
+
+// Dynamic shared memory a block uses: two chunks' keys and values (one computed on while the
+// next loads), and the folded outputs.
+constexpr size_t sharedBytes(int head_dim) {
+  return size_t(4) * chunkElems(head_dim) * 2 + size_t(head_dim / 2) * kThreads * 4;
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs a) {
-  constexpr int kStride = HD + 8;  // a staged key or value row in bf16: no bank conflicts
+  constexpr int kStride = stagedStride(HD);
   constexpr int kPieces = HD / 8;  // 16-byte pieces a row
-  __shared__ __align__(16) __nv_bfloat16 ks[kChunk * kStride];
-  __shared__ __align__(16) __nv_bfloat16 vs[kChunk * kStride];
+  extern __shared__ __align__(16) unsigned char shared[];
+  // Buffer b: keys at staged + 2 b chunkElems, values after them.
+  __nv_bfloat16* staged = reinterpret_cast<__nv_bfloat16*>(shared);
+  float* fo = reinterpret_cast<float*>(staged + 4 * chunkElems(HD)) + threadIdx.x;
   __shared__ bool last;
   const Tile tile = tileOf(a);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -137,28 +174,41 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
       const float* q = a.q + size_t(row[it] < 0 ? 0 : row[it]) * a.q_stride + head[it] * HD + col;
       qf[s][i] = row[it] >= 0 ? packRounded(q[0], q[1]) : 0u;
     }
-  State<HD> folded, run;
-  folded.clear();
+  State<HD> run;
+  Folded folded;
   // One split's online softmax over chunks of kChunk positions from `begin`, into `run`.
+  // Starts loading a chunk's keys and values into buffer `b` (cp.async, one group). Positions
+  // past the tile's last are zeros: the cache there may hold anything, and 0 times NaN is NaN.
+  auto loadChunk = [&](uint32_t chunk, int b) {
+    __nv_bfloat16* ks = staged + 2 * b * chunkElems(HD);
+    __nv_bfloat16* vs = ks + chunkElems(HD);
+    for (int e = threadIdx.x; e < kChunk * kPieces; e += kThreads) {
+      const int p = e / kPieces, piece = e % kPieces;
+      const uint32_t position = chunk + uint32_t(p);
+      const bool valid = position < block_end;
+      const size_t at = valid ? cacheRow(position) + 8 * piece : 0;
+      cpAsync16(ks + p * kStride + 8 * piece, a.k_cache + at, valid);
+      cpAsync16(vs + p * kStride + 8 * piece, a.v_cache + at, valid);
+    }
+    cpAsyncCommit();
+  };
   auto attendSplit = [&](uint32_t begin, uint32_t split_end) {
     run.clear();
-    for (uint32_t chunk = begin; chunk < split_end; chunk += kChunk) {
-      __syncthreads();  // every warp is done with the chunk before
-      // Positions past the tile's last are zeros: the cache there may hold anything, and 0 times
-      // NaN is NaN.
-      for (int e = threadIdx.x; e < kChunk * kPieces; e += kThreads) {
-        const int p = e / kPieces, piece = e % kPieces;
-        const uint32_t position = chunk + uint32_t(p);
-        uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
-        if (position < block_end) {
-          const size_t at = cacheRow(position);
-          kv = reinterpret_cast<const uint4*>(a.k_cache + at)[piece];
-          vv = reinterpret_cast<const uint4*>(a.v_cache + at)[piece];
-        }
-        *reinterpret_cast<uint4*>(ks + p * kStride + 8 * piece) = kv;
-        *reinterpret_cast<uint4*>(vs + p * kStride + 8 * piece) = vv;
+    __syncthreads();  // every warp is done with both buffers (the split before)
+    loadChunk(begin, 0);
+    int b = 0;
+    for (uint32_t chunk = begin; chunk < split_end; chunk += kChunk, b ^= 1) {
+      // The next chunk loads while this one is computed on: its buffer was last read in the
+      // iteration before, which every warp has left (the barrier at the end of it).
+      if (chunk + kChunk < split_end) {
+        loadChunk(chunk + kChunk, b ^ 1);
+        cpAsyncWait<1>();
+      } else {
+        cpAsyncWait<0>();
       }
-      __syncthreads();
+      __syncthreads();  // this chunk's copies, from every thread, have landed
+      const __nv_bfloat16* ks = staged + 2 * b * chunkElems(HD);
+      const __nv_bfloat16* vs = ks + chunkElems(HD);
       float sc[kChunk / 8][4] = {};
 #pragma unroll
       for (int s = 0; s < HD / 16; ++s)
@@ -224,6 +274,7 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
           loadTransposed(b0, b1, vs + (16 * s + lane % 16) * kStride + 8 * d);
           mma(run.o[d], pf[2 * s][0], pf[2 * s][1], pf[2 * s + 1][0], pf[2 * s + 1][1], b0, b1);
         }
+      __syncthreads();  // every warp is done with this buffer before the next load into it
     }
   };
   const uint32_t step = uint32_t(a.split_blocks);
@@ -246,16 +297,8 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
           at[HD] = run.max[i];
           at[HD + 1] = run.sum[i];
         }
-      } else if (s == 0) {
-        folded.max[i] = run.max[i];
-        folded.sum[i] = run.sum[i];
-#pragma unroll
-        for (int d = 0; d < HD / 8; ++d) {
-          folded.o[d][2 * i] = run.o[d][2 * i];
-          folded.o[d][2 * i + 1] = run.o[d][2 * i + 1];
-        }
       } else {
-        foldItem(folded, run, i);
+        foldItem(folded, fo, run, i, s);
       }
     }
   }
@@ -285,17 +328,7 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
         }
         run.max[i] = __ldcg(at + HD);
         run.sum[i] = __ldcg(at + HD + 1);
-        if (s == 0) {
-          folded.max[i] = run.max[i];
-          folded.sum[i] = run.sum[i];
-#pragma unroll
-          for (int d = 0; d < HD / 8; ++d) {
-            folded.o[d][2 * i] = run.o[d][2 * i];
-            folded.o[d][2 * i + 1] = run.o[d][2 * i + 1];
-          }
-        } else {
-          foldItem(folded, run, i);
-        }
+        foldItem(folded, fo, run, i, s);
       }
     }
   }
@@ -311,7 +344,8 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int dim = 8 * d + 2 * c + e;
-        const __nv_bfloat16 o = __float2bfloat16_rn(folded.o[d][2 * i + e] / folded.sum[i]);
+        const __nv_bfloat16 o =
+            __float2bfloat16_rn(fo[(4 * d + 2 * i + e) * kThreads] / folded.sum[i]);
         out[dim] = o;
         if (a.consumer.role >= 0) {
           const float of = __bfloat162float(o);
@@ -359,10 +393,14 @@ Status launchMmaAttention(const MmaAttentionArgs& a, cudaStream_t stream) {
         "tensor-core attention with splits side by side needs partials and counts");
   if (a.tile_count == 0) return okStatus();
   const dim3 grid(unsigned(a.tile_count), unsigned(a.split_blocks));
-  const cudaError_t launched =
-      a.head_dim == 64 ? launchKernel(mmaAttentionKernel<64>, grid, kThreads, stream, a)
-                       : launchKernel(mmaAttentionKernel<128>, grid, kThreads, stream, a);
-  BULKHEAD_CUDA_RETURN_IF_ERROR(launched);
+  auto launch = [&](auto kernel, int head_dim) {
+    const size_t bytes = sharedBytes(head_dim);
+    const cudaError_t set =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    return set != cudaSuccess ? set : launchKernelShared(kernel, grid, kThreads, bytes, stream, a);
+  };
+  BULKHEAD_CUDA_RETURN_IF_ERROR(a.head_dim == 64 ? launch(mmaAttentionKernel<64>, 64)
+                                                 : launch(mmaAttentionKernel<128>, 128));
   return okStatus();
 }
 

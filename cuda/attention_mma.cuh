@@ -1,5 +1,5 @@
-// Causal attention on the tensor cores (not yet wired into the backend): the design in
-// cuda/PERFORMANCE.md ("Where a prefill step's time goes"), checked by
+// Causal attention on the tensor cores (CudaBackend::Options::attention_mma): the design in
+// cuda/PERFORMANCE.md ("Attention on the tensor cores"), first checked by
 // tools/gpu/attention_mma_probe.cu. A tile is rows of one sequence against one KV head; its items
 // are (row, q head) pairs, the rows' heads of that KV group in turn, 16 to a warp, 64 to a block.
 // A warp scores its 16 items against each chunk of 64 key positions with mma.sync (bf16 queries
@@ -11,6 +11,7 @@
 // uses, whether one block ran them one after another or several side by side. An item's output
 // therefore depends only on its query, its sequence's cache and its position: never on the other
 // items of its warp, the tile's rows, the batch, the chunking of its prompt or graph capture.
+// A block loads the next chunk's keys and values (cp.async) while its warps compute on this one's.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/norm_partials.cuh"
@@ -648,20 +649,6 @@ __global__ void __launch_bounds__(kThreads)
         atomicAdd(&slot.words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
     }
   }
-}
-
-// cp.async: 16 bytes from global memory into shared memory, in flight until waited for.
-__device__ __forceinline__ void cpAsync16(void* shared, const void* global, bool valid) {
-  const unsigned to = unsigned(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
-               "r"(valid ? 16 : 0));  // 0 bytes read: the 16 written are zeros
-}
-__device__ __forceinline__ void cpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void cpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 // A product kernel's launch: 128 threads a block, clusters of `splits` blocks along x (the k

@@ -44,18 +44,27 @@ bool programmaticLaunch(cudaStream_t stream);
 // and returns the new count.
 unsigned addProgrammaticAttribute(cudaStream_t stream, cudaLaunchAttribute* attrs, unsigned count);
 
-// kernel<<<grid, block, 0, stream>>>(args...), programmatic if the stream's launches are.
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), programmatic if the stream's launches
+// are.
 template <typename... Params, typename... Args>
-cudaError_t launchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                         Args&&... args) {
+cudaError_t launchKernelShared(void (*kernel)(Params...), dim3 grid, dim3 block,
+                               size_t shared_bytes, cudaStream_t stream, Args&&... args) {
   cudaLaunchAttribute attrs[1];
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = attrs;
   config.numAttrs = addProgrammaticAttribute(stream, attrs, 0);
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), programmatic if the stream's launches are.
+template <typename... Params, typename... Args>
+cudaError_t launchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                         Args&&... args) {
+  return launchKernelShared(kernel, grid, block, 0, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace bulkhead::cuda

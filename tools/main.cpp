@@ -50,10 +50,10 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16";
   auto* make_model = app.add_subcommand("make-model", "Write a random-weight checkpoint");
   make_model
-      ->add_option(
-          "--shape", make.shape,
-          "tiny | tiny-v152k | tiny-llama | qwen2.5-0.5b | qwen2.5-7b | qwen2.5-7b-layer | "
-          "qwen2.5-14b")
+      ->add_option("--shape", make.shape,
+                   "tiny | tiny-v152k | tiny-llama | qwen2.5-0.5b | qwen2.5-7b | "
+                   "qwen2.5-0.5b-layer | qwen2.5-7b-layer | "
+                   "qwen2.5-14b")
       ->required();
   make_model->add_option("--out", make.out_dir, "Output directory")->required();
   make_model->add_option("--seed", make.seed, "Seed (same seed, same bytes)");
@@ -231,13 +231,19 @@ int main(int argc, char** argv) {
       ->add_option("--rope-in-attention", engine_opts.rope_in_attention,
                    "CUDA: in decode steps the attention kernel adds the q/k/v biases, rotates and "
                    "writes the cache itself, without q/k/v kernel launches (auto: for head sizes "
-                   "up to 64)")
+                   "up to 64, without --attention-mma)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   engine_bench
       ->add_option("--attention-tiles", engine_opts.attention_tiles,
                    "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, "
                    "loading each key and value once for them")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  engine_bench
+      ->add_option("--attention-mma", engine_opts.attention_mma,
+                   "CUDA: attention on the tensor cores in every step (head sizes 64 and 128); "
+                   "other numbers than the CUDA-core kernel, each invariant")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   engine_bench

@@ -231,6 +231,14 @@ const std::vector<ModelShape>& modelShapes() {
                    .bos = 151643,
                    .eos = 151645};
     v.push_back(q05);
+    // One layer of the 0.5B with a small vocabulary: its head size of 64 at the cost of a test.
+    ModelShape q05_layer = q05;
+    q05_layer.name = "qwen2.5-0.5b-layer";
+    q05_layer.layers = 1;
+    q05_layer.vocab = 1024;
+    q05_layer.bos = 1000;
+    q05_layer.eos = 1001;
+    v.push_back(q05_layer);
     ModelShape q7{.name = "qwen2.5-7b",
                   .architecture = "Qwen2ForCausalLM",
                   .hidden = 3584,

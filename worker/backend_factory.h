@@ -29,6 +29,7 @@ struct BackendOptions {
   bool cuda_silu_in_products = false;          // CudaBackend::Options::silu_in_products
   std::optional<bool> cuda_rope_in_attention;  // CudaBackend::Options::rope_in_attention
   bool cuda_attention_tiles = true;            // CudaBackend::Options::attention_tiles
+  bool cuda_attention_mma = false;             // CudaBackend::Options::attention_mma
   bool cuda_logits_in_product = true;          // CudaBackend::Options::logits_in_product
 };
 

@@ -14,6 +14,7 @@
 
 #include "cuda/activation.cuh"
 #include "cuda/attention.cuh"
+#include "cuda/attention_mma.cuh"
 #include "cuda/checksum.cuh"
 #include "cuda/column_sums.cuh"
 #include "cuda/embedding.cuh"
@@ -137,6 +138,10 @@ struct CudaState {
   PinnedMemory scrub_ranges_host, scrub_sums_host;
   size_t scrub_capacity = 0;
 
+  // Bytes of attention tiles a token row may need: a word (attention_tiles), or two a KV head
+  // (attention_mma: a tile of one row a KV head, in decode steps).
+  size_t tile_bytes_per_row = 4;
+
   // Lays out and allocates the inputs for `tokens` rows and `table_words` block ids.
   Status allocateInputs(size_t tokens, size_t table_words) {
     in.table_capacity = table_words;
@@ -147,7 +152,7 @@ struct CudaState {
     in.row_block = in.layout.add(tokens * 4);
     in.row_table = in.layout.add(tokens * 4);
     in.out_row = in.layout.add(tokens * 4);
-    in.tiles = in.layout.add(tokens * 4);  // attention's prefill tiles (attention_tiles)
+    in.tiles = in.layout.add(tokens * tile_bytes_per_row);  // attention's tiles
     in.tables = in.layout.add(table_words * 4);
     BULKHEAD_ASSIGN_OR_RETURN(inputs_host, PinnedMemory::allocate(in.layout.bytes));
     BULKHEAD_ASSIGN_OR_RETURN(inputs, DeviceMemory::allocate(in.layout.bytes));
@@ -187,8 +192,18 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (options.silu_in_products && options.cublas_products)
     return invalidArgument("cuBLAS products cannot compute their own activation");
   b->silu_in_products_ = options.silu_in_products;
+  const ModelConfig& c = b->config();
+  const bool mma_fits = cuda::mmaAttentionSupportsHeadDim(c.head_dim) &&
+                        c.num_heads / c.num_kv_heads <= cuda::kMmaTileItems;
+  b->attention_mma_ = options.attention_mma;
+  if (b->attention_mma_ && !mma_fits)
+    return invalidArgument("tensor-core attention does not support heads of " +
+                           std::to_string(c.head_dim) + " (" + std::to_string(c.num_heads) +
+                           " over " + std::to_string(c.num_kv_heads) + " KV heads)");
   b->rope_in_attention_ =
-      options.rope_in_attention.value_or(b->config().head_dim <= kRopeInAttentionHeads);
+      options.rope_in_attention.value_or(!b->attention_mma_ && c.head_dim <= kRopeInAttentionHeads);
+  if (b->rope_in_attention_ && b->attention_mma_)
+    return invalidArgument("the tensor-core attention does not do the q/k/v kernel's work");
   b->attention_tiles_ = options.attention_tiles;
   b->logits_in_product_ = options.logits_in_product;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
@@ -515,6 +530,7 @@ Status CudaBackend::allocateStep(const Options& options) {
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
+  if (attention_mma_) d.tile_bytes_per_row = 8 * size_t(c.num_kv_heads);
   BULKHEAD_RETURN_IF_ERROR(d.allocateInputs(T, T * 4));
 
   BULKHEAD_ASSIGN_OR_RETURN(
@@ -542,6 +558,24 @@ Status CudaBackend::registerOutputs(std::span<std::byte> memory) {
   BULKHEAD_ASSIGN_OR_RETURN(d_->outputs,
                             cuda::HostRegistration::create(memory.data(), memory.size()));
   return okStatus();
+}
+
+int CudaBackend::mmaTiles(std::span<const SequenceStep> batch, uint32_t* tiles) const {
+  const ModelConfig& c = config();
+  const uint32_t per_tile = uint32_t(cuda::kMmaTileItems / (c.num_heads / c.num_kv_heads));
+  int count = 0;
+  uint32_t first = 0;
+  for (const SequenceStep& s : batch) {
+    const auto rows = uint32_t(s.tokens.size());
+    for (uint32_t i = 0; i < rows; i += per_tile)
+      for (uint32_t kvh = 0; kvh < uint32_t(c.num_kv_heads); ++kvh) {
+        tiles[2 * count] = (first + i) | std::min(per_tile, rows - i) << 24;
+        tiles[2 * count + 1] = kvh;
+        ++count;
+      }
+    first += rows;
+  }
+  return count;
 }
 
 Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
@@ -607,9 +641,13 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
   pending_.decode_rows = n == batch.size();
-  // Prefill steps: attention in tiles of each sequence's consecutive rows (attention_tiles).
   pending_.attention_tiles = 0;
-  if (attention_tiles_ && !pending_.decode_rows && !pending_.parallel_attention && n < (1u << 24)) {
+  if (attention_mma_) {
+    pending_.attention_tiles = mmaTiles(batch, d.inputHost<uint32_t>(d.in.tiles));
+    ++mma_attention_steps_;
+  } else if (attention_tiles_ && !pending_.decode_rows && !pending_.parallel_attention &&
+             n < (1u << 24)) {
+    // Prefill steps: attention in tiles of each sequence's consecutive rows (attention_tiles).
     auto* tiles = d.inputHost<uint32_t>(d.in.tiles);
     const uint32_t per_tile = uint32_t(cuda::attentionTileRows(config().head_dim));
     uint32_t first = 0;
@@ -901,37 +939,10 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
     BULKHEAD_RETURN_IF_ERROR(mark("q/k/v bias, rope, cache"));
   }
 
-  cuda::AttentionArgs aa;
-  aa.q = qkv;
-  aa.q_stride = d.qkv_stride;
-  aa.rows = n;
-  aa.heads = c.num_heads;
-  aa.kv_heads = c.num_kv_heads;
-  aa.head_dim = c.head_dim;
-  aa.positions = qa.positions;
-  aa.row_table = d.input<uint32_t>(d.in.row_table);
-  aa.block_tables = d.input<uint32_t>(d.in.tables);
-  aa.k_cache = qa.k_cache;
-  aa.v_cache = qa.v_cache;
-  aa.block_size = qa.block_size;
-  aa.scale = float(1.0 / std::sqrt(double(c.head_dim))) * attention_scale_;
-  aa.out = d.attn.get<__nv_bfloat16>();
-  aa.consumer = consumerInKernel(L.o);
-  aa.checks = d.view;
-  aa.parallel_splits = pending_.parallel_attention;
-  aa.split_partials = d.split_partials.get<float>();
-  aa.split_counts = d.split_counts.get<unsigned>();
-  aa.max_splits = d.max_splits;
-  aa.rope_in = rope_in;
-  aa.rope = qa;
-  if (pending_.attention_tiles > 0) {
-    aa.tiles = d.input<uint32_t>(d.in.tiles);
-    aa.tile_count = pending_.attention_tiles;
-  }
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
-  BULKHEAD_RETURN_IF_ERROR(mark("attention"));
-  BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, aa.out, n)
-                                    : products({&L.o}, aa.out, n, delta, c.hidden_size));
+  BULKHEAD_RETURN_IF_ERROR(launchAttention(L, qa, rope_in, n));
+  const auto* attn = d.attn.get<__nv_bfloat16>();
+  BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, attn, n)
+                                    : products({&L.o}, attn, n, delta, c.hidden_size));
   BULKHEAD_RETURN_IF_ERROR(mark("product o"));
 
   norm.delta = residual ? nullptr : delta;
@@ -970,6 +981,72 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
       residual ? residualProduct(L.down, sa.out, n, computed)
                : products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, computed));
   return mark("product down");
+}
+
+// The layer's attention, after the q/k/v kernel (or doing its work: rope_in): on the tensor
+// cores (attention_mma) or the CUDA cores.
+Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n) {
+  const ModelConfig& c = config();
+  CudaState& d = *d_;
+  cudaStream_t stream = d.stream.get();
+  float* qkv = d.qkv.get<float>();
+  if (attention_mma_) {
+    cuda::MmaAttentionArgs ma;
+    ma.q = qkv;
+    ma.q_stride = d.qkv_stride;
+    ma.rows = n;
+    ma.heads = c.num_heads;
+    ma.kv_heads = c.num_kv_heads;
+    ma.head_dim = c.head_dim;
+    ma.positions = qa.positions;
+    ma.row_table = d.input<uint32_t>(d.in.row_table);
+    ma.block_tables = d.input<uint32_t>(d.in.tables);
+    ma.k_cache = qa.k_cache;
+    ma.v_cache = qa.v_cache;
+    ma.block_size = qa.block_size;
+    ma.scale = float(1.0 / std::sqrt(double(c.head_dim))) * attention_scale_;
+    ma.out = d.attn.get<__nv_bfloat16>();
+    ma.consumer = consumerInKernel(L.o);
+    ma.checks = d.view;
+    ma.tiles = d.input<uint32_t>(d.in.tiles);
+    ma.tile_count = pending_.attention_tiles;
+    ma.split_blocks = pending_.parallel_attention ? cuda::kAttentionSplitBlocks : 1;
+    ma.split_partials = d.split_partials.get<float>();
+    ma.split_counts = d.split_counts.get<unsigned>();
+    ma.max_splits = d.max_splits;
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchMmaAttention(ma, stream));
+    BULKHEAD_RETURN_IF_ERROR(mark("attention"));
+    return okStatus();
+  }
+  cuda::AttentionArgs aa;
+  aa.q = qkv;
+  aa.q_stride = d.qkv_stride;
+  aa.rows = n;
+  aa.heads = c.num_heads;
+  aa.kv_heads = c.num_kv_heads;
+  aa.head_dim = c.head_dim;
+  aa.positions = qa.positions;
+  aa.row_table = d.input<uint32_t>(d.in.row_table);
+  aa.block_tables = d.input<uint32_t>(d.in.tables);
+  aa.k_cache = qa.k_cache;
+  aa.v_cache = qa.v_cache;
+  aa.block_size = qa.block_size;
+  aa.scale = float(1.0 / std::sqrt(double(c.head_dim))) * attention_scale_;
+  aa.out = d.attn.get<__nv_bfloat16>();
+  aa.consumer = consumerInKernel(L.o);
+  aa.checks = d.view;
+  aa.parallel_splits = pending_.parallel_attention;
+  aa.split_partials = d.split_partials.get<float>();
+  aa.split_counts = d.split_counts.get<unsigned>();
+  aa.max_splits = d.max_splits;
+  aa.rope_in = rope_in;
+  aa.rope = qa;
+  if (pending_.attention_tiles > 0) {
+    aa.tiles = d.input<uint32_t>(d.in.tiles);
+    aa.tile_count = pending_.attention_tiles;
+  }
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
+  return mark("attention");
 }
 
 Status CudaBackend::launchOutput(int n, int m, bool aligned) {

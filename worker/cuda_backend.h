@@ -16,6 +16,7 @@
 
 #include "cuda/gemm.cuh"
 #include "cuda/rms_norm.cuh"
+#include "cuda/rope.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
@@ -75,6 +76,14 @@ class CudaBackend final : public Backend {
     // AttentionArgs::tiles), instead of a block a row: the same numbers, prefill 2-2.4 times as
     // fast on long prompts (cuda/PERFORMANCE.md).
     bool attention_tiles = true;
+    // Attention on the tensor cores (cuda/attention_mma.cuh) in every step, prefill and decode:
+    // tiles of a sequence's rows and one KV head's query heads, scores and values multiplied by
+    // mma.sync. Other numbers than the CUDA-core kernel's (each the same whatever the batch,
+    // chunking or graphs), so one or the other for a model's whole life; not with
+    // rope_in_attention. For head sizes 64 and 128 (up to 64 query heads a KV head). Off by
+    // default: prefill is faster with it, decode steps at short contexts slower
+    // (cuda/PERFORMANCE.md).
+    bool attention_mma = false;
     // lm_head stores its logits rows to their destinations (the arena's slots) as it computes
     // them, so they cross PCIe during the product instead of in a copy after it; the rows kernel
     // then only checksums them from the device copy. The same rows either way.
@@ -106,6 +115,8 @@ class CudaBackend final : public Backend {
   uint64_t parallelAttentionSteps() const { return parallel_attention_steps_; }
   // Steps whose attention ran in prefill tiles (Options::attention_tiles).
   uint64_t tiledAttentionSteps() const { return tiled_attention_steps_; }
+  // Steps whose attention ran on the tensor cores (Options::attention_mma).
+  uint64_t mmaAttentionSteps() const { return mma_attention_steps_; }
   // Steps computed a second time because a product's check strayed beyond what rounding does in
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
@@ -214,6 +225,11 @@ class CudaBackend final : public Backend {
   // Kernel times (Options::kernel_times): the launches since the last mark were `what`
   // (nullptr: a start, timed as nothing). collectLaunchTimes() adds a finished step's marks up.
   Status mark(const char* what);
+  Status launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n);
+  // Writes the step's tensor-core attention tiles (cuda/attention_mma.cuh MmaAttentionArgs::tiles)
+  // to `tiles`: each sequence's rows in runs that fill a tile with their KV group's query heads,
+  // a tile for each KV head. Returns how many.
+  int mmaTiles(std::span<const SequenceStep> batch, uint32_t* tiles) const;
   Status collectLaunchTimes();
 
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -226,6 +242,7 @@ class CudaBackend final : public Backend {
   bool silu_in_products_ = false;
   bool rope_in_attention_ = false;
   bool attention_tiles_ = false;
+  bool attention_mma_ = false;
   bool logits_in_product_ = true;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
@@ -233,6 +250,7 @@ class CudaBackend final : public Backend {
   uint64_t graph_launches_ = 0;
   uint64_t parallel_attention_steps_ = 0;
   uint64_t tiled_attention_steps_ = 0;
+  uint64_t mma_attention_steps_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;
@@ -258,7 +276,9 @@ class CudaBackend final : public Backend {
     bool parallel_attention = false;
     // Every row is its sequence's only row (a decode step): no row attends to another's key.
     bool decode_rows = false;
-    int attention_tiles = 0;  // prefill tiles in the inputs (attention_tiles), 0: a block a row
+    // Attention tiles in the inputs (attention_tiles in prefill steps, or attention_mma's in
+    // every step), 0: a block a row.
+    int attention_tiles = 0;
     std::vector<RowOutput> rows;
     std::vector<bool> copied_out;    // rows outside the registered arena: through the fallback
     std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold

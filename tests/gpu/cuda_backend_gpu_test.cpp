@@ -40,6 +40,7 @@ bool silu_in_products = false;   // and CudaBackend::Options::silu_in_products
 bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
 bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
 bool logits_in_product = true;   // CudaBackend::Options::logits_in_product
+bool attention_mma = false;      // CudaBackend::Options::attention_mma
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -51,6 +52,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.rope_in_attention = rope_in_attention;
   options.attention_tiles = attention_tiles;
   options.logits_in_product = logits_in_product;
+  options.attention_mma = attention_mma;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -124,6 +126,7 @@ struct ModelCase {
   bool silu = false;      // CudaBackend::Options::silu_in_products
   bool rope = false;      // CudaBackend::Options::rope_in_attention
   bool tiles = false;     // CudaBackend::Options::attention_tiles
+  bool mma = false;       // CudaBackend::Options::attention_mma
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -138,6 +141,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     silu_in_products = GetParam().silu;
     rope_in_attention = GetParam().rope;
     attention_tiles = GetParam().tiles;
+    attention_mma = GetParam().mma;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -154,7 +158,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
 
   void TearDown() override {
     residual_in_products = norm_in_products = silu_in_products = rope_in_attention =
-        attention_tiles = false;
+        attention_tiles = attention_mma = false;
   }
 
   test::TempDir tmp_;
@@ -170,6 +174,15 @@ TEST_P(CudaBackendModels, ChunkingDoesNotChangeLogits) {
   for (size_t chunk : {1, 3, 16, 17})
     expectIdentical(whole, driver.runAlone(10 + chunk, tokens, chunk),
                     "chunk " + std::to_string(chunk));
+}
+
+// With attention_mma, attention runs on the tensor cores in every step, prefill and decode.
+TEST_P(CudaBackendModels, AttentionRunsOnTheTensorCoresWhenAskedTo) {
+  test::BackendDriver driver(*backend_);
+  const auto tokens = randomTokens(20, vocab_, 6);
+  const uint64_t before = backend_->mmaAttentionSteps();
+  driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
+  EXPECT_EQ(backend_->mmaAttentionSteps() - before, GetParam().mma ? 3u : 0u);
 }
 
 TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
@@ -334,6 +347,7 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   options.silu_in_products = GetParam().silu;
   options.rope_in_attention = GetParam().rope;
   options.attention_tiles = GetParam().tiles;
+  options.attention_mma = GetParam().mma;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto created = CudaBackend::create(checkpoint_, options);
@@ -364,7 +378,9 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   // With the rope in the attention, only the prefill steps launch the q/k/v kernel; with tiles,
   // the prefill steps' attention runs in them.
   EXPECT_EQ(launches["q/k/v bias, rope, cache"], (GetParam().rope ? prefills : steps) * layers);
-  EXPECT_EQ(timed.tiledAttentionSteps(), GetParam().tiles ? prefills : 0u);
+  // On the tensor cores, every step's attention runs in tiles of its own (mmaAttentionSteps).
+  EXPECT_EQ(timed.tiledAttentionSteps(), GetParam().tiles && !GetParam().mma ? prefills : 0u);
+  EXPECT_EQ(timed.mmaAttentionSteps(), GetParam().mma ? steps : 0u);
   EXPECT_EQ(launches["silu"], GetParam().silu ? 0 : steps * layers);
   // Every step has at most 8 rows: with the norms in the products, none launches on its own.
   for (const char* kind : {"norm (input)", "norm (post-attention)"})
@@ -390,10 +406,15 @@ TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {
 // side (steps of 8 rows and of one, decoding as graphs, with and without programmatic launch,
 // past cuda::kAttentionSplitBlocks splits so that a block takes several), and close to the CPU
 // reference engine, whose attention is one pass. The tiny model, its context raised to 16,384.
-TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
+// The shape, and whether attention runs on the tensor cores (attention_mma): tiny (head size 16)
+// on the CUDA cores, the 0.5B's layer (64) on the tensor cores.
+class CudaBackendLongContext : public testing::TestWithParam<std::pair<std::string, bool>> {};
+
+TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
   test::TempDir tmp;
-  auto made = makeModel({.shape = "tiny", .out_dir = tmp.path(), .seed = 5});
+  const auto [shape, mma] = GetParam();
+  auto made = makeModel({.shape = shape, .out_dir = tmp.path(), .seed = 5});
   ASSERT_TRUE(made.ok()) << made.status().toString();
   {
     const std::string path = tmp.path() + "/config.json";
@@ -410,6 +431,7 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
     CudaBackend::Options options;
     options.programmatic_launch = programmatic;
     options.attention_tiles = tiles;
+    options.attention_mma = mma;
     options.kv_blocks = 1024;  // 16,384 positions of 16
     options.max_step_tokens = 1024;
     auto created = CudaBackend::create(checkpoint, options);
@@ -455,7 +477,8 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   };
   const test::Rows serial = run(*gpu, 100);  // steps of 100 rows throughout: one block a row
   EXPECT_EQ(gpu->parallelAttentionSteps(), 0u);
-  {
+  EXPECT_EQ(gpu->mmaAttentionSteps() > 0, mma) << "attention on the tensor cores";
+  if (!mma) {
     // Prefill tiles (rows of a sequence sharing their loads): the same rows, tiles across split
     // boundaries included (steps of 100 rows from position 0 cross every multiple of 1,024).
     auto tiled = backend(false, true);
@@ -483,6 +506,14 @@ TEST(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   RecordProperty("max_abs_error", std::to_string(err));
   EXPECT_LE(err, 0.03 * std::max(1.0, scale));
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendLongContext,
+                         testing::Values(std::pair<std::string, bool>{"tiny", false},
+                                         std::pair<std::string, bool>{"qwen2.5-0.5b-layer", true}),
+                         [](const testing::TestParamInfo<std::pair<std::string, bool>>& info) {
+                           return info.param.second ? std::string("qwen05_layer_mma")
+                                                    : std::string("tiny");
+                         });
 
 TEST_P(CudaBackendModels, RowChecksAreThoseOfTheBytesWritten) {
   // Rows in registered memory (as the arena is) and rows outside it both carry checkRow() of
@@ -664,23 +695,28 @@ TEST_P(CudaBackendModels, TheSecondDeviceGivesTheSameLogitsAndScrubsFromAnotherT
 
 INSTANTIATE_TEST_SUITE_P(
     Models, CudaBackendModels,
-    testing::Values(ModelCase{"fixture_qwen2", ""}, ModelCase{"llama_untied", "tiny-llama"},
-                    ModelCase{"qwen2_v152k", "tiny-v152k"},
-                    ModelCase{"qwen7b_layer", "qwen2.5-7b-layer"},
-                    ModelCase{"fixture_qwen2_residual", "", true},
-                    ModelCase{"qwen7b_layer_residual", "qwen2.5-7b-layer", true},
-                    ModelCase{"fixture_qwen2_normed", "", true, true},
-                    ModelCase{"qwen7b_layer_normed", "qwen2.5-7b-layer", true, true},
-                    ModelCase{"llama_untied_silu", "tiny-llama", false, false, true},
-                    ModelCase{"fixture_qwen2_fused", "", true, true, true},
-                    ModelCase{"qwen7b_layer_fused", "qwen2.5-7b-layer", true, true, true},
-                    ModelCase{"fixture_qwen2_rope", "", false, false, false, true},
-                    ModelCase{"llama_untied_rope", "tiny-llama", false, false, false, true},
-                    ModelCase{"qwen7b_layer_rope", "qwen2.5-7b-layer", false, false, false, true},
-                    ModelCase{"fixture_qwen2_tiles", "", false, false, false, false, true},
-                    ModelCase{"llama_untied_tiles", "tiny-llama", false, false, false, false, true},
-                    ModelCase{"qwen7b_layer_rope_tiles", "qwen2.5-7b-layer", false, false, false,
-                              true, true}),
+    testing::Values(
+        ModelCase{"fixture_qwen2", ""}, ModelCase{"llama_untied", "tiny-llama"},
+        ModelCase{"qwen2_v152k", "tiny-v152k"}, ModelCase{"qwen7b_layer", "qwen2.5-7b-layer"},
+        ModelCase{"fixture_qwen2_residual", "", true},
+        ModelCase{"qwen7b_layer_residual", "qwen2.5-7b-layer", true},
+        ModelCase{"fixture_qwen2_normed", "", true, true},
+        ModelCase{"qwen7b_layer_normed", "qwen2.5-7b-layer", true, true},
+        ModelCase{"llama_untied_silu", "tiny-llama", false, false, true},
+        ModelCase{"fixture_qwen2_fused", "", true, true, true},
+        ModelCase{"qwen7b_layer_fused", "qwen2.5-7b-layer", true, true, true},
+        ModelCase{"fixture_qwen2_rope", "", false, false, false, true},
+        ModelCase{"llama_untied_rope", "tiny-llama", false, false, false, true},
+        ModelCase{"qwen7b_layer_rope", "qwen2.5-7b-layer", false, false, false, true},
+        ModelCase{"fixture_qwen2_tiles", "", false, false, false, false, true},
+        ModelCase{"llama_untied_tiles", "tiny-llama", false, false, false, false, true},
+        ModelCase{"qwen7b_layer_rope_tiles", "qwen2.5-7b-layer", false, false, false, true, true},
+        ModelCase{"qwen05_layer", "qwen2.5-0.5b-layer"},
+        ModelCase{"qwen05_layer_mma", "qwen2.5-0.5b-layer", false, false, false, false, false,
+                  true},
+        ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
+        ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
+                  true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace

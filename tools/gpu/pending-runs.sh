@@ -57,6 +57,10 @@
 #           (tools/gpu/attention_mma_probe.cu, built there)
 #   logits  the GPU tests of lm_head storing its rows itself (and of every row's checksum), then
 #           bench-engine on both shapes at 1-64 rows with --logits-in-product on and off
+#   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
+#           context ones), then bench-engine on both shapes with --attention-mma off and on:
+#           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
+#           with programmatic launch off (the b64 loss is in the overlap with its neighbours)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -299,6 +303,22 @@ for group in "$@"; do
           --launch-skip "${kernel_skip#*:}" -c 1 --page details "$bh" bench-engine --model "$m" \
           --backend cuda \
           --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 1 --no-compare --graphs off
+      done
+      ;;
+    mma)
+      run gpu-tests-mma 300 "$bundle/gpu_tests" --gtest_filter='*_mma*:*LongContext*:*TensorCores*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for on in off on; do
+          run "bench-engine-$shape-mma-$on" 150 "$bh" bench-engine --model "$m" --backend cuda \
+            --batch 1,32,64 --no-compare --attention-mma $on
+          run "bench-engine-$shape-mma-$on-2048" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 1,8,32 --prompt 2048 --max-step-tokens 8192 --steps 32 \
+            --no-compare --attention-mma $on
+          [ $shape = qwen2.5-7b ] && run "bench-engine-$shape-mma-$on-serial" 120 "$bh" \
+            bench-engine --model "$m" --backend cuda --batch 1,64 --no-compare \
+            --attention-mma $on --programmatic-launch off
+        done
       done
       ;;
     logits)
