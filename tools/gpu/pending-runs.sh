@@ -61,6 +61,11 @@
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
 #           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
 #           with programmatic launch off (the b64 loss is in the overlap with its neighbours)
+#   timeline every kernel of the 7B's captured decode steps at b1 and b64, attention on the CUDA
+#           cores and on the tensor cores, from CUPTI (tools/gpu/kernel_timeline.cpp, LD_PRELOAD;
+#           the bundle's libkernel_timeline.so, else built there), summarised by
+#           tools/gpu/timeline.py: each kernel's time and its gap from the one before, in the
+#           steps as they run (programmatic overlaps included)
 #   long    the long-context attention test, then bench-engine on qwen2.5-7b at prompt 8,192
 #           (batch 1 and 8, the prompts prefilled in steps of 8,192 tokens: attention's splits
 #           side by side)
@@ -303,6 +308,19 @@ for group in "$@"; do
           --launch-skip "${kernel_skip#*:}" -c 1 --page details "$bh" bench-engine --model "$m" \
           --backend cuda \
           --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 1 --no-compare --graphs off
+      done
+      ;;
+    timeline)
+      lib=$bundle/libkernel_timeline.so
+      [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
+        tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
+      m=$(model qwen2.5-7b)
+      for on in off on; do
+        # The library in bench-engine alone: in any other process it would start the file again.
+        run "bench-engine-7b-timeline-mma-$on" 150 env BULKHEAD_TIMELINE="$out/timeline-7b-mma-$on.csv" \
+          LD_PRELOAD="$lib" "$bh" bench-engine --model "$m" --backend cuda --batch 1,64 --steps 32 \
+          --no-compare --attention-mma $on
+        run "timeline-7b-mma-$on" 60 python3 tools/gpu/timeline.py "$out/timeline-7b-mma-$on.csv"
       done
       ;;
     mma)
