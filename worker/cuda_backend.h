@@ -94,7 +94,8 @@ class CudaBackend final : public Backend {
                                                      const Options& options);
   ~CudaBackend() override;
 
-  std::string_view name() const override { return "cuda"; }
+  // With attention_mma, "cuda-mma": the name keys canary records, and the numbers differ.
+  std::string_view name() const override { return attention_mma_ ? "cuda-mma" : "cuda"; }
   const ModelConfig& config() const override { return checkpoint_->config(); }
   const BackendLimits& limits() const override { return limits_; }
   Status registerOutputs(std::span<std::byte> memory) override;

@@ -183,6 +183,8 @@ TEST_P(CudaBackendModels, AttentionRunsOnTheTensorCoresWhenAskedTo) {
   const uint64_t before = backend_->mmaAttentionSteps();
   driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
   EXPECT_EQ(backend_->mmaAttentionSteps() - before, GetParam().mma ? 3u : 0u);
+  // Its numbers are its own, so its canary records are too: they are keyed by the name.
+  EXPECT_EQ(backend_->name(), GetParam().mma ? "cuda-mma" : "cuda");
 }
 
 TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
