@@ -176,7 +176,6 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
     }
   State<HD> run;
   Folded folded;
-  // One split's online softmax over chunks of kChunk positions from `begin`, into `run`.
   // Starts loading a chunk's keys and values into buffer `b` (cp.async, one group). Positions
   // past the tile's last are zeros: the cache there may hold anything, and 0 times NaN is NaN.
   auto loadChunk = [&](uint32_t chunk, int b) {
@@ -192,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
     }
     cpAsyncCommit();
   };
+  // One split's online softmax over chunks of kChunk positions from `begin`, into `run`.
   auto attendSplit = [&](uint32_t begin, uint32_t split_end) {
     run.clear();
     __syncthreads();  // every warp is done with both buffers (the split before)
