@@ -407,9 +407,9 @@ TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {
 // whether its splits ran one after another (steps of many rows: prefill chunks of 100) or side by
 // side (steps of 8 rows and of one, decoding as graphs, with and without programmatic launch,
 // past cuda::kAttentionSplitBlocks splits so that a block takes several), and close to the CPU
-// reference engine, whose attention is one pass. The tiny model, its context raised to 16,384.
-// The shape, and whether attention runs on the tensor cores (attention_mma): tiny (head size 16)
-// on the CUDA cores, the 0.5B's layer (64) on the tensor cores.
+// reference engine, whose attention is one pass. The parameter is a shape, its context raised to
+// 16,384, and whether attention runs on the tensor cores (attention_mma): tiny (head size 16) on
+// the CUDA cores, the 0.5B's layer (64) on the tensor cores.
 class CudaBackendLongContext : public testing::TestWithParam<std::pair<std::string, bool>> {};
 
 TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
