@@ -10,6 +10,7 @@
 #include "cuda/cp_async.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/warp_mma.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -18,36 +19,6 @@ constexpr int kChunk = 64;  // key positions a chunk
 constexpr int kWarps = kMmaTileItems / 16;
 constexpr int kThreads = 32 * kWarps;
 static_assert(kAttentionSplit % kChunk == 0, "a split is whole chunks");
-
-__device__ __forceinline__ uint32_t pairOf(const __nv_bfloat16* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-__device__ __forceinline__ uint32_t packRounded(float lo, float hi) {
-  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-  uint32_t v;
-  std::memcpy(&v, &p, 4);
-  return v;
-}
-
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two 8 x 8 bf16 matrices, transposed: rows from lanes 0-7 and 8-15.
-__device__ __forceinline__ void loadTransposed(uint32_t& r0, uint32_t& r1, const void* row) {
-  const unsigned at = unsigned(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r0), "=r"(r1)
-               : "r"(at));
-}
 
 // A lane's two items: their online softmax over one split (or the fold of several), and the
 // lane's dimensions of their outputs (o[d][2 i], o[d][2 i + 1]: item i, dimensions 8 d + 2 c and
@@ -215,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
 #pragma unroll
         for (int j = 0; j < kChunk / 8; ++j) {
           const __nv_bfloat16* key = ks + (8 * j + g) * kStride + 16 * s + 2 * c;
-          mma(sc[j], qf[s][0], qf[s][1], qf[s][2], qf[s][3], pairOf(key), pairOf(key + 8));
+          mmaBf16(sc[j], qf[s][0], qf[s][1], qf[s][2], qf[s][3], pairOf(key), pairOf(key + 8));
         }
       float chunk_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -272,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
         for (int d = 0; d < HD / 8; ++d) {
           uint32_t b0, b1;
           loadTransposed(b0, b1, vs + (16 * s + lane % 16) * kStride + 8 * d);
-          mma(run.o[d], pf[2 * s][0], pf[2 * s][1], pf[2 * s + 1][0], pf[2 * s + 1][1], b0, b1);
+          mmaBf16(run.o[d], pf[2 * s][0], pf[2 * s][1], pf[2 * s + 1][0], pf[2 * s + 1][1], b0, b1);
         }
       __syncthreads();  // every warp is done with this buffer before the next load into it
     }

@@ -22,6 +22,7 @@
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/norm_partials.cuh"
+#include "cuda/warp_mma.cuh"
 
 namespace bulkhead::cuda {
 namespace {
@@ -31,15 +32,6 @@ namespace cg = cooperative_groups;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSplits = 8;  // the portable cluster size
-
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ uint4 load16(const __nv_bfloat16* p, bool valid) {
   return valid ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
@@ -518,8 +510,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int t = 0; t < kGroups; ++t) {
           const uint4 &lo = a_lo[set][u][i], &hi = a_hi[set][u][i], &tok = b[set][u][t];
-          mma(acc[i][t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
-          mma(acc[i][t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
+          mmaBf16(acc[i][t], lo.x, hi.x, lo.y, hi.y, tok.x, tok.y);
+          mmaBf16(acc[i][t], lo.z, hi.z, lo.w, hi.w, tok.z, tok.w);
         }
       }
     }
@@ -862,8 +854,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          mma(acc[i][t], lo[i].x, hi[i].x, lo[i].y, hi[i].y, tok[t].x, tok[t].y);
-          mma(acc[i][t], lo[i].z, hi[i].z, lo[i].w, hi[i].w, tok[t].z, tok[t].w);
+          mmaBf16(acc[i][t], lo[i].x, hi[i].x, lo[i].y, hi[i].y, tok[t].x, tok[t].y);
+          mmaBf16(acc[i][t], lo[i].z, hi[i].z, lo[i].w, hi[i].w, tok[t].z, tok[t].w);
         }
       if (folding) {
 #pragma unroll

@@ -53,21 +53,6 @@ struct Args {
   float scale;
 };
 
-__device__ __forceinline__ uint32_t packRounded(float lo, float hi) {
-  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-  uint32_t v;
-  std::memcpy(&v, &p, 4);
-  return v;
-}
-
-// Two 8 x 8 bf16 matrices, transposed: rows from lanes 0-7 and 8-15.
-__device__ __forceinline__ void loadTransposed(uint32_t& r0, uint32_t& r1, const void* row) {
-  const unsigned at = unsigned(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r0), "=r"(r1)
-               : "r"(at));
-}
-
 // Block `tile`: kTileRows items reading one KV head; warp w takes rows 16w .. 16w + 15, lane
 // (g, c) holding rows g and g + 8 of them as mma.sync's fragments do.
 template <int kHd>

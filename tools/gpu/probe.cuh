@@ -1,6 +1,6 @@
 // What the standalone GPU probes in tools/gpu share (each builds alone with nvcc, outside the
-// project's build): a checked CUDA call, a bf16 pair loaded as one word, and mma.sync's bf16
-// m16n8k16 product with fp32 accumulation, the warp product the CUDA backend's kernels use.
+// project's build): a checked CUDA call, and the backend's own warp product and bf16 pairs
+// (cuda/warp_mma.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../../cuda/warp_mma.cuh"
+
 #define CHECK(call)                                                                              \
   do {                                                                                           \
     cudaError_t e_ = (call);                                                                     \
@@ -20,19 +22,7 @@
     }                                                                                            \
   } while (0)
 
-// Two consecutive bf16 values as one 32-bit word (the first in the low half).
-__device__ __forceinline__ uint32_t pairOf(const __nv_bfloat16* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-// d += A (16 x 16, fragments a0..a3) times B (16 x 8, fragments b0, b1).
-__device__ __forceinline__ void mmaBf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using bulkhead::cuda::loadTransposed;
+using bulkhead::cuda::mmaBf16;
+using bulkhead::cuda::packRounded;
+using bulkhead::cuda::pairOf;
