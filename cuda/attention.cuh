@@ -34,12 +34,13 @@ BULKHEAD_HOST_DEVICE constexpr int attentionTileRows(int head_dim) {
   return head_dim >= 128 ? 4 : 8;
 }
 
-struct AttentionArgs {
+// What both attention kernels (this one and cuda/attention_mma.cuh's) are given.
+struct AttentionInputs {
   const float* q = nullptr;  // rows x q_stride fp32, the rotated queries at the start of a row
   int q_stride = 0;
-  int rows = 0, heads = 0, kv_heads = 0, head_dim = 0;  // head_dim 16, 32, 64 or 128
-  const uint32_t* positions = nullptr;                  // rows
-  const uint32_t* row_table = nullptr;                  // rows: where the row's block table starts
+  int rows = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  const uint32_t* positions = nullptr;  // rows
+  const uint32_t* row_table = nullptr;  // rows: where the row's block table starts
   const uint32_t* block_tables = nullptr;
   const __nv_bfloat16* k_cache = nullptr;  // this layer's, [block][kv_head][slot][head_dim]
   const __nv_bfloat16* v_cache = nullptr;
@@ -48,14 +49,20 @@ struct AttentionArgs {
   __nv_bfloat16* out = nullptr;  // rows x heads * head_dim
   ConsumerSums consumer;         // the o projection
   CheckView checks;
-  // Splits side by side, each row's over blocks of its own, the last to finish folding them
-  // (the same bits as one after another): for steps of at most kAttentionParallelRows rows. The
-  // partials hold rows x heads x max_splits x (head_dim + 2) floats; the counts, rows x heads,
-  // must be zero before the launch and are left zero after it.
-  bool parallel_splits = false;
+  // Where splits run side by side, the last block to finish folds the others' results: the
+  // partials hold rows x heads x max_splits x (head_dim + 2) floats; the counts must be zero
+  // before the launch and are left zero after it.
   float* split_partials = nullptr;
   unsigned* split_counts = nullptr;
   int max_splits = 0;  // the most splits a row may have (positions[r] < max_splits * split)
+};
+
+// head_dim 16, 32, 64 or 128.
+struct AttentionArgs : AttentionInputs {
+  // Splits side by side, each row's over blocks of its own (counts: rows x heads), the last to
+  // finish folding them (the same bits as one after another): for steps of at most
+  // kAttentionParallelRows rows.
+  bool parallel_splits = false;
   // The q/k/v kernel's work done here instead (rope_in): for steps whose every row is its
   // sequence's only row (decode steps), where no row attends to another's new key. Each block
   // adds its head's biases and rotates its q from the product's raw output (rope.qkv, which q
@@ -64,7 +71,7 @@ struct AttentionArgs {
   // KV head writes them to the cache; the products' produced sums and the bias folds are added
   // once a row as the q/k/v kernel adds them. The same bits as that kernel then this one.
   bool rope_in = false;
-  QkvArgs rope;
+  QkvArgs rope = {};
   // Prefill tiles instead of a block per row (not with parallel_splits or rope_in): entry i is
   // a tile's first row | its row count << 24, the rows consecutive positions of one sequence,
   // at most attentionTileRows(head_dim) of them; every row in exactly one tile.

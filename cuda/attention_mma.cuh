@@ -28,32 +28,16 @@ namespace bulkhead::cuda {
 // Items a block holds: four warps of 16.
 constexpr int kMmaTileItems = 64;
 
-struct MmaAttentionArgs {
-  const float* q = nullptr;  // rows x q_stride fp32, the rotated queries at the start of a row
-  int q_stride = 0;
-  int rows = 0, heads = 0, kv_heads = 0, head_dim = 0;  // head_dim 64 or 128
-  const uint32_t* positions = nullptr;                  // rows
-  const uint32_t* row_table = nullptr;                  // rows: where the row's block table starts
-  const uint32_t* block_tables = nullptr;
-  const __nv_bfloat16* k_cache = nullptr;  // this layer's, [block][kv_head][slot][head_dim]
-  const __nv_bfloat16* v_cache = nullptr;
-  int block_size = 0;
-  float scale = 1.0f;
-  __nv_bfloat16* out = nullptr;  // rows x heads * head_dim
-  ConsumerSums consumer;         // the o projection
-  CheckView checks;
+// head_dim 64 or 128.
+struct MmaAttentionArgs : AttentionInputs {
   // Tile i: tiles[2 i] = its first row | its row count << 24 (rows of one sequence, count x the
   // group's heads at most kMmaTileItems), tiles[2 i + 1] = its KV head.
   const uint32_t* tiles = nullptr;
   int tile_count = 0;
   // Splits side by side: split_blocks blocks a tile, block z taking splits z, z + split_blocks,
-  // ..., each split's result to the partials (rows x heads x max_splits x (head_dim + 2) floats);
-  // the block that completes a tile's last split folds them in split order. The counts (a tile
-  // each) must be zero before the launch and are left zero after it. 1: one block a tile.
+  // ..., each split's result to the partials; the block that completes a tile's last split folds
+  // them in split order (counts: a tile each). 1: one block a tile.
   int split_blocks = 1;
-  float* split_partials = nullptr;
-  unsigned* split_counts = nullptr;
-  int max_splits = 0;
 };
 
 // Whether the kernel supports this head size.
