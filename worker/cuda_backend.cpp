@@ -640,6 +640,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   pending_.parallel_attention =
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
+  product_stored_row_steps_ += lmHeadStoresRows();
   pending_.decode_rows = n == batch.size();
   pending_.attention_tiles = 0;
   if (attention_mma_) {
@@ -1029,6 +1030,10 @@ Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, boo
   return mark("attention");
 }
 
+bool CudaBackend::lmHeadStoresRows() const {
+  return logits_in_product_ && d_->cublas == nullptr && fault_role_ != lm_head_.product;
+}
+
 Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   const ModelConfig& c = config();
   CudaState& d = *d_;
@@ -1062,10 +1067,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   auto* const* dst_host = d.inputHost<float*>(d.in.dst);
   for (int first = 0; first < m; first += kLogitsChunk) {
     const int rows = std::min(kLogitsChunk, m - first);
-    // lm_head stores its rows to their destinations itself (Options::logits_in_product), except
-    // through cuBLAS or with a compute fault armed (which flips an output after the product).
-    const bool in_product =
-        logits_in_product_ && d.cublas == nullptr && fault_role_ != lm_head_.product;
+    const bool in_product = lmHeadStoresRows();
     BULKHEAD_RETURN_IF_ERROR(products(
         {&lm_head_}, d.final_rows.get<__nv_bfloat16>() + size_t(first) * c.hidden_size, rows,
         d.logits.get<float>(), vocab, nullptr, nullptr, first, in_product ? dst + first : nullptr));

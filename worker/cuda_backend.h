@@ -118,6 +118,8 @@ class CudaBackend final : public Backend {
   uint64_t tiledAttentionSteps() const { return tiled_attention_steps_; }
   // Steps whose attention ran on the tensor cores (Options::attention_mma).
   uint64_t mmaAttentionSteps() const { return mma_attention_steps_; }
+  // Steps whose lm_head stored the logits rows itself (Options::logits_in_product).
+  uint64_t productStoredRowSteps() const { return product_stored_row_steps_; }
   // Steps computed a second time because a product's check strayed beyond what rounding does in
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
@@ -226,6 +228,9 @@ class CudaBackend final : public Backend {
   // Kernel times (Options::kernel_times): the launches since the last mark were `what`
   // (nullptr: a start, timed as nothing). collectLaunchTimes() adds a finished step's marks up.
   Status mark(const char* what);
+  // Whether this step's lm_head stores its rows itself: logits_in_product, except through cuBLAS
+  // or with a compute fault armed (which flips an output after the product).
+  bool lmHeadStoresRows() const;
   Status launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n);
   // Writes the step's tensor-core attention tiles (cuda/attention_mma.cuh MmaAttentionArgs::tiles)
   // to `tiles`: each sequence's rows in runs that fill a tile with their KV group's query heads,
@@ -252,6 +257,7 @@ class CudaBackend final : public Backend {
   uint64_t parallel_attention_steps_ = 0;
   uint64_t tiled_attention_steps_ = 0;
   uint64_t mma_attention_steps_ = 0;
+  uint64_t product_stored_row_steps_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;

@@ -249,6 +249,11 @@ TEST_P(CudaBackendModels, LogitsStoredByTheProductAreTheCopiedOnes) {
   expectIdentical(stored, decodeThree(*copied_plain, vocab_), "copied, no graphs");
   expectIdentical(stored, decodeThree(*plain, vocab_), "stored, no graphs");
   EXPECT_GT(backend_->graphLaunches(), 0u) << "no step ran as a graph";
+  // decodeThree: 3 prefill steps and 32 decode steps, every one stored by lm_head or none.
+  EXPECT_EQ(backend_->productStoredRowSteps(), 35u);
+  EXPECT_EQ(plain->productStoredRowSteps(), 35u);
+  EXPECT_EQ(copied->productStoredRowSteps(), 0u);
+  EXPECT_EQ(copied_plain->productStoredRowSteps(), 0u);
 }
 
 // The product checks start every step at zero: the kernel that counts them at a step's end clears
