@@ -31,8 +31,7 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
     cs[j] = check ? a.down.colsum[i] : 0.0f;
     as[j] = check ? a.down.abssum[i] : 0.0f;
   }
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int i = first + threadIdx.x + j * kThreads;

@@ -487,8 +487,7 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   const bool owner = first == 0, leader = owner && h % (a.heads / a.kv_heads) == 0;
   Fresh<HD> fresh;
   if (kRope && uint32_t(first) < splits) freshLoad<HD>(a, fresh, len - 1, h, kvh, owner, leader);
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   if (uint32_t(first) >= splits) return;  // the whole block: nothing of this row is left
   if (kRope)
     freshCompute<HD>(a, fresh, sh, r, h, kvh, len - 1, owner, leader);
@@ -572,8 +571,7 @@ __global__ void __launch_bounds__(kThreads) attentionTileKernel(AttentionArgs a)
   };
   uint32_t end[kRows];
   const size_t first_at = chunkRow(rows, 0, splitEnds(0, end));
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   for (int e = t; e < kRows * HD; e += kThreads) {
     const int j = e / HD;
     sh.q[j][e % HD] =

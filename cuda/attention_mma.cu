@@ -132,8 +132,7 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
            size_t(p % uint32_t(a.block_size)) * HD;
   };
   const uint32_t splits = (block_end + kAttentionSplit - 1) / kAttentionSplit;
-  gridDependencyWait();  // the queries and the cache are the kernels' before
-  allowDependentLaunch();
+  awaitKernelBefore();  // the queries and the cache are the kernels' before
   // The items' queries as mma.sync's A fragments, every k16 step of the head (zeros for an
   // empty row), rounded to bf16.
   uint32_t qf[HD / 16][4];
@@ -366,8 +365,17 @@ Status launchMmaAttention(const MmaAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(a.tile_count), unsigned(a.split_blocks));
   auto launch = [&](auto kernel, int head_dim) {
     const size_t bytes = sharedBytes(head_dim);
-    const cudaError_t set =
+    cudaError_t set =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    // The smallest shared-memory carveout that holds one block. Left to itself the driver gives
+    // the head size 128's blocks (102 KB) the largest, two a multiprocessor; under programmatic
+    // launch the multiprocessors never drain, so the products after it kept 28 KB of L1 cache,
+    // and a 7B step at 64 rows ran slower with this kernel, though the kernel itself was faster.
+    cudaFuncAttributes attributes{};
+    if (set == cudaSuccess) set = cudaFuncGetAttributes(&attributes, kernel);
+    if (set == cudaSuccess)
+      set = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 carveoutPercent(bytes + attributes.sharedSizeBytes));
     return set != cudaSuccess ? set : launchKernelShared(kernel, grid, kThreads, bytes, stream, a);
   };
   BULKHEAD_CUDA_RETURN_IF_ERROR(a.head_dim == 64 ? launch(mmaAttentionKernel<64>, 64)

@@ -16,8 +16,7 @@ __global__ void __launch_bounds__(kThreads)
     embeddingKernel(const __nv_bfloat16* __restrict__ table, int hidden,
                     const uint32_t* __restrict__ tokens, float* __restrict__ out, FoldAccount* fold,
                     uint32_t salt, float* __restrict__ partials, int partials_stride) {
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   const int pairs = hidden / 2;
   const uint64_t first_word = uint64_t(tokens[blockIdx.x]) * pairs;
   const uint32_t* src = reinterpret_cast<const uint32_t*>(table) + first_word;

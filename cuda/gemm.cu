@@ -124,8 +124,7 @@ __device__ void tokenChecks(const __nv_bfloat16* x, const GemmNormedInput& nin, 
     cs[half] = in ? reinterpret_cast<const float4*>(consumer.colsum + k0)[half] : float4{};
     as[half] = in ? reinterpret_cast<const float4*>(consumer.abssum + k0)[half] : float4{};
   }
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   const float cv[8] = {cs[0].x, cs[0].y, cs[0].z, cs[0].w, cs[1].x, cs[1].y, cs[1].z, cs[1].w};
   const float av[8] = {as[0].x, as[0].y, as[0].z, as[0].w, as[1].x, as[1].y, as[1].z, as[1].w};
 #pragma unroll 1
@@ -549,8 +548,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (base < k_blocks && !check_tile) loadWeights(0, base);
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   if constexpr (kActivated) {
     if (check_tile) {
       activatedChecks<kGroups>(act, m0, m, k, check_first, check_stride);
@@ -827,8 +825,7 @@ __global__ void __launch_bounds__(kThreads)
   };
   // The tokens are the kernel before's output; the weights could load before the wait, but a
   // prefill step's products are long enough that it would not show.
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
 #pragma unroll
   for (int s = 0; s + 1 < kStages; ++s) stage(s);
   const int rounds = (items + kStageBlocks - 1) / kStageBlocks;

@@ -34,6 +34,21 @@ bool programmaticLaunchSupported() {
   return major >= 9 && attributes.binaryVersion >= 90;
 }
 
+int carveoutPercent(size_t block_bytes) {
+  int device = 0, per_sm = 0, reserved = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) !=
+          cudaSuccess ||
+      per_sm <= 0) {
+    (void)cudaGetLastError();
+    return -1;  // no preference
+  }
+  const size_t need = block_bytes + size_t(reserved);
+  return int(std::min<size_t>(100, (100 * need + size_t(per_sm) - 1) / size_t(per_sm)));
+}
+
 void setProgrammaticLaunch(cudaStream_t stream, bool on) {
   std::lock_guard lock(streams_mu);
   auto& streams = programmaticStreams();

@@ -6,8 +6,8 @@
 // gridDependencyWait() a thread reads only what no kernel writes during steps (weights, their
 // column sums, rope tables, the step's inputs copied in before its first kernel) and writes
 // nothing; every thread calls it before anything else and before it returns, so a kernel's
-// completion still implies the completion of every kernel before it. After the wait a kernel
-// calls allowDependentLaunch(), so at most one kernel runs ahead of another.
+// completion still implies the completion of every kernel before it. Kernels wait through
+// awaitKernelBefore(), which also lets the next kernel launch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,10 +31,28 @@ __device__ __forceinline__ void allowDependentLaunch() {
 #endif
 }
 
+// Where a kernel starts on what the kernel before it wrote: the next kernel is let launch, then
+// the wait above. So the next kernel's own loads before its wait (weights) overlap this kernel's
+// wait and the kernel before it as well, and its wait still orders it after this kernel, whose
+// completion implies the completion of every kernel before it. A kernel launches only once every
+// block of the one before has started, so every launched kernel but the last is wholly resident
+// and none waits for room that a later one holds. (Letting it launch after the wait instead: H100,
+// bench-engine ms a step at 1 / 8 rows, 0.5B 0.954-0.970 / 1.101-1.138 against 0.943-0.947 /
+// 1.015-1.030 this way; 7B 6.055-6.090 / 6.607-6.628 against 6.004-6.008 / 6.540-6.586.)
+__device__ __forceinline__ void awaitKernelBefore() {
+  allowDependentLaunch();
+  gridDependencyWait();
+}
+
 // Whether the current device and this build's kernels can launch programmatically: a device of
 // compute capability 9.0 or later running code built for it (built for an older architecture,
 // gridDependencyWait() would compile to nothing and the kernels would race).
 bool programmaticLaunchSupported();
+
+// The shared-memory carveout (cudaFuncAttributePreferredSharedMemoryCarveout, percent of the
+// current device's shared memory a multiprocessor) that holds one block of `block_bytes`: the
+// driver takes the smallest configuration at least this large, leaving the rest to the L1 cache.
+int carveoutPercent(size_t block_bytes);
 
 // Whether a step's kernels on `stream` launch programmatically (off for any stream until set).
 void setProgrammaticLaunch(cudaStream_t stream, bool on);

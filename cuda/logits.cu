@@ -26,8 +26,7 @@ __device__ void account(float v, uint32_t index, unsigned long long& sum, unsign
 __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
   __shared__ double scratch[2 * kWarps];
   __shared__ unsigned long long sum_scratch[kWarps];
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   const int r = blockIdx.y;
   const int begin = blockIdx.x * kPerBlock, end = min(a.vocab, begin + kPerBlock);
   const float* src = a.logits + size_t(r) * a.vocab;

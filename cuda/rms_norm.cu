@@ -108,8 +108,7 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
                       : make_float2(0.0f, 0.0f);
     }
   }
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int i = threadIdx.x + j * kThreads;

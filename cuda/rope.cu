@@ -62,8 +62,7 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
       }
     }
   }
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   float* row = a.qkv + size_t(r) * a.stride;
   double produced[8] = {};  // the q, k and v products' sums, then their sums of squares; 2 spare
   if (is_pair) {

@@ -13,8 +13,7 @@ __global__ void countFailedKernel(ProductCheck* products, int total, int roles,
                                   const ProductScale* scales, ProductCounts counts,
                                   const FoldAccount* folds, int fold_count,
                                   FoldTotal* fold_totals) {
-  gridDependencyWait();
-  allowDependentLaunch();
+  awaitKernelBefore();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < fold_count) fold_totals[i] = {folds[i].sum(), folds[i].words()};
   if (i >= total) return;

@@ -31,6 +31,9 @@
 #   residual the GPU tests of products that add into the residual stream, normalise their own
 #           tokens or compute their own activation, then both shapes' kernel times with the
 #           first, and bench-engine with all three (compare with `times` and `engine`)
+#   fusions bench-engine on both shapes with the products adding into the residual stream,
+#           normalising their own tokens and computing their own activation, alone and together
+#           (captured steps: what `residual` measured uncaptured)
 #   rope    the GPU tests of the attention that does the q/k/v kernel's work in decode steps,
 #           then bench-engine on both shapes with --rope-in-attention off and on
 #   tiles   the GPU tests of attention in prefill tiles, then bench-engine on qwen2.5-7b at
@@ -57,11 +60,17 @@
 #           (tools/gpu/attention_mma_probe.cu, built there)
 #   logits  the GPU tests of lm_head storing its rows itself (and of every row's checksum), then
 #           bench-engine on both shapes at 1-64 rows with --logits-in-product on and off
+#   timeline-checks the timeline of one-row steps on both shapes, with bench-engine's comparison
+#           runs (checks off, cuBLAS products) as graphs of their own: what each kernel's checks
+#           cost in the captured steps
+#   early   bench-engine on both shapes, this bundle's bulkhead against BUNDLE/bulkhead-early
+#           (kernels that let the next one launch before their own wait), twice each
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
 #           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
 #           with programmatic launch off (the b64 loss is in the overlap with its neighbours)
-#   timeline every kernel of the 7B's captured decode steps at b1 and b64, attention on the CUDA
+#   timeline every kernel of the 0.5B's captured decode steps at b1 and b8, then the 7B's at b1
+#           and b64 with attention on the CUDA
 #           cores and on the tensor cores, from CUPTI (tools/gpu/kernel_timeline.cpp, LD_PRELOAD;
 #           the bundle's libkernel_timeline.so, else built there), summarised by
 #           tools/gpu/timeline.py: each kernel's time and its gap from the one before, in the
@@ -224,6 +233,21 @@ for group in "$@"; do
           --silu-in-products
       done
       ;;
+    fusions)
+      # Captured steps (no kernel times) with each fusion of the small kernels into the products,
+      # one at a time and together, against none, on one card.
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for f in none residual residual,norm residual,norm,silu silu; do
+          flags=()
+          [[ $f == *residual* ]] && flags+=(--residual-in-products)
+          [[ $f == *norm* ]] && flags+=(--norm-in-products)
+          [[ $f == *silu* ]] && flags+=(--silu-in-products)
+          run "bench-engine-$shape-fusions-${f//,/-}" 150 "$bh" bench-engine --model "$m" \
+            --backend cuda --batch 1,8,32,64 --no-compare "${flags[@]}"
+        done
+      done
+      ;;
     rope)
       run gpu-tests-rope 300 "$bundle/gpu_tests" --gtest_filter='*_rope*:Elementwise*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
@@ -314,6 +338,12 @@ for group in "$@"; do
       lib=$bundle/libkernel_timeline.so
       [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
         tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
+      # The 0.5B at few rows first: where a launch-bound step's time goes between kernels.
+      m=$(model qwen2.5-0.5b)
+      run bench-engine-05b-timeline 120 env BULKHEAD_TIMELINE="$out/timeline-05b.csv" \
+        LD_PRELOAD="$lib" "$bh" bench-engine --model "$m" --backend cuda --batch 1,8 --steps 32 \
+        --no-compare
+      run timeline-05b 60 python3 tools/gpu/timeline.py "$out/timeline-05b.csv"
       m=$(model qwen2.5-7b)
       for on in off on; do
         # The library in bench-engine alone: in any other process it would start the file again.
@@ -321,6 +351,33 @@ for group in "$@"; do
           LD_PRELOAD="$lib" "$bh" bench-engine --model "$m" --backend cuda --batch 1,64 --steps 32 \
           --no-compare --attention-mma $on
         run "timeline-7b-mma-$on" 60 python3 tools/gpu/timeline.py "$out/timeline-7b-mma-$on.csv"
+      done
+      ;;
+    timeline-checks)
+      # One-row steps of both shapes with the comparison runs (checks off, cuBLAS products): each
+      # run's graph apart, so a kernel's time with and without its checks side by side.
+      lib=$bundle/libkernel_timeline.so
+      [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
+        tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        run "bench-engine-$shape-timeline-checks" 150 env \
+          BULKHEAD_TIMELINE="$out/timeline-$shape-checks.csv" LD_PRELOAD="$lib" "$bh" bench-engine \
+          --model "$m" --backend cuda --batch 1 --steps 32
+        run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py "$out/timeline-$shape-checks.csv"
+      done
+      ;;
+    early)
+      # BUNDLE/bulkhead-early: a build with -DBULKHEAD_LAUNCH_BEFORE_WAIT=ON (cuda/launch.cuh),
+      # against the bundle's own, alternating, twice each on one card.
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for rep in 1 2; do
+          for v in "" -early; do
+            run "bench-engine-$shape$v-$rep" 150 "$bundle/bulkhead$v" bench-engine --model "$m" \
+              --backend cuda --batch 1,8,32,64 --no-compare
+          done
+        done
       done
       ;;
     mma)
