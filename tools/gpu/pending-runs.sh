@@ -63,8 +63,8 @@
 #   timeline-checks the timeline of one-row steps on both shapes, with bench-engine's comparison
 #           runs (checks off, cuBLAS products) as graphs of their own: what each kernel's checks
 #           cost in the captured steps
-#   early   bench-engine on both shapes, this bundle's bulkhead against BUNDLE/bulkhead-early
-#           (kernels that let the next one launch before their own wait), twice each
+#   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) against this
+#           bundle's bulkhead, twice each, alternating
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
 #           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
@@ -367,13 +367,13 @@ for group in "$@"; do
         run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py "$out/timeline-$shape-checks.csv"
       done
       ;;
-    early)
-      # BUNDLE/bulkhead-early: a build with -DBULKHEAD_LAUNCH_BEFORE_WAIT=ON (cuda/launch.cuh),
-      # against the bundle's own, alternating, twice each on one card.
+    ab)
+      # BUNDLE/bulkhead-base, another build's bulkhead, against the bundle's own, alternating,
+      # twice each on one card.
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         for rep in 1 2; do
-          for v in "" -early; do
+          for v in -base ""; do
             run "bench-engine-$shape$v-$rep" 150 "$bundle/bulkhead$v" bench-engine --model "$m" \
               --backend cuda --batch 1,8,32,64 --no-compare
           done
