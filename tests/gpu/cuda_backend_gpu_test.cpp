@@ -719,6 +719,9 @@ INSTANTIATE_TEST_SUITE_P(
         ModelCase{"llama_untied_tiles", "tiny-llama", false, false, false, false, true},
         ModelCase{"qwen7b_layer_rope_tiles", "qwen2.5-7b-layer", false, false, false, true, true},
         ModelCase{"qwen05_layer", "qwen2.5-0.5b-layer"},
+        // Every fusion with rope in attention (the default at head size 64): no other case
+        // combines them.
+        ModelCase{"qwen05_layer_fused_rope", "qwen2.5-0.5b-layer", true, true, true, true},
         ModelCase{"qwen05_layer_mma", "qwen2.5-0.5b-layer", false, false, false, false, false,
                   true},
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
