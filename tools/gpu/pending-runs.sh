@@ -180,7 +180,7 @@ for group in "$@"; do
       run serve-bench-cpu-workers 200 "$bh" serve-bench --model "$m" --concurrency 64 \
         --workers 1,2,4 --json "$out/serve-bench-cpu-workers.json"
       ;;
-    tests) run gpu-tests 300 "$bundle/gpu_tests" ;;
+    tests) run gpu-tests 450 "$bundle/gpu_tests" ;;
     gemm)
       run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*'
       "$0" "$bundle" "$out" gemm-bench
