@@ -21,6 +21,7 @@
 #include "cuda/cp_async.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/norm_in_block.cuh"
 #include "cuda/norm_partials.cuh"
 #include "cuda/warp_mma.cuh"
 
@@ -415,11 +416,12 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // kInput: where the tokens come from (a normed or activated input has more blocks,
 // its check tile, when it has checks to add).
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
-          bool kInterleaved = false>
+          bool kInterleaved = false, bool kThenNorm = false>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
-               int token_blocks, GemmResidual res, GemmNormedInput nin, GemmActivatedInput act) {
+               int token_blocks, GemmResidual res, GemmNormedInput nin, GemmActivatedInput act,
+               GemmThenNorm then) {
   constexpr bool kNormed = kInput == kNormedInput, kActivated = kInput == kActivatedInput;
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
@@ -639,6 +641,21 @@ __global__ void __launch_bounds__(kThreads)
         atomicAdd(&slot.words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
     }
   }
+  if constexpr (kThenNorm) {
+    // The last block of the weight's tiles to store its outputs runs the norm (the check tile's
+    // blocks returned above and are not counted).
+    __shared__ bool last;
+    __shared__ float norm_warp_sums[kNormKernelThreads / 32];
+    __threadfence();  // this block's outputs, before its count
+    __syncthreads();
+    if (threadIdx.x == 0)
+      last = atomicAdd(then.counter, 1u) + 1 == unsigned(weight_tiles * splits) * gridDim.y;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // every block's outputs, after their counts
+    normRowsInBlock<kThreads>(then.norm, norm_warp_sums);
+    if (threadIdx.x == 0) *then.counter = 0;  // for the next launch
+  }
 }
 
 // A product kernel's launch: 128 threads a block, clusters of `splits` blocks along x (the k
@@ -671,7 +688,7 @@ template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
-                   const GemmActivatedInput& act) {
+                   const GemmActivatedInput& act, const GemmThenNorm& then = {}) {
   const bool checks = (nin.x != nullptr && normedHasChecks(nin)) ||
                       (act.gate_up != nullptr && activatedHasChecks(act)) ||
                       (act.gate_up == nullptr && tokenHasChecks(nin));
@@ -693,8 +710,12 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
       stream);
   auto go = [&](auto kernel) {
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
-                              interleaved, res, nin, act);
+                              interleaved, res, nin, act, then);
   };
+  if constexpr (kGroups == 1 && kPipelined && kTiles == 1 && !kInterleaved) {
+    if (then.counter != nullptr)  // bf16 tokens into y (launchGemm checks)
+      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, false, true>);
+  }
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
       return res.x != nullptr
@@ -986,7 +1007,7 @@ int gemmSplits(int n, int k) {
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule,
                   int forced_splits, const GemmResidual& residual, const GemmNormedInput& normed,
-                  const GemmActivatedInput& activated) {
+                  const GemmActivatedInput& activated, const GemmThenNorm& then) {
   const bool to_residual = residual.x != nullptr, is_normed = normed.x != nullptr,
              is_activated = activated.gate_up != nullptr;
   if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || (!to_residual && ldy < n) ||
@@ -1045,6 +1066,18 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
          consumer.role >= normed.checks.roles || normed.checks.products == nullptr))
       return invalidArgument(std::string(is_normed ? "normed" : "token") +
                              " product's check of role " + std::to_string(consumer.role));
+  if (then.counter != nullptr) {
+    const RmsNormArgs& norm = then.norm;
+    if (m > kMaxNormedRows || to_residual || is_normed || is_activated ||
+        residual.rows_to != nullptr || norm.rows != m || norm.hidden != n || n % 2 != 0 ||
+        n > 2 * 8 * kNormKernelThreads || norm.delta != y || ldy != n || norm.x == nullptr ||
+        norm.out == nullptr || norm.weight == nullptr || norm.partials != nullptr ||
+        norm.out_row != nullptr || norm.consumers[0].role >= 0)
+      return invalidArgument(
+          "a norm after a product: at most " + std::to_string(kMaxNormedRows) +
+          " rows of bf16 tokens into y, packed, the norm adding y to its rows of " +
+          std::to_string(n) + ", without partials, out rows or consumers");
+  }
   if (forced_splits < 0 || forced_splits > kMaxSplits)
     return invalidArgument("product split over " + std::to_string(forced_splits) +
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
@@ -1057,10 +1090,13 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   if (schedule == GemmSchedule::kTiled &&
       (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
     schedule = GemmSchedule::kPipelined;
+  if (then.counter != nullptr && schedule != GemmSchedule::kPipelined)
+    return invalidArgument(std::string("a norm after a product in the ") +
+                           gemmScheduleName(schedule) + " schedule (pipelined only)");
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
-                                    activated);
+                                    activated, then);
     else if (m <= 16)
       launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "cuda/rms_norm.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/mix.h"
 #include "shared/status.h"
@@ -115,6 +116,17 @@ struct GemmActivatedInput {
   CheckView checks;
 };
 
+// A product of 1 to kMaxNormedRows rows whose output y is the delta an RMSNorm adds to the
+// residual (the attention output's product and the norm after it): the last of the product's
+// blocks to store its outputs runs the norm (cuda/norm_in_block.cuh: the norm kernel's bits)
+// instead of a kernel of its own after the product. norm: the norm kernel's arguments, with delta
+// = y, no partials, out_row or consumers; counter: device memory, zero before the launch, left
+// zero after it (one counter serves every such launch of a stream).
+struct GemmThenNorm {
+  unsigned* counter = nullptr;  // null: no norm
+  RmsNormArgs norm;
+};
+
 // How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
 // blocks to keep the GPU's memory busy on a small weight, without splitting a long row thinner
 // than 32 k blocks a block, nor past 256 blocks to fewer than 8 k blocks a warp.
@@ -174,11 +186,11 @@ inline const char* gemmScheduleName(GemmSchedule s) {
 // `ldy` apart (unused with a residual); x unused with a normed or activated input. Device memory,
 // asynchronous on `stream`. splits: 0 takes gemmSplits(n, k), as every step does; 1 to 8 forces
 // that many (another fixed sum order, still the same for every row count: for `bulkhead bench-gemm`
-// to compare).
+// to compare). then: in the pipelined schedule only.
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
                   GemmSchedule schedule = GemmSchedule::kPlain, int splits = 0,
                   const GemmResidual& residual = {}, const GemmNormedInput& normed = {},
-                  const GemmActivatedInput& activated = {});
+                  const GemmActivatedInput& activated = {}, const GemmThenNorm& then = {});
 
 }  // namespace bulkhead::cuda

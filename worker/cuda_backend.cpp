@@ -130,6 +130,7 @@ struct CudaState {
   std::map<std::tuple<int, bool, bool, bool, int>, cuda::GraphExec> graphs;
   // Attention's splits side by side (cuda/attention.cuh): partials and counts.
   DeviceMemory split_partials, split_counts;
+  DeviceMemory then_counter;  // Options::norm_after_product: cuda::GemmThenNorm::counter
   int max_splits = 0;
   // Scrubbing: ranges and their sums, on the scrub stream.
   // Pinned, so that a granule's copies are plain DMA: a pageable copy stages through the driver
@@ -192,6 +193,11 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (options.silu_in_products && options.cublas_products)
     return invalidArgument("cuBLAS products cannot compute their own activation");
   b->silu_in_products_ = options.silu_in_products;
+  if (options.norm_after_product && (options.residual_in_products || options.cublas_products))
+    return invalidArgument(
+        "a norm after the product is for our products into the delta buffer: not with the "
+        "residual in the products or cuBLAS products");
+  b->norm_after_product_ = options.norm_after_product;
   const ModelConfig& c = b->config();
   const bool mma_fits = cuda::mmaAttentionSupportsHeadDim(c.head_dim) &&
                         c.num_heads / c.num_kv_heads <= cuda::kMmaTileItems;
@@ -524,9 +530,11 @@ Status CudaBackend::allocateStep(const Options& options) {
       d.split_partials,
       DeviceMemory::allocate(split_rows * size_t(d.max_splits) * size_t(c.head_dim + 2) * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.split_counts, DeviceMemory::allocate(split_rows * 4));
+  BULKHEAD_ASSIGN_OR_RETURN(d.then_counter, DeviceMemory::allocate(4));
   // Zero before any step, on the step stream (which does not wait for the legacy one).
   BULKHEAD_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(d.split_counts.get(), 0, split_rows * 4, d.stream.get()));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.then_counter.get(), 0, 4, d.stream.get()));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
@@ -641,6 +649,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
   product_stored_row_steps_ += lmHeadStoresRows();
+  norm_after_product_steps_ += normAfterProduct(int(n));
   pending_.decode_rows = n == batch.size();
   pending_.attention_tiles = 0;
   if (attention_mma_) {
@@ -775,7 +784,7 @@ Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
 Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
                              float* y, int ldy, const cuda::GemmNormedInput* normed,
                              const cuda::GemmActivatedInput* activated, int check_row,
-                             float* const* rows_to) {
+                             float* const* rows_to, const cuda::GemmThenNorm* then) {
   // One product over the group when its slots lie one after another (one weight matrix), else
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
@@ -795,7 +804,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
   const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
-  if ((normed != nullptr || activated != nullptr || rows_to != nullptr) &&
+  if ((normed != nullptr || activated != nullptr || rows_to != nullptr || then != nullptr) &&
       (!adjacent || d_->cublas != nullptr))
     return internalError("a computed input or rows stored elsewhere for products not one of ours");
   if (d_->cublas != nullptr) {
@@ -812,7 +821,8 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     BULKHEAD_RETURN_IF_ERROR(
         cuda::launchGemm(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy,
                          stream, fused, schedule, 0, epilogue, normed != nullptr ? *normed : own,
-                         activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
+                         activated != nullptr ? *activated : cuda::GemmActivatedInput{},
+                         then != nullptr ? *then : cuda::GemmThenNorm{}));
   }
 
   int column = 0;
@@ -942,10 +952,6 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
 
   BULKHEAD_RETURN_IF_ERROR(launchAttention(L, qa, rope_in, n));
   const auto* attn = d.attn.get<__nv_bfloat16>();
-  BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, attn, n)
-                                    : products({&L.o}, attn, n, delta, c.hidden_size));
-  BULKHEAD_RETURN_IF_ERROR(mark("product o"));
-
   norm.delta = residual ? nullptr : delta;
   norm.delta_role = residual ? -1 : role(L.o);
   norm.weight = static_cast<const __nv_bfloat16*>(L.post_norm.ptr);
@@ -954,7 +960,19 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   norm.consumers[0] = consumerInKernel(L.gate);
   norm.consumers[1] = consumerInKernel(L.up);
   norm.consumers[2] = {};
-  BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
+  if (normAfterProduct(n)) {
+    // The o product's last block runs the post-attention norm (Options::norm_after_product).
+    const cuda::GemmThenNorm then{d.then_counter.get<unsigned>(), norm};
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&L.o}, attn, n, delta, c.hidden_size, nullptr, nullptr, 0, nullptr, &then));
+    BULKHEAD_RETURN_IF_ERROR(mark("product o, norm (post-attention)"));
+    normed = nullptr;
+  } else {
+    BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, attn, n)
+                                      : products({&L.o}, attn, n, delta, c.hidden_size));
+    BULKHEAD_RETURN_IF_ERROR(mark("product o"));
+    BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
+  }
   BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
   BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
 
@@ -1028,6 +1046,12 @@ Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, boo
   }
   BULKHEAD_RETURN_IF_ERROR(cuda::launchAttention(aa, stream));
   return mark("attention");
+}
+
+bool CudaBackend::normAfterProduct(int rows) const {
+  return norm_after_product_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
+         fault_role_ < 0 &&
+         gemm_schedules_[size_t(cuda::gemmBucket(rows))] == cuda::GemmSchedule::kPipelined;
 }
 
 bool CudaBackend::lmHeadStoresRows() const {

@@ -65,6 +65,11 @@ class CudaBackend final : public Backend {
     // (cuda/gemm.cuh GemmActivatedInput) instead of reading the activation kernel's output: one
     // launch a layer fewer, the same numbers.
     bool silu_in_products = false;
+    // In steps of 1 to 8 rows, the last block of the attention output's product runs the norm
+    // after it (cuda/gemm.cuh GemmThenNorm) instead of a kernel of its own: one launch a layer
+    // fewer, the same numbers. Our products in the pipelined schedule only; not with
+    // residual_in_products.
+    bool norm_after_product = false;
     // In decode steps (every row its sequence's only one), the attention kernel does the q/k/v
     // kernel's work itself (cuda/attention.cuh AttentionArgs::rope_in): biases, rotation, the
     // new key and value into the cache. One launch a layer fewer, the same numbers. Unset: on
@@ -120,6 +125,8 @@ class CudaBackend final : public Backend {
   uint64_t mmaAttentionSteps() const { return mma_attention_steps_; }
   // Steps whose lm_head stored the logits rows itself (Options::logits_in_product).
   uint64_t productStoredRowSteps() const { return product_stored_row_steps_; }
+  // Steps whose attention output's product ran the norm after it (Options::norm_after_product).
+  uint64_t normAfterProductSteps() const { return norm_after_product_steps_; }
   // Steps computed a second time because a product's check strayed beyond what rounding does in
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
@@ -186,7 +193,7 @@ class CudaBackend final : public Backend {
   Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
                   int ldy, const cuda::GemmNormedInput* normed = nullptr,
                   const cuda::GemmActivatedInput* activated = nullptr, int check_row = 0,
-                  float* const* rows_to = nullptr);
+                  float* const* rows_to = nullptr, const cuda::GemmThenNorm* then = nullptr);
   // Whether the group's slots lie one after another, each but the last ending on a 16-row tile
   // (one product for the group).
   static bool adjacentGroup(std::initializer_list<const Weight*> group);
@@ -231,6 +238,9 @@ class CudaBackend final : public Backend {
   // Whether this step's lm_head stores its rows itself: logits_in_product, except through cuBLAS
   // or with a compute fault armed (which flips an output after the product).
   bool lmHeadStoresRows() const;
+  // Whether a step of `rows` rows runs the post-attention norm in the o product
+  // (Options::norm_after_product: our pipelined products, few rows, no compute fault armed).
+  bool normAfterProduct(int rows) const;
   Status launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n);
   // Writes the step's tensor-core attention tiles (cuda/attention_mma.cuh MmaAttentionArgs::tiles)
   // to `tiles`: each sequence's rows in runs that fill a tile with their KV group's query heads,
@@ -246,6 +256,7 @@ class CudaBackend final : public Backend {
   bool residual_in_products_ = false;
   bool norm_in_products_ = false;
   bool silu_in_products_ = false;
+  bool norm_after_product_ = false;
   bool rope_in_attention_ = false;
   bool attention_tiles_ = false;
   bool attention_mma_ = false;
@@ -258,6 +269,7 @@ class CudaBackend final : public Backend {
   uint64_t tiled_attention_steps_ = 0;
   uint64_t mma_attention_steps_ = 0;
   uint64_t product_stored_row_steps_ = 0;
+  uint64_t norm_after_product_steps_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;

@@ -35,12 +35,13 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 // CudaBackend::Options::residual_in_products for the backends a test makes: the model case's
 // (CudaBackendModels sets it for each test).
 bool residual_in_products = false;
-bool norm_in_products = false;   // and CudaBackend::Options::norm_in_products
-bool silu_in_products = false;   // and CudaBackend::Options::silu_in_products
-bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
-bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
-bool logits_in_product = true;   // CudaBackend::Options::logits_in_product
-bool attention_mma = false;      // CudaBackend::Options::attention_mma
+bool norm_in_products = false;    // and CudaBackend::Options::norm_in_products
+bool silu_in_products = false;    // and CudaBackend::Options::silu_in_products
+bool rope_in_attention = false;   // and CudaBackend::Options::rope_in_attention
+bool attention_tiles = false;     // and CudaBackend::Options::attention_tiles
+bool logits_in_product = true;    // CudaBackend::Options::logits_in_product
+bool attention_mma = false;       // CudaBackend::Options::attention_mma
+bool norm_after_product = false;  // CudaBackend::Options::norm_after_product
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -53,6 +54,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.attention_tiles = attention_tiles;
   options.logits_in_product = logits_in_product;
   options.attention_mma = attention_mma;
+  options.norm_after_product = norm_after_product;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -120,13 +122,14 @@ TEST(CudaBackendGpu, FixtureLogitsMatchTransformers) {
 
 struct ModelCase {
   std::string name;
-  std::string shape;      // empty: the golden fixture
-  bool residual = false;  // CudaBackend::Options::residual_in_products
-  bool normed = false;    // CudaBackend::Options::norm_in_products
-  bool silu = false;      // CudaBackend::Options::silu_in_products
-  bool rope = false;      // CudaBackend::Options::rope_in_attention
-  bool tiles = false;     // CudaBackend::Options::attention_tiles
-  bool mma = false;       // CudaBackend::Options::attention_mma
+  std::string shape;       // empty: the golden fixture
+  bool residual = false;   // CudaBackend::Options::residual_in_products
+  bool normed = false;     // CudaBackend::Options::norm_in_products
+  bool silu = false;       // CudaBackend::Options::silu_in_products
+  bool rope = false;       // CudaBackend::Options::rope_in_attention
+  bool tiles = false;      // CudaBackend::Options::attention_tiles
+  bool mma = false;        // CudaBackend::Options::attention_mma
+  bool then_norm = false;  // CudaBackend::Options::norm_after_product
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -142,6 +145,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     rope_in_attention = GetParam().rope;
     attention_tiles = GetParam().tiles;
     attention_mma = GetParam().mma;
+    norm_after_product = GetParam().then_norm;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -158,7 +162,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
 
   void TearDown() override {
     residual_in_products = norm_in_products = silu_in_products = rope_in_attention =
-        attention_tiles = attention_mma = false;
+        attention_tiles = attention_mma = norm_after_product = false;
   }
 
   test::TempDir tmp_;
@@ -185,6 +189,14 @@ TEST_P(CudaBackendModels, AttentionRunsOnTheTensorCoresWhenAskedTo) {
   EXPECT_EQ(backend_->mmaAttentionSteps() - before, GetParam().mma ? 3u : 0u);
   // Its numbers are its own, so its canary records are too: they are keyed by the name.
   EXPECT_EQ(backend_->name(), GetParam().mma ? "cuda-mma" : "cuda");
+}
+
+TEST_P(CudaBackendModels, TheNormRunsInTheProductBeforeItWhenAskedTo) {
+  test::BackendDriver driver(*backend_);
+  const auto tokens = randomTokens(20, vocab_, 6);
+  const uint64_t before = backend_->normAfterProductSteps();
+  driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
+  EXPECT_EQ(backend_->normAfterProductSteps() - before, GetParam().then_norm ? 3u : 0u);
 }
 
 TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
@@ -726,7 +738,14 @@ INSTANTIATE_TEST_SUITE_P(
                   true},
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
-                  true}),
+                  true},
+        // The post-attention norm in the o product's last block at 1-8 rows, the kernel's above:
+        // every comparison of few rows with many checks that the two give the same bits.
+        ModelCase{"fixture_qwen2_then_norm", "", false, false, false, false, false, false, true},
+        ModelCase{"qwen05_layer_then_norm", "qwen2.5-0.5b-layer", false, false, false, true, false,
+                  false, true},
+        ModelCase{"qwen7b_layer_then_norm", "qwen2.5-7b-layer", false, false, false, false, false,
+                  false, true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -63,6 +63,9 @@
 #   timeline-checks the timeline of one-row steps on both shapes, with bench-engine's comparison
 #           runs (checks off, cuBLAS products) as graphs of their own: what each kernel's checks
 #           cost in the captured steps
+#   then-norm the GPU model cases of the post-attention norm run by the o product's last block
+#           (and of every fusion with rope in attention), then bench-engine on both shapes
+#           without and with --norm-after-product, twice each
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) against this
 #           bundle's bulkhead, twice each, alternating
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
@@ -365,6 +368,21 @@ for group in "$@"; do
           BULKHEAD_TIMELINE="$out/timeline-$shape-checks.csv" LD_PRELOAD="$lib" "$bh" bench-engine \
           --model "$m" --backend cuda --batch 1 --steps 32
         run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py "$out/timeline-$shape-checks.csv"
+      done
+      ;;
+    then-norm)
+      # The post-attention norm in the o product's last block (--norm-after-product): its model
+      # cases (the fused norm's bits against the kernel's wherever few rows meet many), then
+      # bench-engine on both shapes without and with it, alternating, twice each.
+      run gpu-tests-then-norm 300 "$bundle/gpu_tests" --gtest_filter='*then_norm*:*fused_rope*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for rep in 1 2; do
+          for flag in "" --norm-after-product; do
+            run "bench-engine-$shape${flag:+-then-norm}-$rep" 150 "$bh" bench-engine \
+              --model "$m" --backend cuda --batch 1,8,32,64 --no-compare $flag
+          done
+        done
       done
       ;;
     ab)
