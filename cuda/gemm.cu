@@ -712,7 +712,7 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
                               interleaved, res, nin, act, then);
   };
-  if constexpr (kGroups == 1 && kPipelined && kTiles == 1 && !kInterleaved) {
+  if constexpr (kGroups == 1 && kTiles == 1 && !kInterleaved) {
     if (then.counter != nullptr)  // bf16 tokens into y (launchGemm checks)
       return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, false, true>);
   }
@@ -1090,9 +1090,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   if (schedule == GemmSchedule::kTiled &&
       (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
     schedule = GemmSchedule::kPipelined;
-  if (then.counter != nullptr && schedule != GemmSchedule::kPipelined)
+  if (then.counter != nullptr && schedule != GemmSchedule::kPipelined &&
+      schedule != GemmSchedule::kPlain)
     return invalidArgument(std::string("a norm after a product in the ") +
-                           gemmScheduleName(schedule) + " schedule (pipelined only)");
+                           gemmScheduleName(schedule) + " schedule (pipelined or plain only)");
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
@@ -1128,8 +1129,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);
   } else if (m <= 8)
-    launched =
-        launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);
+    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                            activated, then);
   else if (m <= 16)
     launched =
         launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);

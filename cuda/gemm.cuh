@@ -186,7 +186,7 @@ inline const char* gemmScheduleName(GemmSchedule s) {
 // `ldy` apart (unused with a residual); x unused with a normed or activated input. Device memory,
 // asynchronous on `stream`. splits: 0 takes gemmSplits(n, k), as every step does; 1 to 8 forces
 // that many (another fixed sum order, still the same for every row count: for `bulkhead bench-gemm`
-// to compare). then: in the pipelined schedule only.
+// to compare). then: in the pipelined and plain schedules only.
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
                   GemmSchedule schedule = GemmSchedule::kPlain, int splits = 0,

@@ -1049,9 +1049,10 @@ Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, boo
 }
 
 bool CudaBackend::normAfterProduct(int rows) const {
+  const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
   return norm_after_product_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
          fault_role_ < 0 &&
-         gemm_schedules_[size_t(cuda::gemmBucket(rows))] == cuda::GemmSchedule::kPipelined;
+         (schedule == cuda::GemmSchedule::kPipelined || schedule == cuda::GemmSchedule::kPlain);
 }
 
 bool CudaBackend::lmHeadStoresRows() const {

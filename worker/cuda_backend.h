@@ -67,7 +67,7 @@ class CudaBackend final : public Backend {
     bool silu_in_products = false;
     // In steps of 1 to 8 rows, the last block of the attention output's product runs the norm
     // after it (cuda/gemm.cuh GemmThenNorm) instead of a kernel of its own: one launch a layer
-    // fewer, the same numbers. Our products in the pipelined schedule only; not with
+    // fewer, the same numbers. Our products in the pipelined or plain schedule; not with
     // residual_in_products.
     bool norm_after_product = false;
     // In decode steps (every row its sequence's only one), the attention kernel does the q/k/v
@@ -239,7 +239,8 @@ class CudaBackend final : public Backend {
   // or with a compute fault armed (which flips an output after the product).
   bool lmHeadStoresRows() const;
   // Whether a step of `rows` rows runs the post-attention norm in the o product
-  // (Options::norm_after_product: our pipelined products, few rows, no compute fault armed).
+  // (Options::norm_after_product: our pipelined or plain products, few rows, no compute fault
+  // armed).
   bool normAfterProduct(int rows) const;
   Status launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n);
   // Writes the step's tensor-core attention tiles (cuda/attention_mma.cuh MmaAttentionArgs::tiles)

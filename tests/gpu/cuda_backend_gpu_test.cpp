@@ -155,7 +155,11 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     }
     checkpoint_ = openModel(dir);
     ASSERT_NE(checkpoint_, nullptr);
-    backend_ = cudaBackend(checkpoint_);
+    // The cases of the norm after the product take the default schedules (pipelined at 1-8
+    // rows); the rest plain, as cudaBackend gives.
+    backend_ = GetParam().then_norm
+                   ? cudaBackend(checkpoint_, true, 0, false, cuda::kDefaultGemmSchedules)
+                   : cudaBackend(checkpoint_);
     ASSERT_NE(backend_, nullptr);
     vocab_ = backend_->limits().vocab_size;
   }
