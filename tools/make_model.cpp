@@ -179,6 +179,17 @@ Status writeShard(const std::string& path, const std::vector<TensorSpec>& specs,
   return okStatus();
 }
 
+// One layer of `shape` with a small vocabulary: its products and head size at the cost of a test.
+ModelShape oneLayerOf(const ModelShape& shape, const char* name) {
+  ModelShape layer = shape;
+  layer.name = name;
+  layer.layers = 1;
+  layer.vocab = 1024;
+  layer.bos = 1000;
+  layer.eos = 1001;
+  return layer;
+}
+
 }  // namespace
 
 const std::vector<ModelShape>& modelShapes() {
@@ -231,14 +242,8 @@ const std::vector<ModelShape>& modelShapes() {
                    .bos = 151643,
                    .eos = 151645};
     v.push_back(q05);
-    // One layer of the 0.5B with a small vocabulary: its head size of 64 at the cost of a test.
-    ModelShape q05_layer = q05;
-    q05_layer.name = "qwen2.5-0.5b-layer";
-    q05_layer.layers = 1;
-    q05_layer.vocab = 1024;
-    q05_layer.bos = 1000;
-    q05_layer.eos = 1001;
-    v.push_back(q05_layer);
+    // Its head size of 64.
+    v.push_back(oneLayerOf(q05, "qwen2.5-0.5b-layer"));
     ModelShape q7{.name = "qwen2.5-7b",
                   .architecture = "Qwen2ForCausalLM",
                   .hidden = 3584,
@@ -254,15 +259,8 @@ const std::vector<ModelShape>& modelShapes() {
                   .bos = 151643,
                   .eos = 151645};
     v.push_back(q7);
-    // One layer of the 7B with a small vocabulary: its widest products (k up to 18,944) at the
-    // cost of a test.
-    ModelShape q7_layer = q7;
-    q7_layer.name = "qwen2.5-7b-layer";
-    q7_layer.layers = 1;
-    q7_layer.vocab = 1024;
-    q7_layer.bos = 1000;
-    q7_layer.eos = 1001;
-    v.push_back(q7_layer);
+    // Its widest products (k up to 18,944).
+    v.push_back(oneLayerOf(q7, "qwen2.5-7b-layer"));
     ModelShape q14{.name = "qwen2.5-14b",
                    .architecture = "Qwen2ForCausalLM",
                    .hidden = 5120,
