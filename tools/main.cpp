@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
       ->required();
   make_model->add_option("--out", make.out_dir, "Output directory")->required();
   make_model->add_option("--seed", make.seed, "Seed (same seed, same bytes)");
+  make_model->add_option("--layers", make.layers, "Layers (default: the shape's)");
   make_model->add_option("--dtype", dtype, "bf16 | f16 | f32");
   make_model->add_option("--max-shard-bytes", make.max_shard_bytes,
                          "Split into shards above this size");

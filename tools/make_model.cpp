@@ -291,6 +291,13 @@ Result<MakeModelReport> makeModel(const MakeModelOptions& options) {
   if (shape == nullptr)
     return invalidArgument("unknown shape \"" + options.shape + "\" (known: " + known + ")");
   if (options.out_dir.empty()) return invalidArgument("--out is required");
+  if (options.layers < 0 || options.layers > 1024)
+    return invalidArgument("--layers " + std::to_string(options.layers) + " (0 to 1024)");
+  ModelShape layered = *shape;
+  if (options.layers > 0) {
+    layered.layers = options.layers;
+    shape = &layered;
+  }
   std::error_code ec;
   std::filesystem::create_directories(options.out_dir, ec);
   if (ec) return internalError(options.out_dir + ": cannot create: " + ec.message());

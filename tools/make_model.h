@@ -32,6 +32,7 @@ struct MakeModelOptions {
   uint64_t seed = 0;
   DType dtype = DType::kBF16;
   uint64_t max_shard_bytes = 5'000'000'000;  // larger checkpoints are split into shards
+  int layers = 0;                            // 0: the shape's; else this many layers
 };
 
 struct MakeModelReport {

@@ -649,7 +649,8 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
   product_stored_row_steps_ += lmHeadStoresRows();
-  norm_after_product_steps_ += normAfterProduct(int(n));
+  if (normAfterProduct(int(n)))
+    norms_after_products_ += layers_.size() + (inputNormedBy(0, int(n)) ? layers_.size() - 1 : 0);
   pending_.decode_rows = n == batch.size();
   pending_.attention_tiles = 0;
   if (attention_mma_) {
@@ -881,7 +882,35 @@ cuda::GemmNormedInput CudaBackend::ownChecks(std::initializer_list<const Weight*
   return in;
 }
 
-Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
+// Layer l's input norm: the residual add of the down product before it (none for the first layer,
+// or with the products adding into the residual), then the norm into xn for q/k/v.
+cuda::RmsNormArgs CudaBackend::inputNorm(size_t l, int n) const {
+  const CudaState& d = *d_;
+  const Layer& L = layers_[l];
+  const bool checks = limits_.checks_weight_reads, residual = residual_in_products_;
+  cuda::RmsNormArgs norm;
+  norm.x = d.x.get<float>();
+  norm.delta = l > 0 && !residual ? d.delta.get<float>() : nullptr;
+  norm.delta_role = l > 0 && !residual && checks ? layers_[l - 1].down.product : -1;
+  if (residual) {
+    norm.partials = d.norm_partials.get<float>();
+    norm.partials_stride = d.partials_stride;
+  }
+  norm.rows = n;
+  norm.hidden = config().hidden_size;
+  norm.weight = static_cast<const __nv_bfloat16*>(L.input_norm.ptr);
+  norm.weight_salt = L.input_norm.salt;
+  norm.weight_fold = checks ? L.input_norm.fold : -1;
+  norm.eps = config().rms_norm_eps;
+  norm.out = d.xn.get<__nv_bfloat16>();
+  norm.consumers[0] = consumerInKernel(L.q);
+  norm.consumers[1] = consumerInKernel(L.k);
+  norm.consumers[2] = consumerInKernel(L.v);
+  norm.checks = d.view;
+  return norm;
+}
+
+Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   const ModelConfig& c = config();
   CudaState& d = *d_;
   cudaStream_t stream = d.stream.get();
@@ -894,29 +923,15 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   float* delta = d.delta.get<float>();
   float* gate_up = d.gate_up.get<float>();
   auto* xn = d.xn.get<__nv_bfloat16>();
-
-  cuda::RmsNormArgs norm;
-  norm.x = d.x.get<float>();
   const bool residual = residual_in_products_;
-  norm.delta = previous_down != nullptr && !residual ? delta : nullptr;
-  norm.delta_role = previous_down != nullptr && !residual ? role(*previous_down) : -1;
-  if (residual) {
-    norm.partials = d.norm_partials.get<float>();
-    norm.partials_stride = d.partials_stride;
+
+  // The down product before this layer ran its input norm (Options::norm_after_product), or
+  // the norm runs here.
+  cuda::RmsNormArgs norm = inputNorm(l, n);
+  const cuda::GemmNormedInput* normed = nullptr;
+  if (!input_normed) {
+    BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
   }
-  norm.rows = n;
-  norm.hidden = c.hidden_size;
-  norm.weight = static_cast<const __nv_bfloat16*>(L.input_norm.ptr);
-  norm.weight_salt = L.input_norm.salt;
-  norm.weight_fold = foldOf(L.input_norm);
-  norm.eps = c.rms_norm_eps;
-  norm.out = xn;
-  norm.consumers[0] = consumerInKernel(L.q);
-  norm.consumers[1] = consumerInKernel(L.k);
-  norm.consumers[2] = consumerInKernel(L.v);
-  norm.checks = d.view;
-  BULKHEAD_ASSIGN_OR_RETURN(const cuda::GemmNormedInput* normed,
-                            normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
   BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, n, qkv, d.qkv_stride, normed));
   BULKHEAD_RETURN_IF_ERROR(mark("product q/k/v"));
 
@@ -989,16 +1004,25 @@ Status CudaBackend::launchLayer(size_t l, int n, const Weight* previous_down) {
   // and its check tile adds the down product's expected sums as well.
   cuda::GemmActivatedInput activated;
   const cuda::GemmActivatedInput* computed = nullptr;
-  if (silu_in_products_ && n <= cuda::kMaxNormedRows && d.cublas == nullptr && inter % 4 == 0) {
+  if (siluInProduct(n)) {
     activated = {gate_up, 2 * inter, sa.gate_role, sa.up_role, consumer(L.down), d.view};
     computed = &activated;
   } else {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
     BULKHEAD_RETURN_IF_ERROR(mark("silu"));
   }
-  BULKHEAD_RETURN_IF_ERROR(
-      residual ? residualProduct(L.down, sa.out, n, computed)
-               : products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, computed));
+  if (residual) {
+    BULKHEAD_RETURN_IF_ERROR(residualProduct(L.down, sa.out, n, computed));
+  } else if (inputNormedBy(l, n)) {
+    // The down product's last block runs the next layer's input norm.
+    const cuda::GemmThenNorm then{d.then_counter.get<unsigned>(), inputNorm(l + 1, n)};
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, nullptr, 0, nullptr, &then));
+    return mark("product down, norm (input)");
+  } else {
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, computed));
+  }
   return mark("product down");
 }
 
@@ -1053,6 +1077,16 @@ bool CudaBackend::normAfterProduct(int rows) const {
   return norm_after_product_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
          fault_role_ < 0 &&
          (schedule == cuda::GemmSchedule::kPipelined || schedule == cuda::GemmSchedule::kPlain);
+}
+
+bool CudaBackend::siluInProduct(int rows) const {
+  return silu_in_products_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
+         config().intermediate_size % 4 == 0;
+}
+
+bool CudaBackend::inputNormedBy(size_t layer, int rows) const {
+  return layer + 1 < layers_.size() && !residual_in_products_ && !siluInProduct(rows) &&
+         normAfterProduct(rows);
 }
 
 bool CudaBackend::lmHeadStoresRows() const {
@@ -1170,7 +1204,7 @@ Status CudaBackend::launchForward(int n, int m, bool aligned) {
       d.partials_stride));
   BULKHEAD_RETURN_IF_ERROR(mark("embedding"));
   for (size_t l = 0; l < layers_.size(); ++l)
-    BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n, l == 0 ? nullptr : &layers_[l - 1].down));
+    BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n, l > 0 && inputNormedBy(l - 1, n)));
   return launchOutput(n, m, aligned);
 }
 

@@ -66,9 +66,10 @@ class CudaBackend final : public Backend {
     // launch a layer fewer, the same numbers.
     bool silu_in_products = false;
     // In steps of 1 to 8 rows, the last block of the attention output's product runs the norm
-    // after it (cuda/gemm.cuh GemmThenNorm) instead of a kernel of its own: one launch a layer
-    // fewer, the same numbers. Our products in the pipelined or plain schedule; not with
-    // residual_in_products.
+    // after it, and the last block of the down product the next layer's input norm (cuda/
+    // gemm.cuh GemmThenNorm), instead of kernels of their own: two launches a layer fewer, the
+    // same numbers. Our products in the pipelined or plain schedule; not with
+    // residual_in_products (nor the down product's with silu_in_products).
     bool norm_after_product = false;
     // In decode steps (every row its sequence's only one), the attention kernel does the q/k/v
     // kernel's work itself (cuda/attention.cuh AttentionArgs::rope_in): biases, rotation, the
@@ -125,8 +126,8 @@ class CudaBackend final : public Backend {
   uint64_t mmaAttentionSteps() const { return mma_attention_steps_; }
   // Steps whose lm_head stored the logits rows itself (Options::logits_in_product).
   uint64_t productStoredRowSteps() const { return product_stored_row_steps_; }
-  // Steps whose attention output's product ran the norm after it (Options::norm_after_product).
-  uint64_t normAfterProductSteps() const { return norm_after_product_steps_; }
+  // Norms run by the last block of the product before them (Options::norm_after_product).
+  uint64_t normsAfterProducts() const { return norms_after_products_; }
   // Steps computed a second time because a product's check strayed beyond what rounding does in
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
@@ -181,7 +182,9 @@ class CudaBackend final : public Backend {
   // launchForward() on the stream (or a graph of it, `graph`), the product checks cleared first
   // where the step before did not end with the kernel that clears them.
   Status enqueueForward(int tokens, int logits_rows, bool aligned, cudaGraphExec_t graph);
-  Status launchLayer(size_t layer, int tokens, const Weight* previous_down);
+  // input_normed: the down product before it ran its input norm (inputNormedBy).
+  Status launchLayer(size_t layer, int tokens, bool input_normed);
+  cuda::RmsNormArgs inputNorm(size_t layer, int tokens) const;
   Status launchOutput(int tokens, int logits_rows, bool aligned);
   // y = x · wᵀ for each weight of `group` (one product when their slots are adjacent), outputs
   // side by side in rows `ldy` floats apart; then the armed compute fault, if one is.
@@ -240,8 +243,12 @@ class CudaBackend final : public Backend {
   bool lmHeadStoresRows() const;
   // Whether a step of `rows` rows runs the post-attention norm in the o product
   // (Options::norm_after_product: our pipelined or plain products, few rows, no compute fault
-  // armed).
+  // armed), and the input norms in the down products before them (inputNormedBy).
   bool normAfterProduct(int rows) const;
+  // Whether the down product computes its SiLU-gated input (Options::silu_in_products).
+  bool siluInProduct(int rows) const;
+  // Whether layer `layer`'s down product runs the next layer's input norm in its last block.
+  bool inputNormedBy(size_t layer, int rows) const;
   Status launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n);
   // Writes the step's tensor-core attention tiles (cuda/attention_mma.cuh MmaAttentionArgs::tiles)
   // to `tiles`: each sequence's rows in runs that fill a tile with their KV group's query heads,
@@ -270,7 +277,7 @@ class CudaBackend final : public Backend {
   uint64_t tiled_attention_steps_ = 0;
   uint64_t mma_attention_steps_ = 0;
   uint64_t product_stored_row_steps_ = 0;
-  uint64_t norm_after_product_steps_ = 0;
+  uint64_t norms_after_products_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;

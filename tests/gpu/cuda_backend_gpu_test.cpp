@@ -150,7 +150,11 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
     } else {
-      auto made = makeModel({.shape = GetParam().shape, .out_dir = dir, .seed = 3});
+      // The norm after the product at two layers: the down product runs the second's input norm.
+      auto made = makeModel({.shape = GetParam().shape,
+                             .out_dir = dir,
+                             .seed = 3,
+                             .layers = GetParam().then_norm ? 2 : 0});
       ASSERT_TRUE(made.ok()) << made.status().toString();
     }
     checkpoint_ = openModel(dir);
@@ -198,9 +202,14 @@ TEST_P(CudaBackendModels, AttentionRunsOnTheTensorCoresWhenAskedTo) {
 TEST_P(CudaBackendModels, TheNormRunsInTheProductBeforeItWhenAskedTo) {
   test::BackendDriver driver(*backend_);
   const auto tokens = randomTokens(20, vocab_, 6);
-  const uint64_t before = backend_->normAfterProductSteps();
+  const uint64_t before = backend_->normsAfterProducts();
   driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
-  EXPECT_EQ(backend_->normAfterProductSteps() - before, GetParam().then_norm ? 3u : 0u);
+  // Each step's two layers (those cases make two): the o products' post-attention norms and the
+  // first down product's input norm of the second layer.
+  if (GetParam().then_norm) {
+    ASSERT_EQ(checkpoint_->config().num_layers, 2);
+  }
+  EXPECT_EQ(backend_->normsAfterProducts() - before, GetParam().then_norm ? 3u * 3u : 0u);
 }
 
 TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
@@ -743,8 +752,9 @@ INSTANTIATE_TEST_SUITE_P(
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
                   true},
-        // The post-attention norm in the o product's last block at 1-8 rows, the kernel's above:
-        // every comparison of few rows with many checks that the two give the same bits.
+        // The post-attention norm in the o product's last block, and the next layer's input norm
+        // in the down product's, at 1-8 rows, the kernel's above: every comparison of few rows
+        // with many checks that the two give the same bits.
         ModelCase{"fixture_qwen2_then_norm", "", false, false, false, false, false, false, true},
         ModelCase{"qwen05_layer_then_norm", "qwen2.5-0.5b-layer", false, false, false, true, false,
                   false, true},
