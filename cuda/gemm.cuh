@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "cuda/activation.cuh"
 #include "cuda/rms_norm.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/mix.h"
@@ -116,15 +117,24 @@ struct GemmActivatedInput {
   CheckView checks;
 };
 
-// A product of 1 to kMaxNormedRows rows whose output y is the delta an RMSNorm adds to the
-// residual (the attention output's product and the norm after it): the last of the product's
-// blocks to store its outputs runs the norm (cuda/norm_in_block.cuh: the norm kernel's bits)
-// instead of a kernel of its own after the product. norm: the norm kernel's arguments, with delta
-// = y, no partials, out_row or consumers; counter: device memory, zero before the launch, left
-// zero after it (one counter serves every such launch of a stream).
-struct GemmThenNorm {
-  unsigned* counter = nullptr;  // null: no norm
+// What the last blocks of a product of 1 to kMaxNormedRows bf16-token rows run after it,
+// instead of a kernel of their own:
+// - norm (RmsNormArgs, delta = y, no partials, out_row or consumers): y is the delta an RMSNorm
+//   adds to the residual (the attention output's product and the norm after it, the down product
+//   and the next layer's input norm). The last of the product's blocks to store its outputs
+//   runs the norm (cuda/norm_in_block.cuh: the norm kernel's bits). counter: one unsigned.
+// - silu (SiluMulArgs, gate_up = y, a packed product of 2 inter outputs a row, inter a multiple
+//   of 16): y is the gate/up product's output. The last block to store either gate columns
+//   j0 .. j0 + 15 or up columns inter + j0 .. + 15 computes those 16 columns of the activation
+//   (cuda/activation.cuh siluColumnsInBlock: the activation kernel's bits). counter: inter / 16
+//   unsigneds.
+// counter: device memory, zero before the launch, left zero after it (it serves every such
+// launch of a stream).
+struct GemmThen {
+  enum class Kind { kNone, kNorm, kSilu } kind = Kind::kNone;
+  unsigned* counter = nullptr;
   RmsNormArgs norm;
+  SiluMulArgs silu;
 };
 
 // How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
@@ -191,6 +201,6 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
                   GemmSchedule schedule = GemmSchedule::kPlain, int splits = 0,
                   const GemmResidual& residual = {}, const GemmNormedInput& normed = {},
-                  const GemmActivatedInput& activated = {}, const GemmThenNorm& then = {});
+                  const GemmActivatedInput& activated = {}, const GemmThen& then = {});
 
 }  // namespace bulkhead::cuda

@@ -1,5 +1,5 @@
 // The RMSNorm of rmsNormKernel (cuda/rms_norm.cu) done by one block of fewer threads, for the
-// last block of a product whose output the norm adds (GemmThenNorm, cuda/gemm.cuh): the residual
+// last block of a product whose output the norm adds (GemmThen, cuda/gemm.cuh): the residual
 // add, the sum of squares, the normalised bf16 row, the norm weight's fold and the added
 // product's produced sums. Thread t of the block takes the pairs of the kernel's threads t,
 // t + kBlockThreads, ... (those of its kernel thread in the kernel's order), the warps' butterflies

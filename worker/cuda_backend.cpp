@@ -130,7 +130,9 @@ struct CudaState {
   std::map<std::tuple<int, bool, bool, bool, int>, cuda::GraphExec> graphs;
   // Attention's splits side by side (cuda/attention.cuh): partials and counts.
   DeviceMemory split_partials, split_counts;
-  DeviceMemory then_counter;  // Options::norm_after_product: cuda::GemmThenNorm::counter
+  // Options::norm_after_product and silu_after_product: cuda::GemmThen::counter (intermediate
+  // size / 16 of them)
+  DeviceMemory then_counter;
   int max_splits = 0;
   // Scrubbing: ranges and their sums, on the scrub stream.
   // Pinned, so that a granule's copies are plain DMA: a pageable copy stages through the driver
@@ -198,6 +200,12 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
         "a norm after the product is for our products into the delta buffer: not with the "
         "residual in the products or cuBLAS products");
   b->norm_after_product_ = options.norm_after_product;
+  if (options.silu_after_product &&
+      (options.silu_in_products || options.residual_in_products || options.cublas_products))
+    return invalidArgument(
+        "the activation after the product is for our gate/up products: not with the activation "
+        "in the products, the residual in the products or cuBLAS products");
+  b->silu_after_product_ = options.silu_after_product;
   const ModelConfig& c = b->config();
   const bool mma_fits = cuda::mmaAttentionSupportsHeadDim(c.head_dim) &&
                         c.num_heads / c.num_kv_heads <= cuda::kMmaTileItems;
@@ -530,11 +538,13 @@ Status CudaBackend::allocateStep(const Options& options) {
       d.split_partials,
       DeviceMemory::allocate(split_rows * size_t(d.max_splits) * size_t(c.head_dim + 2) * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.split_counts, DeviceMemory::allocate(split_rows * 4));
-  BULKHEAD_ASSIGN_OR_RETURN(d.then_counter, DeviceMemory::allocate(4));
+  const size_t then_counters = std::max<size_t>(1, size_t(c.intermediate_size) / 16) * 4;
+  BULKHEAD_ASSIGN_OR_RETURN(d.then_counter, DeviceMemory::allocate(then_counters));
   // Zero before any step, on the step stream (which does not wait for the legacy one).
   BULKHEAD_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(d.split_counts.get(), 0, split_rows * 4, d.stream.get()));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.then_counter.get(), 0, 4, d.stream.get()));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(d.then_counter.get(), 0, then_counters, d.stream.get()));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
@@ -651,6 +661,8 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   product_stored_row_steps_ += lmHeadStoresRows();
   if (normAfterProduct(int(n)))
     norms_after_products_ += layers_.size() + (inputNormedBy(0, int(n)) ? layers_.size() - 1 : 0);
+  if (siluAfterProduct(int(n)))
+    for (const Layer& L : layers_) silus_after_products_ += adjacentGroup({&L.gate, &L.up});
   pending_.decode_rows = n == batch.size();
   pending_.attention_tiles = 0;
   if (attention_mma_) {
@@ -785,7 +797,7 @@ Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
 Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
                              float* y, int ldy, const cuda::GemmNormedInput* normed,
                              const cuda::GemmActivatedInput* activated, int check_row,
-                             float* const* rows_to, const cuda::GemmThenNorm* then) {
+                             float* const* rows_to, const cuda::GemmThen* then) {
   // One product over the group when its slots lie one after another (one weight matrix), else
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
@@ -823,7 +835,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
         cuda::launchGemm(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy,
                          stream, fused, schedule, 0, epilogue, normed != nullptr ? *normed : own,
                          activated != nullptr ? *activated : cuda::GemmActivatedInput{},
-                         then != nullptr ? *then : cuda::GemmThenNorm{}));
+                         then != nullptr ? *then : cuda::GemmThen{}));
   }
 
   int column = 0;
@@ -977,7 +989,10 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   norm.consumers[2] = {};
   if (normAfterProduct(n)) {
     // The o product's last block runs the post-attention norm (Options::norm_after_product).
-    const cuda::GemmThenNorm then{d.then_counter.get<unsigned>(), norm};
+    cuda::GemmThen then;
+    then.kind = cuda::GemmThen::Kind::kNorm;
+    then.counter = d.then_counter.get<unsigned>();
+    then.norm = norm;
     BULKHEAD_RETURN_IF_ERROR(
         products({&L.o}, attn, n, delta, c.hidden_size, nullptr, nullptr, 0, nullptr, &then));
     BULKHEAD_RETURN_IF_ERROR(mark("product o, norm (post-attention)"));
@@ -988,9 +1003,6 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
     BULKHEAD_RETURN_IF_ERROR(mark("product o"));
     BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
   }
-  BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
-  BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
-
   cuda::SiluMulArgs sa;
   sa.gate_up = gate_up;
   sa.rows = n;
@@ -1000,6 +1012,20 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   sa.up_role = role(L.up);
   sa.down = consumerInKernel(L.down);
   sa.checks = d.view;
+  const bool silu_after = siluAfterProduct(n) && adjacentGroup({&L.gate, &L.up});
+  if (silu_after) {
+    // The gate/up product's blocks compute the activation (Options::silu_after_product).
+    cuda::GemmThen then;
+    then.kind = cuda::GemmThen::Kind::kSilu;
+    then.counter = d.then_counter.get<unsigned>();
+    then.silu = sa;
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed, nullptr, 0, nullptr, &then));
+    BULKHEAD_RETURN_IF_ERROR(mark("product gate/up, silu"));
+  } else {
+    BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
+    BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
+  }
   // In few rows (silu_in_products), the down product computes the activation as it loads it,
   // and its check tile adds the down product's expected sums as well.
   cuda::GemmActivatedInput activated;
@@ -1007,7 +1033,7 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   if (siluInProduct(n)) {
     activated = {gate_up, 2 * inter, sa.gate_role, sa.up_role, consumer(L.down), d.view};
     computed = &activated;
-  } else {
+  } else if (!silu_after) {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
     BULKHEAD_RETURN_IF_ERROR(mark("silu"));
   }
@@ -1015,7 +1041,10 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
     BULKHEAD_RETURN_IF_ERROR(residualProduct(L.down, sa.out, n, computed));
   } else if (inputNormedBy(l, n)) {
     // The down product's last block runs the next layer's input norm.
-    const cuda::GemmThenNorm then{d.then_counter.get<unsigned>(), inputNorm(l + 1, n)};
+    cuda::GemmThen then;
+    then.kind = cuda::GemmThen::Kind::kNorm;
+    then.counter = d.then_counter.get<unsigned>();
+    then.norm = inputNorm(l + 1, n);
     BULKHEAD_RETURN_IF_ERROR(
         products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, nullptr, 0, nullptr, &then));
     return mark("product down, norm (input)");
@@ -1076,6 +1105,13 @@ bool CudaBackend::normAfterProduct(int rows) const {
   const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
   return norm_after_product_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
          fault_role_ < 0 &&
+         (schedule == cuda::GemmSchedule::kPipelined || schedule == cuda::GemmSchedule::kPlain);
+}
+
+bool CudaBackend::siluAfterProduct(int rows) const {
+  const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
+  return silu_after_product_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
+         fault_role_ < 0 && config().intermediate_size % 16 == 0 &&
          (schedule == cuda::GemmSchedule::kPipelined || schedule == cuda::GemmSchedule::kPlain);
 }
 

@@ -42,6 +42,7 @@ bool attention_tiles = false;     // and CudaBackend::Options::attention_tiles
 bool logits_in_product = true;    // CudaBackend::Options::logits_in_product
 bool attention_mma = false;       // CudaBackend::Options::attention_mma
 bool norm_after_product = false;  // CudaBackend::Options::norm_after_product
+bool silu_after_product = false;  // CudaBackend::Options::silu_after_product
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -55,6 +56,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.logits_in_product = logits_in_product;
   options.attention_mma = attention_mma;
   options.norm_after_product = norm_after_product;
+  options.silu_after_product = silu_after_product;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -145,7 +147,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     rope_in_attention = GetParam().rope;
     attention_tiles = GetParam().tiles;
     attention_mma = GetParam().mma;
-    norm_after_product = GetParam().then_norm;
+    norm_after_product = silu_after_product = GetParam().then_norm;
     std::string dir = tmp_.path();
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
@@ -170,7 +172,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
 
   void TearDown() override {
     residual_in_products = norm_in_products = silu_in_products = rope_in_attention =
-        attention_tiles = attention_mma = norm_after_product = false;
+        attention_tiles = attention_mma = norm_after_product = silu_after_product = false;
   }
 
   test::TempDir tmp_;
@@ -199,17 +201,19 @@ TEST_P(CudaBackendModels, AttentionRunsOnTheTensorCoresWhenAskedTo) {
   EXPECT_EQ(backend_->name(), GetParam().mma ? "cuda-mma" : "cuda");
 }
 
-TEST_P(CudaBackendModels, TheNormRunsInTheProductBeforeItWhenAskedTo) {
+TEST_P(CudaBackendModels, NormsAndActivationsRunInTheProductsBeforeThemWhenAskedTo) {
   test::BackendDriver driver(*backend_);
   const auto tokens = randomTokens(20, vocab_, 6);
-  const uint64_t before = backend_->normsAfterProducts();
+  const uint64_t norms = backend_->normsAfterProducts();
+  const uint64_t silus = backend_->silusAfterProducts();
   driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
-  // Each step's two layers (those cases make two): the o products' post-attention norms and the
-  // first down product's input norm of the second layer.
+  // Each step's two layers (those cases make two): the o products' post-attention norms, the
+  // first down product's input norm of the second layer, and both gate/up products' activations.
   if (GetParam().then_norm) {
     ASSERT_EQ(checkpoint_->config().num_layers, 2);
   }
-  EXPECT_EQ(backend_->normsAfterProducts() - before, GetParam().then_norm ? 3u * 3u : 0u);
+  EXPECT_EQ(backend_->normsAfterProducts() - norms, GetParam().then_norm ? 3u * 3u : 0u);
+  EXPECT_EQ(backend_->silusAfterProducts() - silus, GetParam().then_norm ? 3u * 2u : 0u);
 }
 
 TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
@@ -752,9 +756,10 @@ INSTANTIATE_TEST_SUITE_P(
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
                   true},
-        // The post-attention norm in the o product's last block, and the next layer's input norm
-        // in the down product's, at 1-8 rows, the kernel's above: every comparison of few rows
-        // with many checks that the two give the same bits.
+        // The post-attention norm in the o product's last block, the next layer's input norm in
+        // the down product's, and the activation in the gate/up product's, at 1-8 rows, the
+        // kernels' above: every comparison of few rows with many checks that they give the same
+        // bits.
         ModelCase{"fixture_qwen2_then_norm", "", false, false, false, false, false, false, true},
         ModelCase{"qwen05_layer_then_norm", "qwen2.5-0.5b-layer", false, false, false, true, false,
                   false, true},
