@@ -551,5 +551,96 @@ TEST(ActivatedProduct, GivesTheActivationKernelsRowsAndChecks) {
   }
 }
 
+// The gate/up product of 1 to 8 rows whose blocks compute the activation as each 16 columns of
+// gate and up are stored (GemmThen::kSilu) gives the product's outputs, the activation kernel's
+// rows bit for bit, and that kernel's side of the checks; the counters are left zero (a second
+// launch gives the same). Pipelined and plain, at the shape's splits and at 4 and 8.
+TEST(ProductThenSilu, GivesTheActivationKernelsRowsAndChecks) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    int inter, k, rows;
+  };
+  for (const Case cs :
+       {Case{4864, 896, 1}, Case{4864, 896, 8}, Case{176, 64, 3}, Case{18944, 3584, 5}}) {
+    const int inter = cs.inter, n = 2 * inter, k = cs.k, rows = cs.rows, roles = 4, gate_role = 1,
+              up_role = 2, down_role = 3;
+    std::mt19937 rng{uint32_t(inter + k + rows)};
+    std::normal_distribution<float> value(0.0f, 1.0f);
+    std::vector<__nv_bfloat16> x(size_t(rows) * k), w(size_t(n) * k);
+    for (auto& v : x) v = __float2bfloat16(value(rng));
+    for (auto& v : w) v = __float2bfloat16(0.05f * value(rng));
+    std::vector<float> sums(size_t(2) * inter);
+    for (auto& v : sums) v = value(rng);
+    test::DeviceBuffer<__nv_bfloat16> dx(x), dw(w), dact(size_t(rows) * inter);
+    test::DeviceBuffer<float> dy(size_t(rows) * n), dsums(sums);
+    test::DeviceBuffer<unsigned> counters(std::vector<unsigned>(size_t(inter / 16), 0u));
+    test::DeviceBuffer<cuda::ProductCheck> checks(size_t(rows) * roles);
+    const cuda::CheckView view{checks.p, roles, nullptr};
+    auto clear = [&] {
+      ASSERT_EQ(cudaMemset(checks.p, 0, checks.n * sizeof(cuda::ProductCheck)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dact.p, 0xff, dact.n * 2), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dy.p, 0xff, dy.n * 4), cudaSuccess);
+    };
+    cuda::SiluMulArgs sa;
+    sa.gate_up = dy.p;
+    sa.rows = rows;
+    sa.inter = inter;
+    sa.out = dact.p;
+    sa.gate_role = gate_role;
+    sa.up_role = up_role;
+    sa.down = {down_role, dsums.p, dsums.p + inter};
+    sa.checks = view;
+    cuda::GemmThen then;
+    then.kind = cuda::GemmThen::Kind::kSilu;
+    then.counter = counters.p;
+    then.silu = sa;
+    for (const cuda::GemmSchedule schedule :
+         {cuda::GemmSchedule::kPipelined, cuda::GemmSchedule::kPlain}) {
+      for (const int splits : {0, 4, 8}) {
+        const std::string how = "inter " + std::to_string(inter) + ", " + std::to_string(rows) +
+                                " rows, " + cuda::gemmScheduleName(schedule) + ", splits " +
+                                std::to_string(splits);
+        // The product, then the activation kernel.
+        clear();
+        ASSERT_TRUE(
+            cuda::launchGemm(dx.p, rows, dw.p, n, k, dy.p, n, nullptr, {}, schedule, splits).ok());
+        ASSERT_TRUE(cuda::launchSiluMul(sa, nullptr).ok());
+        const std::vector<float> want_y = dy.read();
+        const std::vector<__nv_bfloat16> want_act = dact.read();
+        const std::vector<cuda::ProductCheck> want_checks = checks.read();
+        for (int launch = 0; launch < 2; ++launch) {
+          clear();
+          const Status launched = cuda::launchGemm(dx.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
+                                                   schedule, splits, {}, {}, {}, then);
+          ASSERT_TRUE(launched.ok()) << how << ": " << launched.toString();
+          const std::vector<float> got_y = dy.read();
+          for (size_t i = 0; i < got_y.size(); ++i)
+            ASSERT_EQ(bitsOf(got_y[i]), bitsOf(want_y[i])) << how << ": output " << i;
+          const std::vector<__nv_bfloat16> got_act = dact.read();
+          for (size_t i = 0; i < got_act.size(); ++i)
+            ASSERT_EQ(std::memcmp(&got_act[i], &want_act[i], 2), 0)
+                << how << ", launch " << launch << ": activation " << i;
+          const std::vector<cuda::ProductCheck> got_checks = checks.read();
+          for (size_t i = 0; i < got_checks.size(); ++i) {
+            const cuda::ProductCheck &a = got_checks[i], &b = want_checks[i];
+            for (const auto& [got, want] :
+                 {std::pair{a.produced, b.produced}, std::pair{a.produced_sq, b.produced_sq},
+                  std::pair{a.expected, b.expected}, std::pair{a.bound, b.bound}})
+              EXPECT_NEAR(got, want, 1e-9 * (1 + std::fabs(want))) << how << ", check " << i;
+          }
+          for (const unsigned c : counters.read()) ASSERT_EQ(c, 0u) << how << ": a counter";
+        }
+      }
+    }
+    // More than 8 rows, or the tiled schedule, is refused.
+    EXPECT_FALSE(cuda::launchGemm(dx.p, 9, dw.p, n, k, dy.p, n, nullptr, {},
+                                  cuda::GemmSchedule::kPlain, 0, {}, {}, {}, then)
+                     .ok());
+    EXPECT_FALSE(cuda::launchGemm(dx.p, rows, dw.p, n, k, dy.p, n, nullptr, {},
+                                  cuda::GemmSchedule::kTwoTiles, 0, {}, {}, {}, then)
+                     .ok());
+  }
+}
+
 }  // namespace
 }  // namespace bulkhead

@@ -384,7 +384,7 @@ for group in "$@"; do
       # The post-attention norm in the o product's last block (--norm-after-product): its model
       # cases (the fused norm's bits against the kernel's wherever few rows meet many), then
       # bench-engine on both shapes without and with it, alternating, twice each.
-      run gpu-tests-then-norm 300 "$bundle/gpu_tests" --gtest_filter='*then_norm*:*fused_rope*'
+      run gpu-tests-then-norm 300 "$bundle/gpu_tests" --gtest_filter='*then_norm*:*fused_rope*:ProductThenSilu.*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         for rep in 1 2; do
