@@ -26,6 +26,24 @@
 namespace bulkhead {
 namespace {
 
+// A make-model checkpoint of `shape` (seed 3) with `layers` layers (0: the shape's), written
+// once a process: every test of a model case reads the same files. Empty if it failed.
+std::string madeModel(const std::string& shape, int layers) {
+  static std::map<std::pair<std::string, int>, std::unique_ptr<test::TempDir>> made;
+  std::unique_ptr<test::TempDir>& dir = made[{shape, layers}];
+  if (dir == nullptr) {
+    auto fresh = std::make_unique<test::TempDir>();
+    auto report =
+        makeModel({.shape = shape, .out_dir = fresh->path(), .seed = 3, .layers = layers});
+    if (!report.ok()) {
+      ADD_FAILURE() << "make-model " << shape << ": " << report.status().toString();
+      return "";
+    }
+    dir = std::move(fresh);
+  }
+  return dir->path();
+}
+
 std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
   auto ckpt = Checkpoint::open(dir);
   EXPECT_TRUE(ckpt.ok()) << ckpt.status().toString();
@@ -148,16 +166,13 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     attention_tiles = GetParam().tiles;
     attention_mma = GetParam().mma;
     norm_after_product = silu_after_product = GetParam().then_norm;
-    std::string dir = tmp_.path();
+    std::string dir;
     if (GetParam().shape.empty()) {
       dir = test::fixtureDir("tiny-qwen2");
     } else {
       // The norm after the product at two layers: the down product runs the second's input norm.
-      auto made = makeModel({.shape = GetParam().shape,
-                             .out_dir = dir,
-                             .seed = 3,
-                             .layers = GetParam().then_norm ? 2 : 0});
-      ASSERT_TRUE(made.ok()) << made.status().toString();
+      dir = madeModel(GetParam().shape, GetParam().then_norm ? 2 : 0);
+      ASSERT_FALSE(dir.empty());
     }
     checkpoint_ = openModel(dir);
     ASSERT_NE(checkpoint_, nullptr);
@@ -175,7 +190,6 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
         attention_tiles = attention_mma = norm_after_product = silu_after_product = false;
   }
 
-  test::TempDir tmp_;
   std::shared_ptr<const Checkpoint> checkpoint_;
   std::unique_ptr<CudaBackend> backend_;
   uint32_t vocab_ = 0;
