@@ -1096,10 +1096,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     const RmsNormArgs& norm = then.norm;
     if (norm.rows != m || norm.hidden != n || n % 2 != 0 || n > 2 * 8 * kNormKernelThreads ||
         norm.delta != y || norm.x == nullptr || norm.out == nullptr || norm.weight == nullptr ||
-        norm.partials != nullptr || norm.out_row != nullptr || norm.consumers[0].role >= 0)
+        norm.partials != nullptr || norm.consumers[0].role >= 0)
       return invalidArgument("a norm after a product: the norm adding y to its " +
                              std::to_string(m) + " rows of " + std::to_string(n) +
-                             ", without partials, out rows or consumers");
+                             ", without partials or consumers");
   }
   if (then.kind == GemmThen::Kind::kSilu) {
     const SiluMulArgs& silu = then.silu;

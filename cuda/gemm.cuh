@@ -119,10 +119,10 @@ struct GemmActivatedInput {
 
 // What the last blocks of a product of 1 to kMaxNormedRows bf16-token rows run after it,
 // instead of a kernel of their own:
-// - norm (RmsNormArgs, delta = y, no partials, out_row or consumers): y is the delta an RMSNorm
-//   adds to the residual (the attention output's product and the norm after it, the down product
-//   and the next layer's input norm). The last of the product's blocks to store its outputs
-//   runs the norm (cuda/norm_in_block.cuh: the norm kernel's bits). counter: one unsigned.
+// - norm (RmsNormArgs, delta = y, no partials or consumers): y is the delta an RMSNorm adds to
+//   the residual (the attention output's product and the norm after it, the down product and
+//   the next layer's input norm or the final norm). The last of the product's blocks to store its
+//   outputs runs the norm (cuda/norm_in_block.cuh: the norm kernel's bits). counter: one unsigned.
 // - silu (SiluMulArgs, gate_up = y, a packed product of 2 inter outputs a row, inter a multiple
 //   of 16): y is the gate/up product's output. The last block to store either gate columns
 //   j0 .. j0 + 15 or up columns inter + j0 .. + 15 computes those 16 columns of the activation

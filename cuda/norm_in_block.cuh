@@ -4,7 +4,7 @@
 // product's produced sums. Thread t of the block takes the pairs of the kernel's threads t,
 // t + kBlockThreads, ... (those of its kernel thread in the kernel's order), the warps' butterflies
 // are the kernel's warps', and the total adds the kernel's 16 warps in order: the same bits as the
-// kernel. Without partials, out_row or consumers (our own products check themselves).
+// kernel. Without partials or consumers (our own products check themselves).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,6 +34,7 @@ __device__ void normRowsInBlock(const RmsNormArgs& a, float (&warp_sums)[kNormKe
     const float2* delta = a.delta != nullptr
                               ? reinterpret_cast<const float2*>(a.delta + size_t(r) * a.hidden)
                               : nullptr;
+    const int out_r = a.out_row != nullptr ? a.out_row[r] : r;  // skipped when negative
     double produced[2] = {};  // the added product's sum and sum of squares
 #pragma unroll
     for (int q = 0; q < kShares; ++q) {
@@ -63,9 +64,9 @@ __device__ void normRowsInBlock(const RmsNormArgs& a, float (&warp_sums)[kNormKe
     __syncthreads();  // warp_sums is the next row's
     // The pairs this thread updated above (i = t mod kBlockThreads), normalised as the kernel's
     // normalise() does.
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(r) * a.hidden);
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
     unsigned long long fold = 0;
-    for (int i = t; i < pairs; i += kBlockThreads) {
+    for (int i = t; i < pairs && out_r >= 0; i += kBlockThreads) {
       const float2 v = delta != nullptr ? row[i] : __ldcg(row + i);
       const uint32_t word = weight_words[i];
       if (a.weight_fold >= 0) fold += foldTerm(word, a.weight_salt, uint32_t(i));
@@ -74,7 +75,7 @@ __device__ void normRowsInBlock(const RmsNormArgs& a, float (&warp_sums)[kNormKe
       dst[i] = __floats2bfloat162_rn(__bfloat162float(w.x) * (v.x * inv),
                                      __bfloat162float(w.y) * (v.y * inv));
     }
-    if (a.weight_fold >= 0)
+    if (a.weight_fold >= 0 && out_r >= 0)
       addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs);
     if (a.delta_role >= 0) {
       const double sum = warpTotalSpread(produced);

@@ -660,7 +660,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   parallel_attention_steps_ += pending_.parallel_attention;
   product_stored_row_steps_ += lmHeadStoresRows();
   if (normAfterProduct(int(n)))
-    norms_after_products_ += layers_.size() + (inputNormedBy(0, int(n)) ? layers_.size() - 1 : 0);
+    norms_after_products_ += layers_.size() + (inputNormedBy(0, int(n)) ? layers_.size() : 0);
   if (siluAfterProduct(int(n)))
     for (const Layer& L : layers_) silus_after_products_ += adjacentGroup({&L.gate, &L.up});
   pending_.decode_rows = n == batch.size();
@@ -894,12 +894,15 @@ cuda::GemmNormedInput CudaBackend::ownChecks(std::initializer_list<const Weight*
   return in;
 }
 
-// Layer l's input norm: the residual add of the down product before it (none for the first layer,
-// or with the products adding into the residual), then the norm into xn for q/k/v.
-cuda::RmsNormArgs CudaBackend::inputNorm(size_t l, int n) const {
+// The norm before layer l (l = layers: the final norm, before lm_head): the residual add of the
+// down product before it (none before the first layer, or with the products adding into the
+// residual), then the norm into xn for q/k/v, or into final_rows for the rows whose logits were
+// asked.
+cuda::RmsNormArgs CudaBackend::normBefore(size_t l, int n) const {
   const CudaState& d = *d_;
-  const Layer& L = layers_[l];
   const bool checks = limits_.checks_weight_reads, residual = residual_in_products_;
+  const bool last = l == layers_.size();
+  const Weight& weight = last ? final_norm_ : layers_[l].input_norm;
   cuda::RmsNormArgs norm;
   norm.x = d.x.get<float>();
   norm.delta = l > 0 && !residual ? d.delta.get<float>() : nullptr;
@@ -910,14 +913,21 @@ cuda::RmsNormArgs CudaBackend::inputNorm(size_t l, int n) const {
   }
   norm.rows = n;
   norm.hidden = config().hidden_size;
-  norm.weight = static_cast<const __nv_bfloat16*>(L.input_norm.ptr);
-  norm.weight_salt = L.input_norm.salt;
-  norm.weight_fold = checks ? L.input_norm.fold : -1;
+  norm.weight = static_cast<const __nv_bfloat16*>(weight.ptr);
+  norm.weight_salt = weight.salt;
+  norm.weight_fold = checks ? weight.fold : -1;
   norm.eps = config().rms_norm_eps;
-  norm.out = d.xn.get<__nv_bfloat16>();
-  norm.consumers[0] = consumerInKernel(L.q);
-  norm.consumers[1] = consumerInKernel(L.k);
-  norm.consumers[2] = consumerInKernel(L.v);
+  if (last) {
+    norm.out = d.final_rows.get<__nv_bfloat16>();
+    norm.out_row = d.input<int32_t>(d.in.out_row);
+    norm.consumers[0] = consumerInKernel(lm_head_);
+  } else {
+    const Layer& L = layers_[l];
+    norm.out = d.xn.get<__nv_bfloat16>();
+    norm.consumers[0] = consumerInKernel(L.q);
+    norm.consumers[1] = consumerInKernel(L.k);
+    norm.consumers[2] = consumerInKernel(L.v);
+  }
   norm.checks = d.view;
   return norm;
 }
@@ -939,7 +949,7 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
 
   // The down product before this layer ran its input norm (Options::norm_after_product), or
   // the norm runs here.
-  cuda::RmsNormArgs norm = inputNorm(l, n);
+  cuda::RmsNormArgs norm = normBefore(l, n);
   const cuda::GemmNormedInput* normed = nullptr;
   if (!input_normed) {
     BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
@@ -1040,11 +1050,11 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   if (residual) {
     BULKHEAD_RETURN_IF_ERROR(residualProduct(L.down, sa.out, n, computed));
   } else if (inputNormedBy(l, n)) {
-    // The down product's last block runs the next layer's input norm.
+    // The down product's last block runs the next layer's input norm, or the final norm.
     cuda::GemmThen then;
     then.kind = cuda::GemmThen::Kind::kNorm;
     then.counter = d.then_counter.get<unsigned>();
-    then.norm = inputNorm(l + 1, n);
+    then.norm = normBefore(l + 1, n);
     BULKHEAD_RETURN_IF_ERROR(
         products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, nullptr, 0, nullptr, &then));
     return mark("product down, norm (input)");
@@ -1121,7 +1131,7 @@ bool CudaBackend::siluInProduct(int rows) const {
 }
 
 bool CudaBackend::inputNormedBy(size_t layer, int rows) const {
-  return layer + 1 < layers_.size() && !residual_in_products_ && !siluInProduct(rows) &&
+  return layer < layers_.size() && !residual_in_products_ && !siluInProduct(rows) &&
          normAfterProduct(rows);
 }
 
@@ -1134,28 +1144,12 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   CudaState& d = *d_;
   cudaStream_t stream = d.stream.get();
   const bool checks = limits_.checks_weight_reads;
-  // The last residual add for every row; the final norm for the rows whose logits were asked.
-  cuda::RmsNormArgs norm;
-  norm.x = d.x.get<float>();
-  const bool residual = residual_in_products_;
-  norm.delta = layers_.empty() || residual ? nullptr : d.delta.get<float>();
-  norm.delta_role = layers_.empty() || residual || !checks ? -1 : layers_.back().down.product;
-  if (residual) {
-    norm.partials = d.norm_partials.get<float>();
-    norm.partials_stride = d.partials_stride;
+  // The last residual add for every row; the final norm for the rows whose logits were asked
+  // (unless the last down product ran it).
+  if (layers_.empty() || !inputNormedBy(layers_.size() - 1, n)) {
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(normBefore(layers_.size(), n), stream));
+    BULKHEAD_RETURN_IF_ERROR(mark("norm (final)"));
   }
-  norm.rows = n;
-  norm.hidden = c.hidden_size;
-  norm.weight = static_cast<const __nv_bfloat16*>(final_norm_.ptr);
-  norm.weight_salt = final_norm_.salt;
-  norm.weight_fold = checks ? final_norm_.fold : -1;
-  norm.eps = c.rms_norm_eps;
-  norm.out = d.final_rows.get<__nv_bfloat16>();
-  norm.out_row = d.input<int32_t>(d.in.out_row);
-  norm.consumers[0] = consumerInKernel(lm_head_);
-  norm.checks = d.view;
-  BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(norm, stream));
-  BULKHEAD_RETURN_IF_ERROR(mark("norm (final)"));
 
   const int vocab = c.vocab_size;
   auto* const* dst = d.input<float*>(d.in.dst);

@@ -66,9 +66,9 @@ class CudaBackend final : public Backend {
     // launch a layer fewer, the same numbers.
     bool silu_in_products = false;
     // In steps of 1 to 8 rows, the last block of the attention output's product runs the norm
-    // after it, and the last block of the down product the next layer's input norm (cuda/
-    // gemm.cuh GemmThen), instead of kernels of their own: two launches a layer fewer, the
-    // same numbers. Our products in the pipelined or plain schedule; not with
+    // after it, and the last block of the down product the next layer's input norm or the final
+    // norm (cuda/gemm.cuh GemmThen), instead of kernels of their own: two launches a layer
+    // fewer, the same numbers. Our products in the pipelined or plain schedule; not with
     // residual_in_products (nor the down product's with silu_in_products).
     bool norm_after_product = false;
     // In steps of 1 to 8 rows, the gate/up product computes the activation: the last block to
@@ -191,7 +191,8 @@ class CudaBackend final : public Backend {
   Status enqueueForward(int tokens, int logits_rows, bool aligned, cudaGraphExec_t graph);
   // input_normed: the down product before it ran its input norm (inputNormedBy).
   Status launchLayer(size_t layer, int tokens, bool input_normed);
-  cuda::RmsNormArgs inputNorm(size_t layer, int tokens) const;
+  // The norm before layer `layer` (layers_.size(): the final norm).
+  cuda::RmsNormArgs normBefore(size_t layer, int tokens) const;
   Status launchOutput(int tokens, int logits_rows, bool aligned);
   // y = x · wᵀ for each weight of `group` (one product when their slots are adjacent), outputs
   // side by side in rows `ldy` floats apart; then the armed compute fault, if one is.
@@ -258,7 +259,8 @@ class CudaBackend final : public Backend {
   bool siluAfterProduct(int rows) const;
   // Whether the down product computes its SiLU-gated input (Options::silu_in_products).
   bool siluInProduct(int rows) const;
-  // Whether layer `layer`'s down product runs the next layer's input norm in its last block.
+  // Whether layer `layer`'s down product runs the next layer's input norm (after the last layer,
+  // the final norm) in its last block.
   bool inputNormedBy(size_t layer, int rows) const;
   Status launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n);
   // Writes the step's tensor-core attention tiles (cuda/attention_mma.cuh MmaAttentionArgs::tiles)

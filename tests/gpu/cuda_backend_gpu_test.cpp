@@ -221,12 +221,13 @@ TEST_P(CudaBackendModels, NormsAndActivationsRunInTheProductsBeforeThemWhenAsked
   const uint64_t norms = backend_->normsAfterProducts();
   const uint64_t silus = backend_->silusAfterProducts();
   driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
-  // Each step's two layers (those cases make two): the o products' post-attention norms, the
-  // first down product's input norm of the second layer, and both gate/up products' activations.
+  // Each step's two layers (those cases make two): the o products' post-attention norms, the down
+  // products' norms after them (the second layer's input norm, the final norm), and the gate/up
+  // products' activations.
   if (GetParam().then_norm) {
     ASSERT_EQ(checkpoint_->config().num_layers, 2);
   }
-  EXPECT_EQ(backend_->normsAfterProducts() - norms, GetParam().then_norm ? 3u * 3u : 0u);
+  EXPECT_EQ(backend_->normsAfterProducts() - norms, GetParam().then_norm ? 3u * 4u : 0u);
   EXPECT_EQ(backend_->silusAfterProducts() - silus, GetParam().then_norm ? 3u * 2u : 0u);
 }
 
@@ -770,10 +771,10 @@ INSTANTIATE_TEST_SUITE_P(
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
                   true},
-        // The post-attention norm in the o product's last block, the next layer's input norm in
-        // the down product's, and the activation in the gate/up product's, at 1-8 rows, the
-        // kernels' above: every comparison of few rows with many checks that they give the same
-        // bits.
+        // The post-attention norm in the o product's last block, the next layer's input norm (or
+        // the final norm) in the down product's, and the activation in the gate/up product's, at
+        // 1-8 rows, the kernels' above: every comparison of few rows with many checks that they
+        // give the same bits.
         ModelCase{"fixture_qwen2_then_norm", "", false, false, false, false, false, false, true},
         ModelCase{"qwen05_layer_then_norm", "qwen2.5-0.5b-layer", false, false, false, true, false,
                   false, true},
