@@ -180,6 +180,19 @@ struct CudaState {
   }
 };
 
+namespace {
+
+// A host-to-device copy that has landed when it returns: cudaMemcpy from pageable memory may
+// return before its copy does, and the non-blocking streams that read the memory next do not
+// wait for the legacy stream.
+Status copyToDevice(void* to, const void* from, size_t bytes, cudaStream_t stream) {
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(to, from, bytes, cudaMemcpyHostToDevice, stream));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return okStatus();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
     std::shared_ptr<const Checkpoint> checkpoint, const Options& options) {
   std::unique_ptr<CudaBackend> b(new CudaBackend());
@@ -343,9 +356,9 @@ Status CudaBackend::computeColumnSums() {
   for (const Weight* w : linear_) scales.push_back(usualScale(int(w->tensor->shape[1])));
   BULKHEAD_ASSIGN_OR_RETURN(d.product_scales,
                             DeviceMemory::allocate(scales.size() * sizeof(cuda::ProductScale)));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(d.product_scales.get(), scales.data(),
-                                           scales.size() * sizeof(cuda::ProductScale),
-                                           cudaMemcpyHostToDevice));
+  BULKHEAD_RETURN_IF_ERROR(copyToDevice(d.product_scales.get(), scales.data(),
+                                        scales.size() * sizeof(cuda::ProductScale),
+                                        d.stream.get()));
 
   return okStatus();
 }
@@ -440,11 +453,10 @@ Status CudaBackend::uploadRopeTables() {
   const cuda::RopeTables rope = cuda::ropeTables(c.ropeInverseFrequencies(), c.max_context);
   BULKHEAD_ASSIGN_OR_RETURN(d.rope_cos, DeviceMemory::allocate(rope.cos.size() * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.rope_sin, DeviceMemory::allocate(rope.sin.size() * 4));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(d.rope_cos.get(), rope.cos.data(), rope.cos.size() * 4, cudaMemcpyHostToDevice));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(d.rope_sin.get(), rope.sin.data(), rope.sin.size() * 4, cudaMemcpyHostToDevice));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
+  BULKHEAD_RETURN_IF_ERROR(
+      copyToDevice(d.rope_cos.get(), rope.cos.data(), rope.cos.size() * 4, d.stream.get()));
+  BULKHEAD_RETURN_IF_ERROR(
+      copyToDevice(d.rope_sin.get(), rope.sin.data(), rope.sin.size() * 4, d.stream.get()));
 
   return okStatus();
 }
@@ -1443,8 +1455,7 @@ Result<std::string> CudaBackend::staleSlot(uint64_t selector) {
   const size_t row_bytes = size_t(w.tensor->shape.back()) * 2;
   for (size_t at = 0; at < bytes; at += row_bytes) copy[at] ^= std::byte(0x10);
   BULKHEAD_ASSIGN_OR_RETURN(DeviceMemory stale, DeviceMemory::allocate(bytes));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(stale.get(), copy.data(), bytes, cudaMemcpyHostToDevice));
+  BULKHEAD_RETURN_IF_ERROR(copyToDevice(stale.get(), copy.data(), bytes, d_->stream.get()));
   w.ptr = stale.get();
   d_->stale.push_back(std::move(stale));
   d_->graphs.clear();
@@ -1501,10 +1512,8 @@ Status CudaBackend::residentChecksums(std::span<const WeightRange> ranges,
 Status CudaBackend::repairResident(const WeightRange& r) {
   BULKHEAD_RETURN_IF_ERROR(onDevice());
   BULKHEAD_RETURN_IF_ERROR(checkRange(r));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_->slots[r.tensor] + r.offset,
-                                           used_[r.tensor]->data.data() + r.offset, r.bytes,
-                                           cudaMemcpyHostToDevice));
-  return okStatus();
+  return copyToDevice(d_->slots[r.tensor] + r.offset, used_[r.tensor]->data.data() + r.offset,
+                      r.bytes, d_->scrub_stream.get());
 }
 
 Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
@@ -1515,10 +1524,11 @@ Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
     if (offset < used_[t]->data.size()) {
       std::byte* at = d_->slots[t] + offset;
       std::byte value;
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(&value, at, 1, cudaMemcpyDeviceToHost));
+      cudaStream_t s = d_->scrub_stream.get();
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&value, at, 1, cudaMemcpyDeviceToHost, s));
+      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
       value ^= std::byte(1u << bit);
-      BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpy(at, &value, 1, cudaMemcpyHostToDevice));
-      return okStatus();
+      return copyToDevice(at, &value, 1, s);
     }
     offset -= used_[t]->data.size();
   }
