@@ -21,7 +21,6 @@
 #include "cuda/cp_async.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
-#include "cuda/norm_in_block.cuh"
 #include "cuda/norm_partials.cuh"
 #include "cuda/warp_mma.cuh"
 
@@ -416,12 +415,11 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // kInput: where the tokens come from (a normed or activated input has more blocks,
 // its check tile, when it has checks to add).
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
-          bool kInterleaved = false, GemmThen::Kind kThen = GemmThen::Kind::kNone>
+          bool kInterleaved = false>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
-               int token_blocks, GemmResidual res, GemmNormedInput nin, GemmActivatedInput act,
-               GemmThen then) {
+               int token_blocks, GemmResidual res, GemmNormedInput nin, GemmActivatedInput act) {
   constexpr bool kNormed = kInput == kNormedInput, kActivated = kInput == kActivatedInput;
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
@@ -641,36 +639,6 @@ __global__ void __launch_bounds__(kThreads)
         atomicAdd(&slot.words, (unsigned long long)min(16, n - tile_row) * uint32_t(k / 2));
     }
   }
-  if constexpr (kThen == GemmThen::Kind::kNorm) {
-    // The last block of the weight's tiles to store its outputs runs the norm (the check tile's
-    // blocks returned above and are not counted).
-    __shared__ bool last;
-    __shared__ float norm_warp_sums[kNormKernelThreads / 32];
-    __threadfence();  // this block's outputs, before its count
-    __syncthreads();
-    if (threadIdx.x == 0)
-      last = atomicAdd(then.counter, 1u) + 1 == unsigned(weight_tiles * splits) * gridDim.y;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();  // every block's outputs, after their counts
-    normRowsInBlock<kThreads>(then.norm, norm_warp_sums);
-    if (threadIdx.x == 0) *then.counter = 0;  // for the next launch
-  } else if constexpr (kThen == GemmThen::Kind::kSilu) {
-    // The last of the blocks of gate tile j0 / 16 and up tile (inter + j0) / 16 (one tile a
-    // block, one token block: at most 8 rows) computes those 16 columns of the activation.
-    static_assert(kTiles == 1 && kGroups == 1, "one tile and one token block a block");
-    __shared__ bool last;
-    const int j0 = n0 % then.silu.inter;
-    unsigned* counter = then.counter + j0 / 16;
-    __threadfence();  // this block's outputs, before its count
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) + 1 == 2u * unsigned(splits);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();  // the other blocks' outputs, after their counts
-    siluColumnsInBlock(then.silu, j0);
-    if (threadIdx.x == 0) *counter = 0;  // for the next launch
-  }
 }
 
 // A product kernel's launch: 128 threads a block, clusters of `splits` blocks along x (the k
@@ -703,7 +671,7 @@ template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
-                   const GemmActivatedInput& act, const GemmThen& then = {}) {
+                   const GemmActivatedInput& act) {
   const bool checks = (nin.x != nullptr && normedHasChecks(nin)) ||
                       (act.gate_up != nullptr && activatedHasChecks(act)) ||
                       (act.gate_up == nullptr && tokenHasChecks(nin));
@@ -725,17 +693,8 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
       stream);
   auto go = [&](auto kernel) {
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
-                              interleaved, res, nin, act, then);
+                              interleaved, res, nin, act);
   };
-  if constexpr (kGroups == 1 && kTiles == 1 && !kInterleaved) {
-    // bf16 tokens into y (launchGemm checks)
-    if (then.kind == GemmThen::Kind::kNorm)
-      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, false,
-                           GemmThen::Kind::kNorm>);
-    if (then.kind == GemmThen::Kind::kSilu)
-      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, false,
-                           GemmThen::Kind::kSilu>);
-  }
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
       return res.x != nullptr
@@ -1027,7 +986,7 @@ int gemmSplits(int n, int k) {
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold, GemmSchedule schedule,
                   int forced_splits, const GemmResidual& residual, const GemmNormedInput& normed,
-                  const GemmActivatedInput& activated, const GemmThen& then) {
+                  const GemmActivatedInput& activated) {
   const bool to_residual = residual.x != nullptr, is_normed = normed.x != nullptr,
              is_activated = activated.gate_up != nullptr;
   if (m <= 0 || n <= 0 || k <= 0 || k % 8 != 0 || (!to_residual && ldy < n) ||
@@ -1086,33 +1045,6 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
          consumer.role >= normed.checks.roles || normed.checks.products == nullptr))
       return invalidArgument(std::string(is_normed ? "normed" : "token") +
                              " product's check of role " + std::to_string(consumer.role));
-  if (then.kind != GemmThen::Kind::kNone &&
-      (then.counter == nullptr || m > kMaxNormedRows || to_residual || is_normed || is_activated ||
-       residual.rows_to != nullptr || ldy != n))
-    return invalidArgument("a norm or activation after a product: at most " +
-                           std::to_string(kMaxNormedRows) +
-                           " rows of bf16 tokens into y, packed, with a counter");
-  if (then.kind == GemmThen::Kind::kNorm) {
-    const RmsNormArgs& norm = then.norm;
-    if (norm.rows != m || norm.hidden != n || n % 2 != 0 || n > 2 * 8 * kNormKernelThreads ||
-        norm.delta != y || norm.x == nullptr || norm.out == nullptr || norm.weight == nullptr ||
-        norm.partials != nullptr || norm.consumers[0].role >= 0)
-      return invalidArgument("a norm after a product: the norm adding y to its " +
-                             std::to_string(m) + " rows of " + std::to_string(n) +
-                             ", without partials or consumers");
-  }
-  if (then.kind == GemmThen::Kind::kSilu) {
-    const SiluMulArgs& silu = then.silu;
-    if (silu.rows != m || silu.inter % 16 != 0 || n != 2 * silu.inter || silu.gate_up != y ||
-        silu.out == nullptr ||
-        ((silu.gate_role >= 0 || silu.up_role >= 0 || silu.down.role >= 0) &&
-         silu.checks.products == nullptr) ||
-        std::max({silu.gate_role, silu.up_role, silu.down.role}) >= silu.checks.roles ||
-        (silu.down.role >= 0 && (silu.down.colsum == nullptr || silu.down.abssum == nullptr)))
-      return invalidArgument("an activation after a product: y its " + std::to_string(m) +
-                             " rows of gate and up, " + std::to_string(n) +
-                             " outputs a row (twice a multiple of 16), with its checks' roles");
-  }
   if (forced_splits < 0 || forced_splits > kMaxSplits)
     return invalidArgument("product split over " + std::to_string(forced_splits) +
                            " blocks (0 to " + std::to_string(kMaxSplits) + ")");
@@ -1125,14 +1057,10 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   if (schedule == GemmSchedule::kTiled &&
       (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
     schedule = GemmSchedule::kPipelined;
-  if (then.kind != GemmThen::Kind::kNone && schedule != GemmSchedule::kPipelined &&
-      schedule != GemmSchedule::kPlain)
-    return invalidArgument(std::string("a norm or activation after a product in the ") +
-                           gemmScheduleName(schedule) + " schedule (pipelined or plain only)");
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
-                                    activated, then);
+                                    activated);
     else if (m <= 16)
       launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);
@@ -1164,8 +1092,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     launched = launch<4, 2, false, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                             normed, activated);
   } else if (m <= 8)
-    launched = launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
-                            activated, then);
+    launched =
+        launch<1, 8>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);
   else if (m <= 16)
     launched =
         launch<2, 4>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);

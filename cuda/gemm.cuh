@@ -16,8 +16,6 @@
 #include <cstdint>
 #include <string_view>
 
-#include "cuda/activation.cuh"
-#include "cuda/rms_norm.cuh"
 #include "cuda/step_checks.cuh"
 #include "shared/mix.h"
 #include "shared/status.h"
@@ -117,26 +115,6 @@ struct GemmActivatedInput {
   CheckView checks;
 };
 
-// What the last blocks of a product of 1 to kMaxNormedRows bf16-token rows run after it,
-// instead of a kernel of their own:
-// - norm (RmsNormArgs, delta = y, no partials or consumers): y is the delta an RMSNorm adds to
-//   the residual (the attention output's product and the norm after it, the down product and
-//   the next layer's input norm or the final norm). The last of the product's blocks to store its
-//   outputs runs the norm (cuda/norm_in_block.cuh: the norm kernel's bits). counter: one unsigned.
-// - silu (SiluMulArgs, gate_up = y, a packed product of 2 inter outputs a row, inter a multiple
-//   of 16): y is the gate/up product's output. The last block to store either gate columns
-//   j0 .. j0 + 15 or up columns inter + j0 .. + 15 computes those 16 columns of the activation
-//   (cuda/activation.cuh siluColumnsInBlock: the activation kernel's bits). counter: inter / 16
-//   unsigneds.
-// counter: device memory, zero before the launch, left zero after it (it serves every such
-// launch of a stream).
-struct GemmThen {
-  enum class Kind { kNone, kNorm, kSilu } kind = Kind::kNone;
-  unsigned* counter = nullptr;
-  RmsNormArgs norm;
-  SiluMulArgs silu;
-};
-
 // How many blocks share each 16 weight rows' k blocks, from the weight's shape alone: enough
 // blocks to keep the GPU's memory busy on a small weight, without splitting a long row thinner
 // than 32 k blocks a block, nor past 256 blocks to fewer than 8 k blocks a warp.
@@ -196,11 +174,11 @@ inline const char* gemmScheduleName(GemmSchedule s) {
 // `ldy` apart (unused with a residual); x unused with a normed or activated input. Device memory,
 // asynchronous on `stream`. splits: 0 takes gemmSplits(n, k), as every step does; 1 to 8 forces
 // that many (another fixed sum order, still the same for every row count: for `bulkhead bench-gemm`
-// to compare). then: in the pipelined and plain schedules only.
+// to compare).
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
                   int ldy, cudaStream_t stream, const GemmFold& fold = {},
                   GemmSchedule schedule = GemmSchedule::kPlain, int splits = 0,
                   const GemmResidual& residual = {}, const GemmNormedInput& normed = {},
-                  const GemmActivatedInput& activated = {}, const GemmThen& then = {});
+                  const GemmActivatedInput& activated = {});
 
 }  // namespace bulkhead::cuda

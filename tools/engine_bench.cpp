@@ -132,8 +132,6 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_residual_in_products = o.residual_in_products && !v.cublas;  // ours only
   options.cuda_norm_in_products = o.norm_in_products && !v.cublas;
   options.cuda_silu_in_products = o.silu_in_products && !v.cublas;
-  options.cuda_norm_after_product = o.norm_after_product && !v.cublas;
-  options.cuda_silu_after_product = o.silu_after_product && !v.cublas;
   if (o.rope_in_attention != "auto") options.cuda_rope_in_attention = o.rope_in_attention == "on";
   options.cuda_attention_tiles = o.attention_tiles == "on";
   options.cuda_attention_mma = o.attention_mma == "on";
@@ -288,16 +286,14 @@ Status runEngineBench(const EngineBenchOptions& o) {
 
   std::printf(
       "bench-engine: %s on %s, graphs %s, programmatic launch %s, product schedules %s, "
-      "residual in products %s, norms in products %s, silu in products %s, norm after product "
-      "%s, silu after product %s, rope in attention %s, "
+      "residual in products %s, norms in products %s, silu in products %s, rope in attention %s, "
       "attention tiles %s, attention on tensor cores %s, logits in product %s, prompt %u, %u "
       "decode steps per batch size\n",
       o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off",
       o.programmatic_launch ? "on" : "off",
       o.gemm_schedules.empty() ? "default" : o.gemm_schedules.c_str(),
       o.residual_in_products ? "on" : "off", o.norm_in_products ? "on" : "off",
-      o.silu_in_products ? "on" : "off", o.norm_after_product ? "on" : "off",
-      o.silu_after_product ? "on" : "off", o.rope_in_attention.c_str(), o.attention_tiles.c_str(),
+      o.silu_in_products ? "on" : "off", o.rope_in_attention.c_str(), o.attention_tiles.c_str(),
       o.attention_mma.c_str(), o.logits_in_product.c_str(), o.prompt, o.steps);
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
@@ -317,8 +313,6 @@ Status runEngineBench(const EngineBenchOptions& o) {
       {"residual_in_products", o.residual_in_products},
       {"norm_in_products", o.norm_in_products},
       {"silu_in_products", o.silu_in_products},
-      {"norm_after_product", o.norm_after_product},
-      {"silu_after_product", o.silu_after_product},
       {"rope_in_attention", o.rope_in_attention},
       {"attention_tiles", o.attention_tiles},
       {"attention_mma", o.attention_mma},

@@ -31,8 +31,6 @@ struct EngineBenchOptions {
   bool residual_in_products = false;       // CudaBackend::Options::residual_in_products (ours only)
   bool norm_in_products = false;           // CudaBackend::Options::norm_in_products (ours only)
   bool silu_in_products = false;           // CudaBackend::Options::silu_in_products (ours only)
-  bool norm_after_product = false;         // CudaBackend::Options::norm_after_product (ours only)
-  bool silu_after_product = false;         // CudaBackend::Options::silu_after_product (ours only)
   std::string rope_in_attention = "auto";  // CudaBackend::Options::rope_in_attention: on, off
   std::string attention_tiles = "on";      // CudaBackend::Options::attention_tiles: on, off
   std::string attention_mma = "off";       // CudaBackend::Options::attention_mma: on, off

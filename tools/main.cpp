@@ -228,13 +228,6 @@ int main(int argc, char** argv) {
   engine_bench->add_flag("--silu-in-products", engine_opts.silu_in_products,
                          "CUDA: steps of 1-8 rows compute the MLP's activation in the down "
                          "product, without activation launches");
-  engine_bench->add_flag("--norm-after-product", engine_opts.norm_after_product,
-                         "CUDA: in steps of 1-8 rows the attention output's and the down "
-                         "products run the norms after them in their last blocks, without those "
-                         "norm launches");
-  engine_bench->add_flag("--silu-after-product", engine_opts.silu_after_product,
-                         "CUDA: in steps of 1-8 rows the gate/up product's blocks compute the "
-                         "MLP's activation as their outputs pair up, without activation launches");
   engine_bench
       ->add_option("--rope-in-attention", engine_opts.rope_in_attention,
                    "CUDA: in decode steps the attention kernel adds the q/k/v biases, rotates and "

@@ -37,8 +37,6 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.residual_in_products = options.cuda_residual_in_products;
     cuda.norm_in_products = options.cuda_norm_in_products;
     cuda.silu_in_products = options.cuda_silu_in_products;
-    cuda.norm_after_product = options.cuda_norm_after_product;
-    cuda.silu_after_product = options.cuda_silu_after_product;
     cuda.rope_in_attention = options.cuda_rope_in_attention;
     cuda.attention_tiles = options.cuda_attention_tiles;
     cuda.attention_mma = options.cuda_attention_mma;

@@ -27,8 +27,6 @@ struct BackendOptions {
   bool cuda_residual_in_products = false;      // CudaBackend::Options::residual_in_products
   bool cuda_norm_in_products = false;          // CudaBackend::Options::norm_in_products
   bool cuda_silu_in_products = false;          // CudaBackend::Options::silu_in_products
-  bool cuda_norm_after_product = false;        // CudaBackend::Options::norm_after_product
-  bool cuda_silu_after_product = false;        // CudaBackend::Options::silu_after_product
   std::optional<bool> cuda_rope_in_attention;  // CudaBackend::Options::rope_in_attention
   bool cuda_attention_tiles = true;            // CudaBackend::Options::attention_tiles
   bool cuda_attention_mma = false;             // CudaBackend::Options::attention_mma

@@ -130,9 +130,6 @@ struct CudaState {
   std::map<std::tuple<int, bool, bool, bool, int>, cuda::GraphExec> graphs;
   // Attention's splits side by side (cuda/attention.cuh): partials and counts.
   DeviceMemory split_partials, split_counts;
-  // Options::norm_after_product and silu_after_product: cuda::GemmThen::counter (intermediate
-  // size / 16 of them)
-  DeviceMemory then_counter;
   int max_splits = 0;
   // Scrubbing: ranges and their sums, on the scrub stream.
   // Pinned, so that a granule's copies are plain DMA: a pageable copy stages through the driver
@@ -208,17 +205,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (options.silu_in_products && options.cublas_products)
     return invalidArgument("cuBLAS products cannot compute their own activation");
   b->silu_in_products_ = options.silu_in_products;
-  if (options.norm_after_product && (options.residual_in_products || options.cublas_products))
-    return invalidArgument(
-        "a norm after the product is for our products into the delta buffer: not with the "
-        "residual in the products or cuBLAS products");
-  b->norm_after_product_ = options.norm_after_product;
-  if (options.silu_after_product &&
-      (options.silu_in_products || options.residual_in_products || options.cublas_products))
-    return invalidArgument(
-        "the activation after the product is for our gate/up products: not with the activation "
-        "in the products, the residual in the products or cuBLAS products");
-  b->silu_after_product_ = options.silu_after_product;
   const ModelConfig& c = b->config();
   const bool mma_fits = cuda::mmaAttentionSupportsHeadDim(c.head_dim) &&
                         c.num_heads / c.num_kv_heads <= cuda::kMmaTileItems;
@@ -550,13 +536,9 @@ Status CudaBackend::allocateStep(const Options& options) {
       d.split_partials,
       DeviceMemory::allocate(split_rows * size_t(d.max_splits) * size_t(c.head_dim + 2) * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.split_counts, DeviceMemory::allocate(split_rows * 4));
-  const size_t then_counters = std::max<size_t>(1, size_t(c.intermediate_size) / 16) * 4;
-  BULKHEAD_ASSIGN_OR_RETURN(d.then_counter, DeviceMemory::allocate(then_counters));
   // Zero before any step, on the step stream (which does not wait for the legacy one).
   BULKHEAD_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(d.split_counts.get(), 0, split_rows * 4, d.stream.get()));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(d.then_counter.get(), 0, then_counters, d.stream.get()));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
@@ -671,10 +653,6 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
   product_stored_row_steps_ += lmHeadStoresRows();
-  if (normAfterProduct(int(n)))
-    norms_after_products_ += layers_.size() + (inputNormedBy(0, int(n)) ? layers_.size() : 0);
-  if (siluAfterProduct(int(n)))
-    for (const Layer& L : layers_) silus_after_products_ += adjacentGroup({&L.gate, &L.up});
   pending_.decode_rows = n == batch.size();
   pending_.attention_tiles = 0;
   if (attention_mma_) {
@@ -809,7 +787,7 @@ Result<const cuda::GemmNormedInput*> CudaBackend::normFor(
 Status CudaBackend::products(std::initializer_list<const Weight*> group, const void* x, int rows,
                              float* y, int ldy, const cuda::GemmNormedInput* normed,
                              const cuda::GemmActivatedInput* activated, int check_row,
-                             float* const* rows_to, const cuda::GemmThen* then) {
+                             float* const* rows_to) {
   // One product over the group when its slots lie one after another (one weight matrix), else
   // one each; either way output j of group member i lands at column (sum of earlier n) + j.
   const Weight& first = **group.begin();
@@ -829,7 +807,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
   const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
-  if ((normed != nullptr || activated != nullptr || rows_to != nullptr || then != nullptr) &&
+  if ((normed != nullptr || activated != nullptr || rows_to != nullptr) &&
       (!adjacent || d_->cublas != nullptr))
     return internalError("a computed input or rows stored elsewhere for products not one of ours");
   if (d_->cublas != nullptr) {
@@ -846,8 +824,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     BULKHEAD_RETURN_IF_ERROR(
         cuda::launchGemm(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy,
                          stream, fused, schedule, 0, epilogue, normed != nullptr ? *normed : own,
-                         activated != nullptr ? *activated : cuda::GemmActivatedInput{},
-                         then != nullptr ? *then : cuda::GemmThen{}));
+                         activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
   }
 
   int column = 0;
@@ -944,7 +921,7 @@ cuda::RmsNormArgs CudaBackend::normBefore(size_t l, int n) const {
   return norm;
 }
 
-Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
+Status CudaBackend::launchLayer(size_t l, int n) {
   const ModelConfig& c = config();
   CudaState& d = *d_;
   cudaStream_t stream = d.stream.get();
@@ -959,13 +936,9 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   auto* xn = d.xn.get<__nv_bfloat16>();
   const bool residual = residual_in_products_;
 
-  // The down product before this layer ran its input norm (Options::norm_after_product), or
-  // the norm runs here.
   cuda::RmsNormArgs norm = normBefore(l, n);
-  const cuda::GemmNormedInput* normed = nullptr;
-  if (!input_normed) {
-    BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
-  }
+  BULKHEAD_ASSIGN_OR_RETURN(const cuda::GemmNormedInput* normed,
+                            normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
   BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, n, qkv, d.qkv_stride, normed));
   BULKHEAD_RETURN_IF_ERROR(mark("product q/k/v"));
 
@@ -1001,6 +974,10 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
 
   BULKHEAD_RETURN_IF_ERROR(launchAttention(L, qa, rope_in, n));
   const auto* attn = d.attn.get<__nv_bfloat16>();
+  BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, attn, n)
+                                    : products({&L.o}, attn, n, delta, c.hidden_size));
+  BULKHEAD_RETURN_IF_ERROR(mark("product o"));
+
   norm.delta = residual ? nullptr : delta;
   norm.delta_role = residual ? -1 : role(L.o);
   norm.weight = static_cast<const __nv_bfloat16*>(L.post_norm.ptr);
@@ -1009,22 +986,10 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   norm.consumers[0] = consumerInKernel(L.gate);
   norm.consumers[1] = consumerInKernel(L.up);
   norm.consumers[2] = {};
-  if (normAfterProduct(n)) {
-    // The o product's last block runs the post-attention norm (Options::norm_after_product).
-    cuda::GemmThen then;
-    then.kind = cuda::GemmThen::Kind::kNorm;
-    then.counter = d.then_counter.get<unsigned>();
-    then.norm = norm;
-    BULKHEAD_RETURN_IF_ERROR(
-        products({&L.o}, attn, n, delta, c.hidden_size, nullptr, nullptr, 0, nullptr, &then));
-    BULKHEAD_RETURN_IF_ERROR(mark("product o, norm (post-attention)"));
-    normed = nullptr;
-  } else {
-    BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, attn, n)
-                                      : products({&L.o}, attn, n, delta, c.hidden_size));
-    BULKHEAD_RETURN_IF_ERROR(mark("product o"));
-    BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
-  }
+  BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
+  BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
+  BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
+
   cuda::SiluMulArgs sa;
   sa.gate_up = gate_up;
   sa.rows = n;
@@ -1034,46 +999,20 @@ Status CudaBackend::launchLayer(size_t l, int n, bool input_normed) {
   sa.up_role = role(L.up);
   sa.down = consumerInKernel(L.down);
   sa.checks = d.view;
-  const bool silu_after = siluAfterProduct(n) && adjacentGroup({&L.gate, &L.up});
-  if (silu_after) {
-    // The gate/up product's blocks compute the activation (Options::silu_after_product).
-    cuda::GemmThen then;
-    then.kind = cuda::GemmThen::Kind::kSilu;
-    then.counter = d.then_counter.get<unsigned>();
-    then.silu = sa;
-    BULKHEAD_RETURN_IF_ERROR(
-        products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed, nullptr, 0, nullptr, &then));
-    BULKHEAD_RETURN_IF_ERROR(mark("product gate/up, silu"));
-  } else {
-    BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
-    BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
-  }
   // In few rows (silu_in_products), the down product computes the activation as it loads it,
   // and its check tile adds the down product's expected sums as well.
   cuda::GemmActivatedInput activated;
   const cuda::GemmActivatedInput* computed = nullptr;
-  if (siluInProduct(n)) {
+  if (silu_in_products_ && n <= cuda::kMaxNormedRows && d.cublas == nullptr && inter % 4 == 0) {
     activated = {gate_up, 2 * inter, sa.gate_role, sa.up_role, consumer(L.down), d.view};
     computed = &activated;
-  } else if (!silu_after) {
+  } else {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
     BULKHEAD_RETURN_IF_ERROR(mark("silu"));
   }
-  if (residual) {
-    BULKHEAD_RETURN_IF_ERROR(residualProduct(L.down, sa.out, n, computed));
-  } else if (inputNormedBy(l, n)) {
-    // The down product's last block runs the next layer's input norm, or the final norm.
-    cuda::GemmThen then;
-    then.kind = cuda::GemmThen::Kind::kNorm;
-    then.counter = d.then_counter.get<unsigned>();
-    then.norm = normBefore(l + 1, n);
-    BULKHEAD_RETURN_IF_ERROR(
-        products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, nullptr, 0, nullptr, &then));
-    return mark("product down, norm (input)");
-  } else {
-    BULKHEAD_RETURN_IF_ERROR(
-        products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, computed));
-  }
+  BULKHEAD_RETURN_IF_ERROR(
+      residual ? residualProduct(L.down, sa.out, n, computed)
+               : products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, computed));
   return mark("product down");
 }
 
@@ -1123,30 +1062,6 @@ Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, boo
   return mark("attention");
 }
 
-bool CudaBackend::normAfterProduct(int rows) const {
-  const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
-  return norm_after_product_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
-         fault_role_ < 0 &&
-         (schedule == cuda::GemmSchedule::kPipelined || schedule == cuda::GemmSchedule::kPlain);
-}
-
-bool CudaBackend::siluAfterProduct(int rows) const {
-  const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
-  return silu_after_product_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
-         fault_role_ < 0 && config().intermediate_size % 16 == 0 &&
-         (schedule == cuda::GemmSchedule::kPipelined || schedule == cuda::GemmSchedule::kPlain);
-}
-
-bool CudaBackend::siluInProduct(int rows) const {
-  return silu_in_products_ && rows <= cuda::kMaxNormedRows && d_->cublas == nullptr &&
-         config().intermediate_size % 4 == 0;
-}
-
-bool CudaBackend::inputNormedBy(size_t layer, int rows) const {
-  return layer < layers_.size() && !residual_in_products_ && !siluInProduct(rows) &&
-         normAfterProduct(rows);
-}
-
 bool CudaBackend::lmHeadStoresRows() const {
   return logits_in_product_ && d_->cublas == nullptr && fault_role_ != lm_head_.product;
 }
@@ -1156,12 +1071,9 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   CudaState& d = *d_;
   cudaStream_t stream = d.stream.get();
   const bool checks = limits_.checks_weight_reads;
-  // The last residual add for every row; the final norm for the rows whose logits were asked
-  // (unless the last down product ran it).
-  if (layers_.empty() || !inputNormedBy(layers_.size() - 1, n)) {
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(normBefore(layers_.size(), n), stream));
-    BULKHEAD_RETURN_IF_ERROR(mark("norm (final)"));
-  }
+  // The last residual add for every row; the final norm for the rows whose logits were asked.
+  BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(normBefore(layers_.size(), n), stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("norm (final)"));
 
   const int vocab = c.vocab_size;
   auto* const* dst = d.input<float*>(d.in.dst);
@@ -1245,8 +1157,7 @@ Status CudaBackend::launchForward(int n, int m, bool aligned) {
       embed_.salt, residual_in_products_ ? d.norm_partials.get<float>() : nullptr,
       d.partials_stride));
   BULKHEAD_RETURN_IF_ERROR(mark("embedding"));
-  for (size_t l = 0; l < layers_.size(); ++l)
-    BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n, l > 0 && inputNormedBy(l - 1, n)));
+  for (size_t l = 0; l < layers_.size(); ++l) BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n));
   return launchOutput(n, m, aligned);
 }
 

@@ -65,17 +65,6 @@ class CudaBackend final : public Backend {
     // (cuda/gemm.cuh GemmActivatedInput) instead of reading the activation kernel's output: one
     // launch a layer fewer, the same numbers.
     bool silu_in_products = false;
-    // In steps of 1 to 8 rows, the last block of the attention output's product runs the norm
-    // after it, and the last block of the down product the next layer's input norm or the final
-    // norm (cuda/gemm.cuh GemmThen), instead of kernels of their own: two launches a layer
-    // fewer, the same numbers. Our products in the pipelined or plain schedule; not with
-    // residual_in_products (nor the down product's with silu_in_products).
-    bool norm_after_product = false;
-    // In steps of 1 to 8 rows, the gate/up product computes the activation: the last block to
-    // store gate or up columns j .. j + 15 computes those 16 columns (cuda/gemm.cuh GemmThen),
-    // instead of the activation kernel: one launch a layer fewer, the same numbers. Our products
-    // in the pipelined or plain schedule; not with silu_in_products.
-    bool silu_after_product = false;
     // In decode steps (every row its sequence's only one), the attention kernel does the q/k/v
     // kernel's work itself (cuda/attention.cuh AttentionArgs::rope_in): biases, rotation, the
     // new key and value into the cache. One launch a layer fewer, the same numbers. Unset: on
@@ -131,10 +120,6 @@ class CudaBackend final : public Backend {
   uint64_t mmaAttentionSteps() const { return mma_attention_steps_; }
   // Steps whose lm_head stored the logits rows itself (Options::logits_in_product).
   uint64_t productStoredRowSteps() const { return product_stored_row_steps_; }
-  // Norms run by the last block of the product before them (Options::norm_after_product).
-  uint64_t normsAfterProducts() const { return norms_after_products_; }
-  // Activations computed by the gate/up products' blocks (Options::silu_after_product).
-  uint64_t silusAfterProducts() const { return silus_after_products_; }
   // Steps computed a second time because a product's check strayed beyond what rounding does in
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
@@ -189,8 +174,7 @@ class CudaBackend final : public Backend {
   // launchForward() on the stream (or a graph of it, `graph`), the product checks cleared first
   // where the step before did not end with the kernel that clears them.
   Status enqueueForward(int tokens, int logits_rows, bool aligned, cudaGraphExec_t graph);
-  // input_normed: the down product before it ran its input norm (inputNormedBy).
-  Status launchLayer(size_t layer, int tokens, bool input_normed);
+  Status launchLayer(size_t layer, int tokens);
   // The norm before layer `layer` (layers_.size(): the final norm).
   cuda::RmsNormArgs normBefore(size_t layer, int tokens) const;
   Status launchOutput(int tokens, int logits_rows, bool aligned);
@@ -204,7 +188,7 @@ class CudaBackend final : public Backend {
   Status products(std::initializer_list<const Weight*> group, const void* x, int rows, float* y,
                   int ldy, const cuda::GemmNormedInput* normed = nullptr,
                   const cuda::GemmActivatedInput* activated = nullptr, int check_row = 0,
-                  float* const* rows_to = nullptr, const cuda::GemmThen* then = nullptr);
+                  float* const* rows_to = nullptr);
   // Whether the group's slots lie one after another, each but the last ending on a 16-row tile
   // (one product for the group).
   static bool adjacentGroup(std::initializer_list<const Weight*> group);
@@ -249,19 +233,6 @@ class CudaBackend final : public Backend {
   // Whether this step's lm_head stores its rows itself: logits_in_product, except through cuBLAS
   // or with a compute fault armed (which flips an output after the product).
   bool lmHeadStoresRows() const;
-  // Whether a step of `rows` rows runs the post-attention norm in the o product
-  // (Options::norm_after_product: our pipelined or plain products, few rows, no compute fault
-  // armed), and the input norms in the down products before them (inputNormedBy).
-  bool normAfterProduct(int rows) const;
-  // Whether a step of `rows` rows computes the activation in the gate/up products
-  // (Options::silu_after_product: the same conditions as normAfterProduct's; and a layer's gate
-  // and up slots adjacent, one product).
-  bool siluAfterProduct(int rows) const;
-  // Whether the down product computes its SiLU-gated input (Options::silu_in_products).
-  bool siluInProduct(int rows) const;
-  // Whether layer `layer`'s down product runs the next layer's input norm (after the last layer,
-  // the final norm) in its last block.
-  bool inputNormedBy(size_t layer, int rows) const;
   Status launchAttention(const Layer& L, const cuda::QkvArgs& qa, bool rope_in, int n);
   // Writes the step's tensor-core attention tiles (cuda/attention_mma.cuh MmaAttentionArgs::tiles)
   // to `tiles`: each sequence's rows in runs that fill a tile with their KV group's query heads,
@@ -277,8 +248,6 @@ class CudaBackend final : public Backend {
   bool residual_in_products_ = false;
   bool norm_in_products_ = false;
   bool silu_in_products_ = false;
-  bool norm_after_product_ = false;
-  bool silu_after_product_ = false;
   bool rope_in_attention_ = false;
   bool attention_tiles_ = false;
   bool attention_mma_ = false;
@@ -291,8 +260,6 @@ class CudaBackend final : public Backend {
   uint64_t tiled_attention_steps_ = 0;
   uint64_t mma_attention_steps_ = 0;
   uint64_t product_stored_row_steps_ = 0;
-  uint64_t norms_after_products_ = 0;
-  uint64_t silus_after_products_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;

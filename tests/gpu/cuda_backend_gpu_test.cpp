@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -26,15 +27,14 @@
 namespace bulkhead {
 namespace {
 
-// A make-model checkpoint of `shape` (seed 3) with `layers` layers (0: the shape's), written
-// once a process: every test of a model case reads the same files. Empty if it failed.
-std::string madeModel(const std::string& shape, int layers) {
-  static std::map<std::pair<std::string, int>, std::unique_ptr<test::TempDir>> made;
-  std::unique_ptr<test::TempDir>& dir = made[{shape, layers}];
+// A make-model checkpoint of `shape` (seed 3), written once a process: every test of a model
+// case reads the same files. Empty if it failed.
+std::string madeModel(const std::string& shape) {
+  static std::map<std::string, std::unique_ptr<test::TempDir>> made;
+  std::unique_ptr<test::TempDir>& dir = made[shape];
   if (dir == nullptr) {
     auto fresh = std::make_unique<test::TempDir>();
-    auto report =
-        makeModel({.shape = shape, .out_dir = fresh->path(), .seed = 3, .layers = layers});
+    auto report = makeModel({.shape = shape, .out_dir = fresh->path(), .seed = 3});
     if (!report.ok()) {
       ADD_FAILURE() << "make-model " << shape << ": " << report.status().toString();
       return "";
@@ -53,14 +53,12 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 // CudaBackend::Options::residual_in_products for the backends a test makes: the model case's
 // (CudaBackendModels sets it for each test).
 bool residual_in_products = false;
-bool norm_in_products = false;    // and CudaBackend::Options::norm_in_products
-bool silu_in_products = false;    // and CudaBackend::Options::silu_in_products
-bool rope_in_attention = false;   // and CudaBackend::Options::rope_in_attention
-bool attention_tiles = false;     // and CudaBackend::Options::attention_tiles
-bool logits_in_product = true;    // CudaBackend::Options::logits_in_product
-bool attention_mma = false;       // CudaBackend::Options::attention_mma
-bool norm_after_product = false;  // CudaBackend::Options::norm_after_product
-bool silu_after_product = false;  // CudaBackend::Options::silu_after_product
+bool norm_in_products = false;   // and CudaBackend::Options::norm_in_products
+bool silu_in_products = false;   // and CudaBackend::Options::silu_in_products
+bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
+bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
+bool logits_in_product = true;   // CudaBackend::Options::logits_in_product
+bool attention_mma = false;      // CudaBackend::Options::attention_mma
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -73,8 +71,6 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.attention_tiles = attention_tiles;
   options.logits_in_product = logits_in_product;
   options.attention_mma = attention_mma;
-  options.norm_after_product = norm_after_product;
-  options.silu_after_product = silu_after_product;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -142,14 +138,13 @@ TEST(CudaBackendGpu, FixtureLogitsMatchTransformers) {
 
 struct ModelCase {
   std::string name;
-  std::string shape;       // empty: the golden fixture
-  bool residual = false;   // CudaBackend::Options::residual_in_products
-  bool normed = false;     // CudaBackend::Options::norm_in_products
-  bool silu = false;       // CudaBackend::Options::silu_in_products
-  bool rope = false;       // CudaBackend::Options::rope_in_attention
-  bool tiles = false;      // CudaBackend::Options::attention_tiles
-  bool mma = false;        // CudaBackend::Options::attention_mma
-  bool then_norm = false;  // CudaBackend::Options::norm_after_product
+  std::string shape;      // empty: the golden fixture
+  bool residual = false;  // CudaBackend::Options::residual_in_products
+  bool normed = false;    // CudaBackend::Options::norm_in_products
+  bool silu = false;      // CudaBackend::Options::silu_in_products
+  bool rope = false;      // CudaBackend::Options::rope_in_attention
+  bool tiles = false;     // CudaBackend::Options::attention_tiles
+  bool mma = false;       // CudaBackend::Options::attention_mma
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -165,29 +160,19 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     rope_in_attention = GetParam().rope;
     attention_tiles = GetParam().tiles;
     attention_mma = GetParam().mma;
-    norm_after_product = silu_after_product = GetParam().then_norm;
-    std::string dir;
-    if (GetParam().shape.empty()) {
-      dir = test::fixtureDir("tiny-qwen2");
-    } else {
-      // The norm after the product at two layers: the down product runs the second's input norm.
-      dir = madeModel(GetParam().shape, GetParam().then_norm ? 2 : 0);
-      ASSERT_FALSE(dir.empty());
-    }
+    const std::string dir =
+        GetParam().shape.empty() ? test::fixtureDir("tiny-qwen2") : madeModel(GetParam().shape);
+    ASSERT_FALSE(dir.empty());
     checkpoint_ = openModel(dir);
     ASSERT_NE(checkpoint_, nullptr);
-    // The cases of the norm after the product take the default schedules (pipelined at 1-8
-    // rows); the rest plain, as cudaBackend gives.
-    backend_ = GetParam().then_norm
-                   ? cudaBackend(checkpoint_, true, 0, false, cuda::kDefaultGemmSchedules)
-                   : cudaBackend(checkpoint_);
+    backend_ = cudaBackend(checkpoint_);
     ASSERT_NE(backend_, nullptr);
     vocab_ = backend_->limits().vocab_size;
   }
 
   void TearDown() override {
     residual_in_products = norm_in_products = silu_in_products = rope_in_attention =
-        attention_tiles = attention_mma = norm_after_product = silu_after_product = false;
+        attention_tiles = attention_mma = false;
   }
 
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -213,22 +198,6 @@ TEST_P(CudaBackendModels, AttentionRunsOnTheTensorCoresWhenAskedTo) {
   EXPECT_EQ(backend_->mmaAttentionSteps() - before, GetParam().mma ? 3u : 0u);
   // Its numbers are its own, so its canary records are too: they are keyed by the name.
   EXPECT_EQ(backend_->name(), GetParam().mma ? "cuda-mma" : "cuda");
-}
-
-TEST_P(CudaBackendModels, NormsAndActivationsRunInTheProductsBeforeThemWhenAskedTo) {
-  test::BackendDriver driver(*backend_);
-  const auto tokens = randomTokens(20, vocab_, 6);
-  const uint64_t norms = backend_->normsAfterProducts();
-  const uint64_t silus = backend_->silusAfterProducts();
-  driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
-  // Each step's two layers (those cases make two): the o products' post-attention norms, the down
-  // products' norms after them (the second layer's input norm, the final norm), and the gate/up
-  // products' activations.
-  if (GetParam().then_norm) {
-    ASSERT_EQ(checkpoint_->config().num_layers, 2);
-  }
-  EXPECT_EQ(backend_->normsAfterProducts() - norms, GetParam().then_norm ? 3u * 4u : 0u);
-  EXPECT_EQ(backend_->silusAfterProducts() - silus, GetParam().then_norm ? 3u * 2u : 0u);
 }
 
 TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
@@ -770,16 +739,7 @@ INSTANTIATE_TEST_SUITE_P(
                   true},
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
-                  true},
-        // The post-attention norm in the o product's last block, the next layer's input norm (or
-        // the final norm) in the down product's, and the activation in the gate/up product's, at
-        // 1-8 rows, the kernels' above: every comparison of few rows with many checks that they
-        // give the same bits.
-        ModelCase{"fixture_qwen2_then_norm", "", false, false, false, false, false, false, true},
-        ModelCase{"qwen05_layer_then_norm", "qwen2.5-0.5b-layer", false, false, false, true, false,
-                  false, true},
-        ModelCase{"qwen7b_layer_then_norm", "qwen2.5-7b-layer", false, false, false, false, false,
-                  false, true}),
+                  true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace

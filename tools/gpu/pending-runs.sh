@@ -63,10 +63,6 @@
 #   timeline-checks the timeline of one-row steps on both shapes, with bench-engine's comparison
 #           runs (checks off, cuBLAS products) as graphs of their own: what each kernel's checks
 #           cost in the captured steps
-#   then-norm the GPU model cases of the norms and activation run by the last blocks of the
-#           products before them (and of every fusion with rope in attention), then bench-engine
-#           on both shapes at 1 and 8 rows without them, with --norm-after-product, and with
-#           --silu-after-product too, twice each
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) against this
 #           bundle's bulkhead, twice each, alternating
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
@@ -378,22 +374,6 @@ for group in "$@"; do
           BULKHEAD_TIMELINE="$out/timeline-$shape-checks.csv" LD_PRELOAD="$lib" "$bh" bench-engine \
           --model "$m" --backend cuda --batch 1 --steps 32
         run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py "$out/timeline-$shape-checks.csv"
-      done
-      ;;
-    then-norm)
-      # The post-attention norm in the o product's last block (--norm-after-product): its model
-      # cases (the fused norm's bits against the kernel's wherever few rows meet many), then
-      # bench-engine on both shapes without and with it, alternating, twice each.
-      run gpu-tests-then-norm 300 "$bundle/gpu_tests" --gtest_filter='*then_norm*:*fused_rope*:ProductThenSilu.*'
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for rep in 1 2; do
-          for flags in "" --norm-after-product "--norm-after-product --silu-after-product"; do
-            name=$(echo "${flags:-default}" | tr -c 'a-z0-9\n' '-')
-            run "bench-engine-$shape-$name-$rep" 150 "$bh" bench-engine --model "$m" \
-              --backend cuda --batch 1,8 --no-compare $flags
-          done
-        done
       done
       ;;
     ab)

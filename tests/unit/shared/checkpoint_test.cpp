@@ -61,6 +61,17 @@ TEST(Checkpoint, ShardedMatchesSingleFile) {
   EXPECT_NE(a->tensors().lm_head, a->tensors().embed);  // untied
 }
 
+TEST(Checkpoint, MakeModelWritesTheLayersAskedFor) {
+  TempDir dir;
+  auto report = makeModel({.shape = "tiny", .out_dir = dir.path(), .seed = 7, .layers = 3});
+  ASSERT_TRUE(report.ok()) << report.status().toString();
+  auto ckpt = Checkpoint::open(dir.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().toString();
+  EXPECT_EQ(ckpt->config().num_layers, 3);
+  EXPECT_EQ(ckpt->tensors().layers.size(), 3u);
+  EXPECT_FALSE(makeModel({.shape = "tiny", .out_dir = dir.path(), .layers = -1}).ok());
+}
+
 TEST(Checkpoint, ShapeDisagreesWithConfig) {
   TempDir dir;
   test::copyDir(test::fixtureDir("tiny-qwen2"), dir.path());
