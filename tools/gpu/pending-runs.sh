@@ -60,9 +60,9 @@
 #           (tools/gpu/attention_mma_probe.cu, built there)
 #   logits  the GPU tests of lm_head storing its rows itself (and of every row's checksum), then
 #           bench-engine on both shapes at 1-64 rows with --logits-in-product on and off
-#   timeline-checks the timeline of one-row steps on both shapes, with bench-engine's comparison
-#           runs (checks off, cuBLAS products) as graphs of their own: what each kernel's checks
-#           cost in the captured steps
+#   timeline-checks the timeline of steps of 1 and 32 rows on both shapes, with bench-engine's
+#           comparison runs (checks off, cuBLAS products) as graphs of their own: what each
+#           kernel's checks cost in the captured steps
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) against this
 #           bundle's bulkhead, twice each, alternating
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
@@ -363,8 +363,9 @@ for group in "$@"; do
       done
       ;;
     timeline-checks)
-      # One-row steps of both shapes with the comparison runs (checks off, cuBLAS products): each
-      # run's graph apart, so a kernel's time with and without its checks side by side.
+      # Steps of 1 and 32 rows of both shapes with the comparison runs (checks off, cuBLAS
+      # products): each run's graph apart, so a kernel's time with and without its checks side
+      # by side.
       lib=$bundle/libkernel_timeline.so
       [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
         tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
@@ -372,7 +373,7 @@ for group in "$@"; do
         m=$(model $shape)
         run "bench-engine-$shape-timeline-checks" 150 env \
           BULKHEAD_TIMELINE="$out/timeline-$shape-checks.csv" LD_PRELOAD="$lib" "$bh" bench-engine \
-          --model "$m" --backend cuda --batch 1 --steps 32
+          --model "$m" --backend cuda --batch 1,32 --steps 32
         run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py "$out/timeline-$shape-checks.csv"
       done
       ;;
