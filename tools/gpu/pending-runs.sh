@@ -110,6 +110,12 @@ run() {  # run NAME TIMEOUT COMMAND...: output to OUTDIR/NAME.txt, the tables to
   echo "rc=$? in $((SECONDS - t0)) s"
   grep -v '^\[\|^20[0-9][0-9]-' "$out/$name.txt" | tail -40
 }
+timelineLib() {  # the CUPTI kernel timeline to preload: the bundle's, else built here
+  local lib=$bundle/libkernel_timeline.so
+  [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
+    tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
+  echo "$lib"
+}
 probe() {  # probe NAME TIMEOUT NVCC_FLAGS...: tools/gpu/NAME.cu built here, then run
   local name=$1 limit=$2 nvcc=/usr/local/cuda/bin/nvcc
   shift 2
@@ -188,7 +194,7 @@ for group in "$@"; do
       done
       wait
       cat "$out"/gpu-tests-*.summary
-      grep -h -E '^\[  (PASSED|FAILED) |tests? ran' "$out"/gpu-tests-*.txt
+      grep -h -E '^\[  (PASSED|FAILED) ' "$out"/gpu-tests-*.txt
       ;;
     gemm)
       run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*'
@@ -344,9 +350,7 @@ for group in "$@"; do
       done
       ;;
     timeline)
-      lib=$bundle/libkernel_timeline.so
-      [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
-        tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
+      lib=$(timelineLib)
       # The 0.5B at few rows first: where a launch-bound step's time goes between kernels.
       m=$(model qwen2.5-0.5b)
       run bench-engine-05b-timeline 120 env BULKHEAD_TIMELINE="$out/timeline-05b.csv" \
@@ -366,9 +370,7 @@ for group in "$@"; do
       # Steps of 1 and 32 rows of both shapes with the comparison runs (checks off, cuBLAS
       # products): each run's graph apart, so a kernel's time with and without its checks side
       # by side.
-      lib=$bundle/libkernel_timeline.so
-      [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
-        tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
+      lib=$(timelineLib)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         run "bench-engine-$shape-timeline-checks" 150 env \
