@@ -57,11 +57,9 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
     sums[5] += double(as[j]) * fabsf(of);
   }
   if (a.gate_role < 0 && a.up_role < 0 && a.down.role < 0) return;
-  // Over the block, then one atomic add a value (a 7B row has 74 blocks, each of four warps).
-  __shared__ double scratch[kThreads / 32 * 8];
-  const double total = blockTotal<8>(warpTotalSpread(sums), scratch);
-  const int i = int(threadIdx.x);
-  if (i > 5) return;
+  const double total = warpTotalSpread(sums);
+  const int i = spreadIndex<8>();
+  if (i < 0 || i > 5) return;
   ProductCheck* row = a.checks.products + size_t(r) * a.checks.roles;
   const int role = i == 0 || i == 2 ? a.gate_role : i == 1 || i == 3 ? a.up_role : a.down.role;
   if (role < 0) return;

@@ -103,50 +103,37 @@ __host__ __device__ inline bool tokenHasChecks(const GemmNormedInput& nin) {
   return tokenConsumers(nin) > 0;
 }
 
-// A check lane of a product of bf16 tokens (tokenChecks) takes this many consecutive k blocks of
-// one consumer: each (token, consumer) gets a quarter of the atomic adds a lane a k block would
-// make (down's 592 k blocks at 7B: 148 adds to one address, not 592), and the check tile a
-// quarter of the blocks, which run after the product's.
-inline constexpr int kTokenCheckBlocks = 4;
-
-// The check lanes a product of bf16 tokens needs for its own checks (tokenChecks).
-__host__ __device__ inline int tokenCheckLanes(const GemmNormedInput& nin, int k) {
-  return tokenConsumers(nin) * (((k + 31) / 32 + kTokenCheckBlocks - 1) / kTokenCheckBlocks);
-}
-
 // The check tile of a product of bf16 tokens x (m x k): each consumer's (weight's) expected sum
-// and bound from the very inputs the product multiplies. Check lane v takes a consumer and
-// kTokenCheckBlocks consecutive k blocks of it (tokenCheckLanes lanes in all); its lane (g, c)
-// inputs 8c .. 8c + 7 of those k blocks for token g of each of the block's token groups. The
-// block runs after the product's (the tiles past the weight's), so its loads all come after the
-// wait, each k block's column sums and tokens together.
+// and bound from the very inputs the product multiplies. Check lane v takes consumer v / k_blocks
+// and k block v % k_blocks (enough check blocks that every pair has a lane); its lane (g, c)
+// inputs 8c .. 8c + 7 of that k block for token g of each of the block's token groups. The column
+// sums, which no kernel writes, load before the wait for the kernel before; the tokens after it.
 template <int kGroups>
 __device__ void tokenChecks(const __nv_bfloat16* x, const GemmNormedInput& nin, int m0, int m,
                             int k, int v) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4, k_blocks = (k + 31) / 32;
-  const int per_consumer = (k_blocks + kTokenCheckBlocks - 1) / kTokenCheckBlocks;
-  const int s = v / per_consumer, kb0 = v % per_consumer * kTokenCheckBlocks;
-  const bool in = s < tokenConsumers(nin);
+  const int s = v / k_blocks, k0 = 32 * (v % k_blocks) + 8 * c;
+  const bool in = s < tokenConsumers(nin) && k0 < k;
   // Selects, not an index into the parameters.
   const ConsumerSums& consumer = s == 0   ? nin.consumers[0]
                                  : s == 1 ? nin.consumers[1]
                                           : nin.consumers[2];
+  float4 cs[2], as[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    cs[half] = in ? reinterpret_cast<const float4*>(consumer.colsum + k0)[half] : float4{};
+    as[half] = in ? reinterpret_cast<const float4*>(consumer.abssum + k0)[half] : float4{};
+  }
   awaitKernelBefore();
+  const float cv[8] = {cs[0].x, cs[0].y, cs[0].z, cs[0].w, cs[1].x, cs[1].y, cs[1].z, cs[1].w};
+  const float av[8] = {as[0].x, as[0].y, as[0].z, as[0].w, as[1].x, as[1].y, as[1].z, as[1].w};
 #pragma unroll 1
   for (int t = 0; t < kGroups && m0 + 8 * t < m; ++t) {
     const int token = m0 + 8 * t + g;
     double sums[2] = {};  // expected, bound
-#pragma unroll
-    for (int i = 0; i < kTokenCheckBlocks; ++i) {
-      const int k0 = 32 * (kb0 + i) + 8 * c;
-      if (!in || token >= m || kb0 + i >= k_blocks || k0 >= k) continue;
-      const float4* cs = reinterpret_cast<const float4*>(consumer.colsum + k0);
-      const float4* as = reinterpret_cast<const float4*>(consumer.abssum + k0);
-      const float4 c0 = cs[0], c1 = cs[1], a0 = as[0], a1 = as[1];
+    if (in && token < m) {
       float xv[8];
       unpackTokens(load16(x + size_t(token) * k + k0, true), xv);
-      const float cv[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         sums[0] += double(cv[j]) * xv[j];
@@ -692,8 +679,9 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   // not unrolled as the product's are, and it should finish no later than the product); one for
   // a product's own checks of bf16 tokens.
   const int lanes = splits * kWarps, k_blocks = (k + 31) / 32;
-  // A product of bf16 tokens checks its own input (tokenChecks).
-  const int token_checks = act.gate_up == nullptr ? tokenCheckLanes(nin, k) : 0;
+  // A product of bf16 tokens checks its own input with a check lane for each consumer's k block
+  // (tokenChecks).
+  const int token_checks = act.gate_up == nullptr ? tokenConsumers(nin) * k_blocks : 0;
   const int check_clusters = !checks            ? 0
                              : token_checks > 0 ? (token_checks + lanes - 1) / lanes
                                                 : (k_blocks + 8 * lanes - 1) / (8 * lanes);
@@ -770,8 +758,8 @@ __global__ void __launch_bounds__(kThreads)
   const int first_lane = rank * kWarps, end_lane = first_lane + kWarps;  // the rank's lanes
   const int weight_tiles = (n + kTiledRows - 1) / kTiledRows;
   if (tile >= weight_tiles) {
-    // The blocks past the weight's tiles: the product's own side of its consumers' checks (as
-    // gemmKernel's check tile).
+    // The blocks past the weight's tiles: the product's own side of its consumers' checks (a
+    // warp for each consumer and k block, as gemmKernel's check tile).
     // A tile of check blocks takes `lanes` check lanes, over its ranks.
     tokenChecks<kTiledTokens / 8>(x, nin, m0, m, k,
                                   (tile - weight_tiles) * lanes + first_lane + warp);
@@ -914,12 +902,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The tiled kernel for a product of bf16 tokens: a tile's token blocks side by side, each a
-// cluster of the splits' blocks, then the blocks of the product's own checks (tokenCheckLanes
-// warps).
+// cluster of the splits' blocks, then the blocks of the product's own checks (a warp each consumer
+// and k block).
 cudaError_t launchTiled(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n,
                         int k, float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                         const GemmResidual& res, const GemmNormedInput& nin) {
-  const int token_checks = tokenCheckLanes(nin, k);
+  const int token_checks = tokenConsumers(nin) * ((k + 31) / 32);
   const int check_lanes = splits * kWarps;  // a tile of check blocks
   const int tiles =
       (n + kTiledRows - 1) / kTiledRows + (token_checks + check_lanes - 1) / check_lanes;

@@ -32,15 +32,12 @@ __device__ __forceinline__ void normalise(const RmsNormArgs& a, const float2 (&v
   double sums[8] = {produced[0], produced[1]};
   if (out_r >= 0) {  // uniform across the block
     __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(a.out + size_t(out_r) * a.hidden);
-    unsigned long long fold = 0, folded = 0;
+    unsigned long long fold = 0;
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
       const int i = threadIdx.x + j * kThreads;
       if (i >= pairs) break;
-      if (a.weight_fold >= 0) {
-        fold += foldTerm(words[j], a.weight_salt, uint32_t(i));
-        ++folded;
-      }
+      if (a.weight_fold >= 0) fold += foldTerm(words[j], a.weight_salt, uint32_t(i));
       __nv_bfloat162 w;
       memcpy(&w, &words[j], 4);
       const __nv_bfloat162 o = __floats2bfloat162_rn(__bfloat162float(w.x) * (v[j].x * inv),
@@ -54,20 +51,14 @@ __device__ __forceinline__ void normalise(const RmsNormArgs& a, const float2 (&v
         sums[5 + c] += double(as[c][j].x) * fabsf(o0) + double(as[c][j].y) * fabsf(o1);
       }
     }
-    if (a.weight_fold >= 0) {  // over the block, then one atomic add each
-      __shared__ unsigned long long fold_scratch[kWarps * 2];
-      FoldAccount* const account[1] = {a.checks.folds + a.weight_fold};
-      const unsigned long long folds[1] = {fold}, words_folded[1] = {folded};
-      addBlockFolds(account, folds, words_folded, fold_scratch);
-    }
+    if (a.weight_fold >= 0)
+      addFold(a.checks.folds + a.weight_fold, fold, (unsigned long long)pairs);
   }
   // Consumers fill from the first.
   if (a.delta_role < 0 && (out_r < 0 || a.consumers[0].role < 0)) return;
-  // Over the block, then one atomic add a value.
-  __shared__ double sum_scratch[kWarps * 8];
-  const double total = blockTotal<8>(warpTotalSpread(sums), sum_scratch);
-  const int i = int(threadIdx.x);
-  if (i >= 8) return;
+  const double total = warpTotalSpread(sums);
+  const int i = spreadIndex<8>();
+  if (i < 0) return;
   double* dst = nullptr;
   if (i < 2) {
     if (a.delta_role >= 0) {
