@@ -62,9 +62,11 @@
 #           bench-engine on both shapes at 1-64 rows with --logits-in-product on and off
 #   timeline-checks the timeline of steps of 1 and 32 rows on both shapes, with bench-engine's
 #           comparison runs (checks off, cuBLAS products) as graphs of their own: what each
-#           kernel's checks cost in the captured steps
+#           kernel's checks cost in the captured steps (a line per kernel and grid, with its
+#           effective time; a checked product's grid has its check blocks past the unchecked one's)
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) against this
 #           bundle's bulkhead, twice each, alternating
+#   ab-checks the same with the checks' and cuBLAS columns (base, this, base, this)
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
 #           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
@@ -376,7 +378,8 @@ for group in "$@"; do
         run "bench-engine-$shape-timeline-checks" 150 env \
           BULKHEAD_TIMELINE="$out/timeline-$shape-checks.csv" LD_PRELOAD="$lib" "$bh" bench-engine \
           --model "$m" --backend cuda --batch 1,32 --steps 32
-        run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py "$out/timeline-$shape-checks.csv"
+        run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py \
+          "$out/timeline-$shape-checks.csv" --by-grid
       done
       ;;
     ab)
@@ -389,6 +392,16 @@ for group in "$@"; do
             run "bench-engine-$shape$v-$rep" 150 "$bundle/bulkhead$v" bench-engine --model "$m" \
               --backend cuda --batch 1,8,32,64 --no-compare
           done
+        done
+      done
+      ;;
+    ab-checks)
+      # As ab, once each, with the checks' and cuBLAS columns: what a change to the checks costs.
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for v in -base "" -base ""; do
+          run "bench-engine-$shape$v-checks" 150 "$bundle/bulkhead$v" bench-engine --model "$m" \
+            --backend cuda --batch 1,8,32,64
         done
       done
       ;;

@@ -5,9 +5,14 @@ the end of the kernel before it to its start (negative: it started before that o
 programmatic launch allows). Kernels of one name are summed per replay, so a layer's 28 launches
 show as one line.
 
-Usage: timeline.py TIMELINE.csv [--min-nodes N] [--graph ID]
+A kernel's effective time is its end minus the latest end of the kernels before it in the replay
+(0 where it ends before one of them): what it adds to the step, its programmatic overlap
+excluded. The effective times of a step's kernels add up to the replay's span.
+
+Usage: timeline.py TIMELINE.csv [--min-nodes N] [--graph ID] [--by-grid]
   --min-nodes N  only graphs of at least N kernels (default 50: whole steps, not small ones)
   --graph ID     only this graph, kernel by kernel in replay order
+  --by-grid      a line per kernel and grid (a step's products of different shapes apart)
 """
 import argparse
 import csv
@@ -40,6 +45,7 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--min-nodes", type=int, default=50)
     ap.add_argument("--graph", type=int)
+    ap.add_argument("--by-grid", action="store_true")
     args = ap.parse_args()
     by_graph = defaultdict(list)
     with open(args.csv) as f:
@@ -64,33 +70,42 @@ def main():
         # Per replay: each kernel's time and its gap from the end of the one before it.
         per_name = defaultdict(lambda: defaultdict(list))
         detail = []
+        def key_of(r):
+            k = short(r["name"])
+            return f"{k} {r['grid_x']}x{r['grid_y']}x{r['grid_z']}" if args.by_grid else k
+
         for rp in replays:
-            sums = defaultdict(lambda: [0.0, 0.0, 0])
+            sums = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+            latest_end = int(rp[0]["start_ns"])
             for i, r in enumerate(rp):
                 dur = (int(r["end_ns"]) - int(r["start_ns"])) / 1e3
                 gap = (int(r["start_ns"]) - int(rp[i - 1]["end_ns"])) / 1e3 if i > 0 else 0.0
-                key = short(r["name"])
+                effective = max(0, int(r["end_ns"]) - latest_end) / 1e3
+                latest_end = max(latest_end, int(r["end_ns"]))
+                key = key_of(r)
                 sums[key][0] += dur
                 sums[key][1] += gap
-                sums[key][2] += 1
+                sums[key][2] += effective
+                sums[key][3] += 1
                 if args.graph is not None:
                     detail.append((i, key, r, dur, gap))
-            for key, (dur, gap, count) in sums.items():
+            for key, (dur, gap, effective, count) in sums.items():
                 per_name[key]["dur"].append(dur)
                 per_name[key]["gap"].append(gap)
+                per_name[key]["effective"].append(effective)
                 per_name[key]["count"].append(count)
-        print(f"  {'kernel':44} {'launches':>8} {'us_a_replay':>11} {'gaps_us':>9} "
-              f"{'grid':>14} {'dyn_smem':>8} {'smem_exec':>9} {'regs':>5}")
+        print(f"  {'kernel':56} {'launches':>8} {'us_a_replay':>11} {'gaps_us':>9} "
+              f"{'effective':>9} {'grid':>14} {'dyn_smem':>8} {'smem_exec':>9} {'regs':>5}")
         first = {}
         for r in rows:
-            first.setdefault(short(r["name"]), r)
+            first.setdefault(key_of(r), r)
         for key, v in sorted(per_name.items(), key=lambda kv: -statistics.median(kv[1]["dur"])):
             r = first[key]
             grid = f"{r['grid_x']}x{r['grid_y']}x{r['grid_z']}"
-            print(f"  {key[:44]:44} {statistics.median(v['count']):8.0f} "
+            print(f"  {key[:56]:56} {statistics.median(v['count']):8.0f} "
                   f"{statistics.median(v['dur']):11.1f} {statistics.median(v['gap']):9.1f} "
-                  f"{grid:>14} {r['dynamic_shared']:>8} {r['shared_executed']:>9} "
-                  f"{r['registers']:>5}")
+                  f"{statistics.median(v['effective']):9.1f} {grid:>14} {r['dynamic_shared']:>8} "
+                  f"{r['shared_executed']:>9} {r['registers']:>5}")
         if args.graph is not None:
             print("  kernel by kernel, first replay:")
             for i, key, r, dur, gap in detail[:nodes]:
