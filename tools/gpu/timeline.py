@@ -3,7 +3,7 @@
 replay takes and, per kernel of the step, its median time on the device and the median gap from
 the end of the kernel before it to its start (negative: it started before that one ended, as
 programmatic launch allows). Kernels of one name are summed per replay, so a layer's 28 launches
-show as one line.
+show as one line; lines come largest effective time first.
 
 A kernel's effective time is its end minus the latest end of the kernels before it in the replay
 (0 where it ends before one of them): what it adds to the step, its programmatic overlap
@@ -99,7 +99,8 @@ def main():
         first = {}
         for r in rows:
             first.setdefault(key_of(r), r)
-        for key, v in sorted(per_name.items(), key=lambda kv: -statistics.median(kv[1]["dur"])):
+        for key, v in sorted(per_name.items(),
+                             key=lambda kv: -statistics.median(kv[1]["effective"])):
             r = first[key]
             grid = f"{r['grid_x']}x{r['grid_y']}x{r['grid_z']}"
             print(f"  {key[:56]:56} {statistics.median(v['count']):8.0f} "
