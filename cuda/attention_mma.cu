@@ -273,7 +273,11 @@ __global__ void __launch_bounds__(kThreads) mmaAttentionKernel(MmaAttentionArgs 
     }
   }
   if (step > 1) {
-    // The block that completes the tile's last split folds every split's partials in order.
+    // The block that completes the tile's last split folds every split's partials in order. A
+    // block with no split of its own counts nothing: adding its zero after the last block's add
+    // and before its reset would make it a second "last" block, folding (and adding the checks'
+    // sums) again.
+    if (mine == 0) return;  // the whole block
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -16,6 +16,7 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxPairs = 8;  // per thread: rows of up to 8192 values, held in registers
+static_assert(2 * kMaxPairs * kThreads == kMaxNormHidden);
 
 // The normalised row into out row out_r (skipped when negative), with the norm weight's fold and
 // the consumers' side of their checks; `produced` (the delta product's sum and sum of squares,
@@ -152,8 +153,7 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormArgs a) {
 }  // namespace
 
 Status launchRmsNorm(const RmsNormArgs& args, cudaStream_t stream) {
-  if (args.rows < 0 || args.hidden <= 0 || args.hidden % 2 != 0 ||
-      args.hidden > 2 * kMaxPairs * kThreads)
+  if (args.rows < 0 || args.hidden <= 0 || args.hidden % 2 != 0 || args.hidden > kMaxNormHidden)
     return invalidArgument("rms norm of " + std::to_string(args.rows) + " rows of " +
                            std::to_string(args.hidden));
   if (args.partials != nullptr && (args.delta != nullptr || args.delta_role >= 0 ||

@@ -42,6 +42,9 @@ struct RmsNormArgs {
   CheckView checks;
 };
 
+// The widest row the norm takes (a block's threads hold the row in registers).
+inline constexpr int kMaxNormHidden = 8192;
+
 // Device memory, asynchronous on `stream`.
 Status launchRmsNorm(const RmsNormArgs& args, cudaStream_t stream);
 

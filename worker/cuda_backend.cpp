@@ -456,6 +456,10 @@ Status CudaBackend::load(const Options& options) {
                          std::to_string(c.head_dim));
   if (c.hidden_size % 2 != 0 || c.intermediate_size % 2 != 0)
     return unimplemented("the CUDA backend needs even hidden and intermediate sizes");
+  if (c.hidden_size > cuda::kMaxNormHidden)
+    return unimplemented("the CUDA backend's norm takes rows of up to " +
+                         std::to_string(cuda::kMaxNormHidden) + " values, not hidden_size " +
+                         std::to_string(c.hidden_size));
   if (t.final_norm == nullptr) return unimplemented("the CUDA backend needs a final norm");
   for (const LayerTensors& l : t.layers)
     if (l.o_bias != nullptr)
@@ -512,7 +516,11 @@ Status CudaBackend::allocateStep(const Options& options) {
   const ModelConfig& c = config();
   CudaState& d = *d_;
   const size_t T = options.max_step_tokens;
-  if (T == 0) return invalidArgument("max_step_tokens must be positive");
+  // The per-row kernels (q/k/v, activation, attention) put a step's rows on the grid's y.
+  constexpr size_t kMaxGridRows = 65535;
+  if (T == 0 || T > kMaxGridRows)
+    return invalidArgument("max_step_tokens must be 1 to " + std::to_string(kMaxGridRows) +
+                           ", not " + std::to_string(T));
   d.qkv_stride = c.qDim() + 2 * c.kvDim();
   const size_t hidden = size_t(c.hidden_size), inter = size_t(c.intermediate_size);
   const size_t vocab = size_t(c.vocab_size);
@@ -672,21 +680,21 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
     }
     ++tiled_attention_steps_;
   }
+  pending_.rows.assign(rows.begin(), rows.end());
+  if (limits_.checks_weight_reads && !verifySlots().failed_tensor.empty()) {
+    // Computes nothing and queues nothing (so no copy still reads the inputs when the next step
+    // writes them); waitStep reports the binding.
+    pending_.queued = true;
+    pending_.tokens = -1;
+    fault_role_ = -1;  // a compute fault lasts one step
+    return okStatus();
+  }
   BULKHEAD_RETURN_IF_ERROR(mark(nullptr));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.inputs.get(), d.inputs_host.get(),
                                                 d.in.tables + table_at * 4, cudaMemcpyHostToDevice,
                                                 d.stream.get()));
   BULKHEAD_RETURN_IF_ERROR(mark("step inputs copy"));
   pending_.tokens = int(n);
-  pending_.rows.assign(rows.begin(), rows.end());
-  if (limits_.checks_weight_reads) {
-    if (!verifySlots().failed_tensor.empty()) {
-      // Computed nothing; waitStep reports the binding.
-      pending_.queued = true;
-      pending_.tokens = -1;
-      return okStatus();
-    }
-  }
   // A decode step (a token and its logits row per sequence) runs as a graph, captured the
   // first time its size is seen; the same launches either way, so the same numbers.
   if (graphs_ && fault_role_ < 0 && mapped && size_t(m) == n && n <= kMaxGraphRows) {

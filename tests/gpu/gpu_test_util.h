@@ -28,8 +28,11 @@ struct DeviceBuffer {
   explicit DeviceBuffer(size_t count) : n(count) {
     EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
   }
+  // The copy has landed when it returns: cudaMemcpy from pageable memory may return before its
+  // DMA ends, and a non-blocking stream that reads the buffer next does not wait for it.
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
     EXPECT_EQ(cudaMemcpy(p, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   ~DeviceBuffer() { cudaFree(p); }
   DeviceBuffer(const DeviceBuffer&) = delete;
