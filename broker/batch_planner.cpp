@@ -5,17 +5,17 @@
 
 namespace bulkhead {
 
-std::vector<Admit> planAdmission(std::span<const uint32_t> waiting_history, uint32_t free_blocks,
+std::vector<Admit> planAdmission(std::span<const WaitingSequence> waiting, uint32_t free_blocks,
                                  uint32_t total_blocks, uint32_t block_size, size_t running,
                                  size_t max_running) {
   std::vector<Admit> out;
-  for (uint32_t history : waiting_history) {
+  for (const WaitingSequence& s : waiting) {
     if (running >= max_running) break;
-    const uint32_t need = blocksFor(uint64_t(history) + 1, block_size);
-    if (need > total_blocks) {
+    if (mostBlocks(s, block_size) > total_blocks) {
       out.push_back(Admit::kRejectTooLarge);
       continue;
     }
+    const uint32_t need = blocksFor(uint64_t(s.history) + 1, block_size);
     if (need > free_blocks) break;
     free_blocks -= need;
     ++running;

@@ -16,11 +16,22 @@ inline uint32_t blocksFor(uint64_t positions, uint32_t block_size) {
 
 enum class Admit { kStart, kRejectTooLarge };
 
-// Decisions for the longest prefix of `waiting_history` (each sequence's token count) that can be
-// decided now: a sequence starts when the blocks for its history plus the token it will generate
-// next are free; one that could never fit the worker is rejected; the first that must wait stops
-// the walk (no overtaking).
-std::vector<Admit> planAdmission(std::span<const uint32_t> waiting_history, uint32_t free_blocks,
+struct WaitingSequence {
+  uint32_t history = 0;  // tokens in its history
+  uint64_t most = 0;     // the most tokens it can come to hold: prompt + max_tokens
+};
+
+// The blocks a sequence may come to need: for its whole request, and at least for its history
+// plus the token it will generate next.
+inline uint32_t mostBlocks(const WaitingSequence& s, uint32_t block_size) {
+  return blocksFor(s.most > uint64_t(s.history) + 1 ? s.most : uint64_t(s.history) + 1, block_size);
+}
+
+// Decisions for the longest prefix of `waiting` that can be decided now: a sequence starts when
+// the blocks for its history plus the token it will generate next are free; one whose request
+// could never fit the worker (mostBlocks over its total) is rejected before it produces a token,
+// rather than failed part-way; the first that must wait stops the walk (no overtaking).
+std::vector<Admit> planAdmission(std::span<const WaitingSequence> waiting, uint32_t free_blocks,
                                  uint32_t total_blocks, uint32_t block_size, size_t running,
                                  size_t max_running);
 

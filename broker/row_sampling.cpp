@@ -463,7 +463,9 @@ void RowSampler::RowWork::readChunk(uint32_t c) {
     float a = buf->values[e.token];
     if (e.repeated) a = a > 0 ? a / cfg.repetition_penalty : a * cfg.repetition_penalty;
     if (e.generated > 0) a -= cfg.frequency_penalty * float(e.generated) + cfg.presence_penalty;
-    adjusted[e.token - base] = a;
+    // A tiny repetition penalty divides a positive logit past the largest float: it stays the
+    // largest finite one (the infinity would make every weight 0 and the draw meaningless).
+    adjusted[e.token - base] = std::clamp(a, -FLT_MAX, FLT_MAX);
   }
   s.penalised = true;
   auto [am, aa] = maxAndArg(adjusted, len);

@@ -27,21 +27,26 @@ bool SequenceQueues::hasUnreleased() const {
 }
 
 void SequenceQueues::admit(size_t max_running) {
-  std::vector<uint32_t> history;
-  for (const auto& s : waiting_) history.push_back(uint32_t(s->ledger.tokens().size()));
-  const auto decisions = planAdmission(history, blocks_.freeCount(), blocks_.total(), block_size_,
+  std::vector<WaitingSequence> waiting;
+  for (const auto& s : waiting_)
+    waiting.push_back({uint32_t(s->ledger.tokens().size()),
+                       uint64_t(s->request.prompt.size()) + s->request.max_tokens});
+  const auto decisions = planAdmission(waiting, blocks_.freeCount(), blocks_.total(), block_size_,
                                        running_.size(), max_running);
-  for (Admit decision : decisions) {
+  for (size_t i = 0; i < decisions.size(); ++i) {
     SequencePtr seq = std::move(waiting_.front());
     waiting_.pop_front();
-    const uint32_t need = blocksFor(seq->ledger.tokens().size() + 1, block_size_);
-    if (decision == Admit::kRejectTooLarge) {
+    if (decisions[i] == Admit::kRejectTooLarge) {
       finish(*seq, FinishReason::kNone,
-             resourceExhausted("the sequence needs " + std::to_string(need) +
-                               " KV blocks, the worker has " + std::to_string(blocks_.total())));
+             resourceExhausted("prompt (" + std::to_string(seq->request.prompt.size()) +
+                               ") + max_tokens (" + std::to_string(seq->request.max_tokens) +
+                               ") needs " + std::to_string(mostBlocks(waiting[i], block_size_)) +
+                               " KV blocks of " + std::to_string(block_size_) +
+                               " positions; the worker's cache has " +
+                               std::to_string(blocks_.total())));
       continue;
     }
-    growBlocks(*seq, need);
+    growBlocks(*seq, blocksFor(seq->ledger.tokens().size() + 1, block_size_));
     running_.push_back(std::move(seq));
   }
 }

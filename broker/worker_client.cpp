@@ -302,7 +302,9 @@ WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
     hello_.scrubbing = h.getScrubbing();
     hello_.in_step_checks = h.getInStepChecks();
     hello_.compute_grows_with_rows = h.getComputeGrowsWithRows();
-    if (hello_.vocab_size == 0 || hello_.kv_block_size == 0 || hello_.max_step_tokens == 0)
+    // Each would leave every step empty: requests admitted and never answered.
+    if (hello_.vocab_size == 0 || hello_.kv_block_size == 0 || hello_.kv_block_count == 0 ||
+        hello_.max_step_tokens == 0 || hello_.arena_slots == 0)
       return failure(Kind::kProtocolViolation, "Hello has zero limits");
     auto arena = LogitsArena::open(h.getArenaName(), hello_.incarnation, hello_.vocab_size);
     if (!arena.ok()) return failure(Kind::kProtocolViolation, arena.status().message());

@@ -456,6 +456,27 @@ TEST(BrokerRestartTest, AdminRestartReplaysInFlightSequencesLosslessly) {
 namespace bulkhead {
 namespace {
 
+TEST(BrokerAdmissionTest, ARequestTheCacheCouldNeverHoldIsRefusedBeforeItsFirstToken) {
+  // 8 blocks of 16 positions, some of them the canary's: a 3-token prompt fits, but with
+  // max_tokens 250 it would need 16 blocks and fail part-way; it is refused whole instead, and a
+  // request that fits is served.
+  test::BrokerProcess tight(test::fixtureDir("tiny-qwen2"), {"--kv-blocks", "8"});
+  ASSERT_TRUE(tight.ok());
+  auto r = request({5, 6, 7}, 250);
+  r.set_ignore_eos(true);
+  const test::Generation refused = generate(*tight.channel(), r);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.status.error_message();
+  EXPECT_NE(refused.status.error_message().find("max_tokens (250)"), std::string::npos)
+      << refused.status.error_message();
+  EXPECT_TRUE(refused.tokens.empty());
+  auto fits = request({5, 6, 7}, 40);
+  fits.set_ignore_eos(true);
+  const test::Generation served = generate(*tight.channel(), fits);
+  ASSERT_TRUE(served.status.ok()) << served.status.error_message();
+  EXPECT_EQ(served.tokens.size(), 40u);
+}
+
 TEST(BrokerPreemptionTest, RecomputeAfterPreemptionGivesTheSameTokens) {
   // 24 blocks of 16 positions: eight 200-token generations cannot all hold their caches, so
   // the newest are preempted and recomputed.

@@ -11,11 +11,16 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <thread>
+
+#include <capnp/message.h>
 
 #include "broker/step_rows.h"
 #include "broker/worker_client.h"
+#include "proto/worker.capnp.h"
 #include "shared/checkpoint.h"
 #include "shared/child_process.h"
+#include "shared/ipc_frame.h"
 #include "support/backend_driver.h"
 #include "support/test_support.h"
 #include "worker/cpu_backend.h"
@@ -426,6 +431,47 @@ INSTANTIATE_TEST_SUITE_P(
                       RowFaultCase{"truncated_reply", Fault::kTruncatedReply,
                                    Kind::kProtocolViolation, IntegrityCheck::kNone}),
     [](const ::testing::TestParamInfo<RowFaultCase>& info) { return info.param.name; });
+
+// A peer on the worker's socket whose Hello claims no arena slots (or any other zero limit): the
+// client refuses it as a protocol violation instead of serving a worker no step can use.
+TEST_F(WorkerProcessTest, AHelloWithZeroLimitsIsAProtocolViolation) {
+  for (const char* zero : {"arena_slots", "kv_block_count", "max_step_tokens"}) {
+    const std::string socket = dir_.file(std::string(zero) + ".sock");
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
+    const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(listener, 0);
+    ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(::listen(listener, 1), 0);
+    std::thread peer([&] {
+      const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) return;
+      capnp::MallocMessageBuilder message;
+      auto hello = message.initRoot<wire::FromWorker>().initHello();
+      hello.setProtocolVersion(wire::PROTOCOL_VERSION);
+      hello.setPid(uint32_t(::getpid()));
+      hello.setVocabSize(64);
+      hello.setKvBlockSize(4);
+      hello.setKvBlockCount(std::string(zero) == "kv_block_count" ? 0 : 64);
+      hello.setMaxStepTokens(std::string(zero) == "max_step_tokens" ? 0 : 64);
+      hello.setArenaSlots(std::string(zero) == "arena_slots" ? 0 : 8);
+      hello.setArenaName("/bulkhead-test-none");
+      EXPECT_TRUE(writeMessage(fd, message, std::chrono::steady_clock::now() + 10s).ok());
+      char byte;
+      while (::read(fd, &byte, 1) > 0) {  // until the client lets go
+      }
+      ::close(fd);
+    });
+    auto client = WorkerClient::connect(socket, 10s);
+    peer.join();
+    ::close(listener);
+    ASSERT_FALSE(client.ok()) << zero;
+    EXPECT_EQ(client.error().kind, Kind::kProtocolViolation) << client.error().toString();
+    EXPECT_NE(client.error().toString().find("zero limits"), std::string::npos)
+        << client.error().toString();
+  }
+}
 
 TEST_F(WorkerProcessTest, ConnectsToAWorkerItDidNotSpawn) {
   // As under systemd: the worker runs on its own; the client only connects.

@@ -8,7 +8,7 @@ namespace {
 
 TEST(PlanAdmission, FirstComeFirstServedWithoutOvertaking) {
   // Block size 4: histories of 3, 10 and 1 need 1, 3 and 1 blocks (history + 1 token).
-  const std::vector<uint32_t> waiting = {3, 10, 1};
+  const std::vector<WaitingSequence> waiting = {{3, 4}, {10, 11}, {1, 2}};
   auto d = planAdmission(waiting, /*free=*/3, /*total=*/8, 4, /*running=*/0, /*max_running=*/8);
   ASSERT_EQ(d.size(), 1u);  // the second needs 3 with 2 left: it waits, and so does the third
   EXPECT_EQ(d[0], Admit::kStart);
@@ -17,13 +17,23 @@ TEST(PlanAdmission, FirstComeFirstServedWithoutOvertaking) {
 }
 
 TEST(PlanAdmission, RejectsWhatCouldNeverFitAndGoesOn) {
-  const std::vector<uint32_t> waiting = {100, 2};
+  const std::vector<WaitingSequence> waiting = {{100, 101}, {2, 3}};
   auto d = planAdmission(waiting, 8, 8, 4, 0, 8);
   EXPECT_EQ(d, (std::vector<Admit>{Admit::kRejectTooLarge, Admit::kStart}));
 }
 
+TEST(PlanAdmission, RejectsARequestWhoseMaxTokensCouldNeverFitBeforeItStarts) {
+  // Three blocks of 4: a 3-token prompt fits now, but with max_tokens 60 (63 tokens) it needs 16
+  // blocks, so it would fail part-way; one of 3 + 9 fits whole (3 blocks). Both fit now.
+  const std::vector<WaitingSequence> waiting = {{3, 63}, {3, 12}};
+  EXPECT_EQ(planAdmission(waiting, 3, 3, 4, 0, 8),
+            (std::vector<Admit>{Admit::kRejectTooLarge, Admit::kStart}));
+  EXPECT_EQ(mostBlocks({3, 63}, 4), 16u);
+  EXPECT_EQ(mostBlocks({20, 12}, 4), 6u);  // never below what its history needs now
+}
+
 TEST(PlanAdmission, StopsAtTheRunningLimit) {
-  const std::vector<uint32_t> waiting = {1, 1, 1};
+  const std::vector<WaitingSequence> waiting = {{1, 2}, {1, 2}, {1, 2}};
   EXPECT_EQ(planAdmission(waiting, 8, 8, 4, 6, 8).size(), 2u);
 }
 

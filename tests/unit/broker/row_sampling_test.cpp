@@ -439,6 +439,28 @@ TEST(VerifyAndSample, PenalisedDrawsMatchTheReference) {
   EXPECT_EQ(greedy.choice.token, referenceToken(logits, c, 0, prompt, generated));
 }
 
+// A positive repeated logit divided by a tiny repetition penalty overflows the float range: the
+// penalised token must then be the one drawn (its adjusted logit is by far the largest), with or
+// without top-p, not whatever a row of zero weights falls back to.
+TEST(VerifyAndSample, ATinyRepetitionPenaltyMakesTheRepeatedTokenWin) {
+  WorkPool pool(2);
+  std::vector<float> logits = syntheticRow(5, 10000, 2.0f);
+  logits[42] = 1.5f, logits[7] = -0.5f;
+  const std::vector<uint32_t> prompt = {42, 7};
+  for (const float top_p : {1.0f, 0.9f}) {
+    for (const float penalty : {1e-38f, 1.4e-45f}) {
+      SamplingConfig c = temperature(1.0f);
+      c.top_p = top_p;
+      c.repetition_penalty = penalty;
+      for (uint64_t pos = 0; pos < 8; ++pos) {
+        const SampledRow got = sampleOne(pool, rowOf(logits, &c, pos, prompt));
+        ASSERT_EQ(got.failed, IntegrityCheck::kNone);
+        EXPECT_EQ(got.choice.token, 42u) << "penalty " << penalty << ", top_p " << top_p;
+      }
+    }
+  }
+}
+
 TEST(VerifyAndSample, GreedyIsTheFirstArgmax) {
   WorkPool pool(2);
   const SamplingConfig greedy;
