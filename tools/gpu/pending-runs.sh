@@ -66,7 +66,7 @@
 #           effective time; a checked product's grid has its check blocks past the unchecked one's)
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) against this
 #           bundle's bulkhead, twice each, alternating
-#   ab-checks the same with the checks' and cuBLAS columns (base, this, base, this)
+#   ab-checks the same with the checks' and cuBLAS columns
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
 #           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
@@ -117,6 +117,20 @@ timelineLib() {  # the CUPTI kernel timeline to preload: the bundle's, else buil
   [ -f "$lib" ] || g++ -std=c++17 -O2 -shared -fPIC -I/usr/local/cuda/include -o "$lib" \
     tools/gpu/kernel_timeline.cpp -L/usr/local/cuda/lib64 -lcupti
   echo "$lib"
+}
+alternate() {  # alternate SUFFIX BENCH_ENGINE_FLAGS...: BUNDLE/bulkhead-base (another build's
+  # bulkhead) and the bundle's own, alternating, twice each on one card, on both shapes
+  local suffix=$1 shape m rep v
+  shift
+  for shape in qwen2.5-0.5b qwen2.5-7b; do
+    m=$(model $shape)
+    for rep in 1 2; do
+      for v in -base ""; do
+        run "bench-engine-$shape$v$suffix-$rep" 150 "$bundle/bulkhead$v" bench-engine \
+          --model "$m" --backend cuda --batch 1,8,32,64 "$@"
+      done
+    done
+  done
 }
 probe() {  # probe NAME TIMEOUT NVCC_FLAGS...: tools/gpu/NAME.cu built here, then run
   local name=$1 limit=$2 nvcc=/usr/local/cuda/bin/nvcc
@@ -382,29 +396,8 @@ for group in "$@"; do
           "$out/timeline-$shape-checks.csv" --by-grid
       done
       ;;
-    ab)
-      # BUNDLE/bulkhead-base, another build's bulkhead, against the bundle's own, alternating,
-      # twice each on one card.
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for rep in 1 2; do
-          for v in -base ""; do
-            run "bench-engine-$shape$v-$rep" 150 "$bundle/bulkhead$v" bench-engine --model "$m" \
-              --backend cuda --batch 1,8,32,64 --no-compare
-          done
-        done
-      done
-      ;;
-    ab-checks)
-      # As ab, once each, with the checks' and cuBLAS columns: what a change to the checks costs.
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for v in -base "" -base ""; do
-          run "bench-engine-$shape$v-checks" 150 "$bundle/bulkhead$v" bench-engine --model "$m" \
-            --backend cuda --batch 1,8,32,64
-        done
-      done
-      ;;
+    ab) alternate "" --no-compare ;;
+    ab-checks) alternate -checks ;;  # with the checks' and cuBLAS columns
     mma)
       run gpu-tests-mma 300 "$bundle/gpu_tests" --gtest_filter='*_mma*:*LongContext*:*TensorCores*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
