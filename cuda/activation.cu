@@ -45,8 +45,7 @@ __global__ void __launch_bounds__(kThreads) siluMulKernel(SiluMulArgs a) {
   for (int j = 0; j < kPerThread; ++j) {
     const int i = first + threadIdx.x + j * kThreads;
     if (i >= a.inter) break;
-    const __nv_bfloat16 o =
-        __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g[j], __fadd_rn(1.0f, expf(-g[j]))), u[j]));
+    const __nv_bfloat16 o = siluMul(g[j], u[j]);
     out[i] = o;
     const float of = __bfloat162float(o);
     sums[0] += double(g[j]);

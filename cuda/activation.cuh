@@ -29,4 +29,12 @@ Status launchSiluMul(const SiluMulArgs& args, cudaStream_t stream);
 Status launchSiluMul(const float* gate_up, int rows, int inter, __nv_bfloat16* out,
                      cudaStream_t stream);
 
+#ifdef __CUDACC__
+// One element of the activation, as every kernel that computes it does (the activation kernel,
+// and a product whose input is the activation: the same bits).
+__device__ __forceinline__ __nv_bfloat16 siluMul(float g, float u) {
+  return __float2bfloat16_rn(__fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u));
+}
+#endif
+
 }  // namespace bulkhead::cuda

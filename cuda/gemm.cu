@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/activation.cuh"
 #include "cuda/cp_async.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch.cuh"
@@ -218,10 +219,7 @@ __device__ void normedChecks(const GemmNormedInput& nin, const float (&inv)[kGro
 }
 
 // Eight inputs of an activated token (GemmActivatedInput) as load16 would give them from the
-// activation kernel's output: that kernel's expression.
-__device__ __forceinline__ float silu(float g, float u) {
-  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-}
+// activation kernel's output: that kernel's expression (siluMul).
 __device__ __forceinline__ uint4 activatedLoad(const float* gate, const float* up, bool valid) {
   if (!valid) return make_uint4(0, 0, 0, 0);
   const float4 g_lo = reinterpret_cast<const float4*>(gate)[0],
@@ -234,8 +232,7 @@ __device__ __forceinline__ uint4 activatedLoad(const float* gate, const float* u
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const __nv_bfloat162 o =
-        __halves2bfloat162(__float2bfloat16_rn(silu(g[2 * i], u[2 * i])),
-                           __float2bfloat16_rn(silu(g[2 * i + 1], u[2 * i + 1])));
+        __halves2bfloat162(siluMul(g[2 * i], u[2 * i]), siluMul(g[2 * i + 1], u[2 * i + 1]));
     memcpy(&out[i], &o, 4);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
