@@ -100,14 +100,23 @@ __global__ void __launch_bounds__(kThreads) qkvKernel(QkvArgs a) {
     else
       row[q_dim + kv_dim + e] = v;
   }
-#pragma unroll
-  for (int b = 0; b < 3; ++b)
-    if (a.bias[b] != nullptr && a.bias_fold[b] >= 0)
-      addWarpFold(a.checks.folds + a.bias_fold[b], fold[b], fold_words[b]);
+  // Folds and sums over the block, then one atomic add each (a 7B row has 10 blocks of 8 warps).
+  __shared__ union {
+    unsigned long long folds[kThreads / 32 * 6];
+    double sums[kThreads / 32 * 8];
+  } scratch;
+  FoldAccount* const accounts[3] = {
+      a.bias[0] != nullptr && a.bias_fold[0] >= 0 ? a.checks.folds + a.bias_fold[0] : nullptr,
+      a.bias[1] != nullptr && a.bias_fold[1] >= 0 ? a.checks.folds + a.bias_fold[1] : nullptr,
+      a.bias[2] != nullptr && a.bias_fold[2] >= 0 ? a.checks.folds + a.bias_fold[2] : nullptr};
+  if (accounts[0] != nullptr || accounts[1] != nullptr || accounts[2] != nullptr) {
+    addBlockFolds(accounts, fold, fold_words, scratch.folds);
+    __syncthreads();  // scratch is reused below
+  }
   if (a.product_role[0] < 0 && a.product_role[1] < 0 && a.product_role[2] < 0) return;
-  const double total = warpTotalSpread(produced);
-  const int value = spreadIndex<8>();
-  if (value < 0 || value > 5) return;
+  const double total = blockTotal<8>(warpTotalSpread(produced), scratch.sums);
+  const int value = int(threadIdx.x);
+  if (value > 5) return;
   const int b = value % 3,  // selects, not an index into the parameters
       role = b == 0   ? a.product_role[0]
              : b == 1 ? a.product_role[1]

@@ -135,6 +135,22 @@ __device__ __forceinline__ unsigned long long warpSum64(unsigned long long x) {
   return (h << 32) + (l1 << 16) + l0;
 }
 
+// After warpTotalSpread<N> in every warp of the block: value i's total over the block in thread
+// i (i < N; the warps' totals added in warp order), 0 in the other threads. A block of W warps
+// then adds each total once instead of W times, so that W times fewer atomic adds wait on one
+// address. `scratch`: N doubles a warp, in shared memory. Every thread of the block must reach it
+// (a barrier).
+template <int N>
+__device__ __forceinline__ double blockTotal(double warp_total, double* scratch) {
+  const int i = spreadIndex<N>(), warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (i >= 0) scratch[warp * N + i] = warp_total;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.x < N)
+    for (int w = 0; w < warps; ++w) total += scratch[w * N + threadIdx.x];
+  return total;
+}
+
 // Sums N doubles over the block at once, each by a fixed tree; every thread gets the totals in v.
 // `scratch` holds N * blockDim.x / 32 doubles. Callers must reach it uniformly.
 template <int N>
@@ -184,6 +200,42 @@ __device__ inline void addWarpFold(FoldAccount* account, unsigned long long sum,
     atomicAdd(&slot.sum, sum);
     atomicAdd(&slot.words, (unsigned long long)warp_words);
   }
+}
+
+// N weights' folded words and their counts added over the block (each lane's count at most 2^27),
+// then one atomic add each into its account from thread b of the block (b < N; accounts[b] null
+// or count zero: none). `scratch`: 2 N words a warp, in shared memory. Every thread of the block
+// must reach it (a barrier).
+template <int N>
+__device__ inline void addBlockFolds(FoldAccount* const (&accounts)[N],
+                                     const unsigned long long (&sums)[N],
+                                     const unsigned long long (&words)[N],
+                                     unsigned long long* scratch) {
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+#pragma unroll
+  for (int b = 0; b < N; ++b) {
+    const unsigned long long sum = warpSum64(sums[b]);
+    const unsigned warp_words = __reduce_add_sync(0xffffffffu, unsigned(words[b]));
+    if (threadIdx.x % 32 == 0) {
+      scratch[(warp * N + b) * 2] = sum;
+      scratch[(warp * N + b) * 2 + 1] = warp_words;
+    }
+  }
+  __syncthreads();
+  const int b = int(threadIdx.x);
+  FoldAccount* account = nullptr;  // accounts[b] by selects, not an index into the parameters
+#pragma unroll
+  for (int i = 0; i < N; ++i) account = i == b ? accounts[i] : account;
+  if (account == nullptr) return;
+  unsigned long long sum = 0, count = 0;
+  for (int w = 0; w < warps; ++w) {
+    sum += scratch[(w * N + b) * 2];
+    count += scratch[(w * N + b) * 2 + 1];
+  }
+  if (count == 0) return;
+  FoldSlot& slot = account->mine();
+  atomicAdd(&slot.sum, sum);
+  atomicAdd(&slot.words, count);
 }
 
 #endif
