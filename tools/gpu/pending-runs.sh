@@ -64,8 +64,8 @@
 #           comparison runs (checks off, cuBLAS products) as graphs of their own: what each
 #           kernel's checks cost in the captured steps (a line per kernel and grid, with its
 #           effective time; a checked product's grid has its check blocks past the unchecked one's)
-#   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) against this
-#           bundle's bulkhead, twice each, alternating
+#   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) and any
+#           BUNDLE/bulkhead-ab-* (more builds) against this bundle's bulkhead, twice each, in turn
 #   ab-checks the same with the checks' and cuBLAS columns
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
@@ -119,13 +119,16 @@ timelineLib() {  # the CUPTI kernel timeline to preload: the bundle's, else buil
   echo "$lib"
 }
 alternate() {  # alternate SUFFIX BENCH_ENGINE_FLAGS...: BUNDLE/bulkhead-base (another build's
-  # bulkhead) and the bundle's own, alternating, twice each on one card, on both shapes
-  local suffix=$1 shape m rep v
+  # bulkhead), any BUNDLE/bulkhead-ab-* (more builds) and the bundle's own, in turn, twice each on
+  # one card, on both shapes
+  local suffix=$1 shape m rep v variants=(-base)
   shift
+  for v in "$bundle"/bulkhead-ab-*; do [ -x "$v" ] && variants+=("${v#"$bundle"/bulkhead}"); done
+  variants+=("")
   for shape in qwen2.5-0.5b qwen2.5-7b; do
     m=$(model $shape)
     for rep in 1 2; do
-      for v in -base ""; do
+      for v in "${variants[@]}"; do
         run "bench-engine-$shape$v$suffix-$rep" 150 "$bundle/bulkhead$v" bench-engine \
           --model "$m" --backend cuda --batch 1,8,32,64 "$@"
       done
