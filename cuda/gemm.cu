@@ -430,8 +430,13 @@ __global__ void __launch_bounds__(kThreads)
   // A cluster of `splits` blocks per (weight tile, token block). kInterleaved: the token_blocks
   // blocks of a tile are neighbours along x (launched together, so the tile's later reads come
   // from the L2 cache); otherwise the token blocks go along y.
+  // The check tile's clusters (past the weight's tiles in the tile numbers below) come first in
+  // the grid, so that they run beside the product's first blocks rather than after its last.
   const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits;
-  const int tile = kInterleaved ? cell / token_blocks : cell,
+  const int weight_tiles = ((n + 15) / 16 + kTiles - 1) / kTiles,
+            check_tiles = int(gridDim.x) / splits / token_blocks - weight_tiles,
+            placed = kInterleaved ? cell / token_blocks : cell,
+            tile = placed < check_tiles ? weight_tiles + placed : placed - check_tiles,
             token_block = kInterleaved ? cell % token_blocks : int(blockIdx.y);
   const int n0 = tile * kRows, m0 = token_block * 8 * kGroups;
   const int k_blocks = (k + 31) / 32, lanes = splits * kWarps;
@@ -531,13 +536,11 @@ __global__ void __launch_bounds__(kThreads)
   int base = rank * kWarps + warp;
   // Normed or activated with checks: the clusters past the weight's tiles are the check tile
   // (no weight rows), their lanes interleaved over the k blocks.
-  const int weight_tiles = ((n + 15) / 16 + kTiles - 1) / kTiles;
   const bool check_tile =
       ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act)) ||
        (kInput == kTokenInput && tokenHasChecks(nin))) &&
       tile >= weight_tiles;
-  const int check_first = (tile - weight_tiles) * lanes + base,
-            check_stride = (int(gridDim.x) / splits / token_blocks - weight_tiles) * lanes;
+  const int check_first = (tile - weight_tiles) * lanes + base, check_stride = check_tiles * lanes;
   if constexpr (kInput == kTokenInput) {
     if (check_tile) {  // its own path from here, with its own loads before the wait
       tokenChecks<kGroups>(x, nin, m0, m, k, check_first);
