@@ -125,7 +125,7 @@ alternate() {  # alternate SUFFIX BENCH_ENGINE_FLAGS...: BUNDLE/bulkhead-base (a
   shift
   for v in "$bundle"/bulkhead-ab-*; do [ -x "$v" ] && variants+=("${v#"$bundle"/bulkhead}"); done
   variants+=("")
-  for shape in qwen2.5-0.5b qwen2.5-7b; do
+  for shape in ${AB_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do  # AB_SHAPES: fewer, to fit a call
     m=$(model $shape)
     for rep in 1 2; do
       for v in "${variants[@]}"; do
