@@ -150,14 +150,17 @@ void WorkerServer::watchdogIfDue() {
 }
 
 bool WorkerServer::awaitInput(int fd, bool spin) {
+  // A ping that is due goes first: under steady load the next request is already waiting, and
+  // neither the spin nor the poll below would reach one.
+  watchdogIfDue();
+  const auto period = options_.notifier.watchdogPeriod();
   if (spin && options_.spin_us > 0) {
     // The next step usually follows a reply within the broker's sampling time: watch for it
-    // awake. A stop signal is seen in poll below once the spin ends.
-    const auto until =
-        std::chrono::steady_clock::now() + std::chrono::microseconds(options_.spin_us);
+    // awake, but not past the next ping. A stop signal is seen in poll below once the spin ends.
+    auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(options_.spin_us);
+    if (period.count() > 0) until = std::min(until, last_watchdog_ + period);
     if (watchAwake(fd, until) != SocketWatch::kTimedOut) return true;
   }
-  const auto period = options_.notifier.watchdogPeriod();
   while (true) {
     watchdogIfDue();
     pollfd fds[2] = {{fd, POLLIN, 0}, {signal_fd_, POLLIN, 0}};

@@ -36,11 +36,23 @@ class WorkerProtocolTest : public ::testing::Test {
  protected:
   void SetUp() override { socket_ = dir_.file("w.sock"); }
 
-  Result<ChildProcess> startWorker(const std::string& socket) {
-    return ChildProcess::spawn({test::binDir() + "/bulkhead-worker", "--model",
-                                test::fixtureDir("tiny-qwen2"), "--socket", socket, "--backend",
-                                "cpu", "--kv-blocks", "64", "--ready-fd", "3", "--log-level",
-                                "error"});
+  Result<ChildProcess> startWorker(const std::string& socket,
+                                   const std::vector<std::string>& more = {}) {
+    std::vector<std::string> args = {test::binDir() + "/bulkhead-worker",
+                                     "--model",
+                                     test::fixtureDir("tiny-qwen2"),
+                                     "--socket",
+                                     socket,
+                                     "--backend",
+                                     "cpu",
+                                     "--kv-blocks",
+                                     "64",
+                                     "--ready-fd",
+                                     "3",
+                                     "--log-level",
+                                     "error"};
+    args.insert(args.end(), more.begin(), more.end());
+    return ChildProcess::spawn(args);
   }
 
   void start() {
@@ -221,6 +233,50 @@ TEST_F(WorkerProtocolTest, StaleSocketAndArenaAreCollectedAtStart) {
   int fd = connectAndGreet();
   expectAlive(fd);
   ::close(fd);
+}
+
+// systemd's watchdog is pinged from the serving loop. Under steady load the next request is
+// already waiting when a reply goes out, and the worker watching its socket awake after a reply
+// (--spin-us) used to return to it without ever pinging: a busy, healthy worker was killed by its
+// service manager after WatchdogSec.
+TEST_F(WorkerProtocolTest, AWorkerKeptBusyStillPingsItsWatchdog) {
+  const std::string notify_path = dir_.file("notify");
+  const int notify = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  notify_path.copy(addr.sun_path, sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(notify, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  // A ping every 100 ms is due; after each reply the worker watches 50 ms awake for the next.
+  ::setenv("NOTIFY_SOCKET", notify_path.c_str(), 1);
+  ::setenv("WATCHDOG_USEC", "200000", 1);
+  auto child = startWorker(socket_, {"--spin-us", "50000"});
+  ::unsetenv("NOTIFY_SOCKET");
+  ::unsetenv("WATCHDOG_USEC");
+  ASSERT_TRUE(child.ok()) << child.status().toString();
+  worker_ = std::move(*child);
+  ASSERT_TRUE(worker_.waitReady(soon()).ok());
+  const int fd = connectAndGreet();
+  auto pings = [&] {  // the WATCHDOG=1 datagrams received since the last call
+    int count = 0;
+    char buf[512];
+    for (ssize_t n; (n = ::recv(notify, buf, sizeof(buf), 0)) > 0;)
+      count += std::string(buf, size_t(n)).find("WATCHDOG=1") != std::string::npos;
+    return count;
+  };
+  pings();
+  // One request after another for 1.5 s: each arrives while the worker still watches awake. (The
+  // datagrams are taken as they come: a full queue would block the worker's next ping.)
+  int requests = 0, busy_pings = 0;
+  const auto end = std::chrono::steady_clock::now() + 1500ms;
+  while (std::chrono::steady_clock::now() < end) {
+    expectAlive(fd);
+    ++requests;
+    busy_pings += pings();
+  }
+  EXPECT_GE(busy_pings, 5) << "over 1.5 s of back-to-back requests (" << requests
+                           << "), with a ping due every 100 ms";
+  ::close(fd);
+  ::close(notify);
 }
 
 TEST_F(WorkerProtocolTest, SigtermIsACleanShutdown) {
