@@ -185,6 +185,16 @@ ScrubReport WeightScrubber::fullPass() {
   return takeReport();
 }
 
+void WeightScrubber::restartStepNumbering() {
+  std::lock_guard pass(pass_mu_);
+  last_step_.store(0, std::memory_order_release);
+  for (Granule& g : granules_) g.clean_after_step = 0;
+  cursor_ = 0;
+  std::lock_guard report(report_mu_);
+  clean_through_ = 0;
+  pending_.clear();
+}
+
 ScrubReport WeightScrubber::takeReport() {
   std::lock_guard report(report_mu_);
   ScrubReport out{clean_through_, std::move(pending_)};

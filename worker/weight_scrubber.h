@@ -88,6 +88,13 @@ class WeightScrubber {
   // not yet reported (for replies that carry no corruption list).
   uint64_t cleanThrough() const;
 
+  // A new broker on the socket numbers its steps from 1 again: nothing vouched for under the old
+  // numbering carries over. Every granule counts as clean only before step 1, clean_through is
+  // 0, the rolling pass starts over, and corruptions found (and repaired) before now are dropped:
+  // no step of the new numbering read them. The server calls it for each connection it accepts,
+  // no step in flight.
+  void restartStepNumbering();
+
   uint64_t totalBytes() const { return total_bytes_; }
   uint64_t passes() const { return passes_.load(std::memory_order_acquire); }
   // Granules the scrub thread has checked, and whether it now waits for a step to end.

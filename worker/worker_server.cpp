@@ -133,6 +133,8 @@ Status WorkerServer::serve() {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     BULKHEAD_RETURN_IF_ERROR(makeNonBlocking(fd));
+    // Its broker numbers steps from 1 (a broker restarted in attach mode reconnects here).
+    scrubber_->restartStepNumbering();
     Result<bool> stop = serveConnection(fd);
     ::close(fd);
     if (!stop.ok()) return stop.status();

@@ -1,7 +1,7 @@
 // The weight scrubber: its thread finds and repairs a flipped bit and names the first step that
 // may have used it, clean_through never vouches for such a step, a full pass is complete when it
-// returns, no granule starts while a step computes, and stop() joins the thread without waiting out
-// its idle time.
+// returns, no granule starts while a step computes, stop() joins the thread without waiting out
+// its idle time, and a new step numbering (a broker reattached) starts with nothing vouched for.
 #include "worker/weight_scrubber.h"
 
 #include <gtest/gtest.h>
@@ -140,6 +140,26 @@ TEST_F(WeightScrubberTest, FullPassIsCompleteWhenItReturns) {
   EXPECT_TRUE(second.corruptions.empty());
   EXPECT_EQ(second.clean_through, 7u);
   EXPECT_EQ(s->cleanThrough(), 7u);
+}
+
+// A broker that reattaches to a running worker numbers its steps from 1 again: what the
+// scrubber vouched for under the old numbering (clean through 1,000) must not vouch for the new
+// broker's step 1, and a corruption that step read is suspect from step 1, not 1,001.
+TEST_F(WeightScrubberTest, ANewStepNumberingStartsWithNothingVouchedFor) {
+  auto s = scrubber(0.0);
+  step(*s, 999);
+  s->stepCompleted(1000);
+  ASSERT_EQ(s->fullPass().clean_through, 1000u);
+  flip(200, 2);  // found by no pass before the restart: the next broker's step 1 reads it
+  s->restartStepNumbering();
+  EXPECT_EQ(s->cleanThrough(), 0u);
+  step(*s, 1);
+  EXPECT_EQ(s->cleanThrough(), 0u) << "step 1 vouched for by a pass of the old numbering";
+  ScrubReport found = s->fullPass();
+  ASSERT_EQ(found.corruptions.size(), 1u);
+  EXPECT_EQ(found.corruptions[0].suspect_from_step, 1u);
+  EXPECT_EQ(found.clean_through, 0u);
+  EXPECT_EQ(s->fullPass().clean_through, 1u);
 }
 
 TEST_F(WeightScrubberTest, FullPassWhileTheThreadRunsReportsWhatEitherFound) {
