@@ -146,6 +146,11 @@ Result<ModelConfig> ModelConfig::fromJson(const json& config, const std::string&
   BULKHEAD_RETURN_IF_ERROR(
       readInt(config, "head_dim", name, c.head_dim, c.hidden_size / c.num_heads));
   if (c.head_dim % 2 != 0) return invalidArgument(name + ": head_dim must be even for RoPE");
+  // qDim() and kvDim() stay ints (kvDim <= qDim, the heads being a multiple of the KV heads): a
+  // product that wrapped could match a real checkpoint's shapes and index far past its buffers.
+  if (int64_t(c.num_heads) * c.head_dim > (1 << 30))
+    return invalidArgument(name + ": num_attention_heads " + std::to_string(c.num_heads) +
+                           " x head_dim " + std::to_string(c.head_dim) + " is over 2^30");
   if (c.num_heads % c.num_kv_heads != 0)
     return invalidArgument(name + ": num_attention_heads " + std::to_string(c.num_heads) +
                            " is not a multiple of num_key_value_heads " +

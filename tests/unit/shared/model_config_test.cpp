@@ -120,6 +120,9 @@ TEST(ModelConfig, BadFieldsAreNamed) {
        "\"num_hidden_layers\" must be a positive integer"},
       {"string", [](json& c) { c["vocab_size"] = "512"; }, "\"vocab_size\" must be a positive"},
       {"gqa", [](json& c) { c["num_key_value_heads"] = 3; }, "not a multiple of num_key_value"},
+      // 4 x 536,871,040 wraps to 4,096 in 32 bits, and 2 x it to 2,048.
+      {"head_dim product", [](json& c) { c["head_dim"] = 536871040; },
+       "num_attention_heads 4 x head_dim 536871040 is over 2^30"},
       {"act", [](json& c) { c["hidden_act"] = "gelu"; }, "unsupported hidden_act \"gelu\""},
       {"rope", [](json& c) { c["rope_parameters"]["rope_type"] = "yarn"; },
        "unsupported rope type \"yarn\""},
