@@ -327,7 +327,7 @@ float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, ui
 
 unsigned CpuBackend::defaultThreads() {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  return cores >= 8 ? cores - cores / 4 : cores;
+  return cores >= 8 ? cores - (3 * cores + 7) / 8 : cores;
 }
 
 void CpuBackend::setThreads(unsigned threads) {

@@ -52,11 +52,12 @@ class CpuBackend final : public Backend {
 
   // Replaces the kernels' thread team (tests: the logits must not depend on it).
   void setThreads(unsigned threads);
-  // One a core on a small host; on a host of 8 cores or more, three quarters of them. A team
-  // on every core shares them with whatever else wakes during a step (the broker's stream
-  // writes and gRPC threads), and a member preempted mid-kernel holds up the whole kernel for a
-  // scheduler time slice. Measured on a 16-core host (tiny-v152k, serve-bench, one run each):
-  // inter-token p99 at concurrency 1 was 7.4 ms with 16 threads, 5.6 with 14, 1.6 with 12.
+  // One a core on a small host; on a host of 8 cores or more, five eighths of them (10 of 16).
+  // A team on every core shares them with whatever else wakes during a step (the broker's
+  // sampling pool, its reply watch, stream writes and gRPC threads), and a member preempted
+  // mid-kernel holds up the whole kernel for a scheduler time slice. Measured on a 16-core host
+  // (tiny-v152k, serve-bench at concurrency 1, inter-token p99): 7.4 ms with 16 threads, 5.6
+  // with 14, 3.0-5.9 with 12 (six runs), 1.5-2.3 with 10 (three runs, and more tokens/s than 12).
   static unsigned defaultThreads();
 
  private:

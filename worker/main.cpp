@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
   app.add_option("--kv-blocks", backend_options.kv_blocks, "KV cache blocks (0: from budget)");
   app.add_option(
       "--cpu-threads", backend_options.cpu_threads,
-      "CPU backend: kernel threads, this one included (0: one a core, three quarters of them "
+      "CPU backend: kernel threads, this one included (0: one a core, five eighths of them "
       "from 8 cores up)");
   app.add_option("--arena-slots", options.arena_slots, "Most logits rows one step may ask for")
       ->check(CLI::Range(1u, 1u << 16));
