@@ -56,7 +56,12 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& args) {
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(127);
-    ::dup2(ready[1], 3);  // the copy does not inherit close-on-exec
+    // The copy does not inherit close-on-exec; the pipe may already be 3 (a parent whose
+    // stdin, stdout or stderr is closed), and dup2 onto itself would keep the flag.
+    if (ready[1] == 3)
+      ::fcntl(3, F_SETFD, 0);
+    else
+      ::dup2(ready[1], 3);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
