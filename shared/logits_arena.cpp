@@ -1,6 +1,7 @@
 // LogitsArena over Boost.Interprocess shared memory.
 #include "shared/logits_arena.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -121,6 +122,16 @@ Result<std::unique_ptr<LogitsArena>> LogitsArena::create(const std::string& name
         bip::shared_memory_object(bip::create_only, name.c_str(), bip::read_write, owner_only);
     arena->owner_ = true;
     arena->impl_->shm.truncate(bip::offset_t(arena->bytes()));
+    // Pages of shared memory are taken when first written: without reserving them now, a full
+    // /dev/shm would end a step with SIGBUS mid-row instead of refusing the arena here.
+    if (const int error = ::posix_fallocate(arena->impl_->shm.get_mapping_handle().handle, 0,
+                                            off_t(arena->bytes()));
+        error != 0) {
+      bip::shared_memory_object::remove(name.c_str());
+      arena->owner_ = false;
+      return resourceExhausted("logits arena " + name + " (" + std::to_string(arena->bytes()) +
+                               " bytes) does not fit in /dev/shm: " + std::strerror(error));
+    }
     arena->impl_->region = bip::mapped_region(arena->impl_->shm, bip::read_write);
   } catch (const bip::interprocess_exception& e) {
     if (arena->owner_) bip::shared_memory_object::remove(name.c_str());

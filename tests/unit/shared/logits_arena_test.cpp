@@ -1,9 +1,11 @@
 // Logits arena: rows published by the writer verify on the reader side; every mismatch is named;
-// segments are exclusive and owner-only; another incarnation's segment is refused.
+// segments are exclusive and owner-only; another incarnation's segment is refused; an arena
+// /dev/shm cannot hold is refused when made.
 #include "shared/logits_arena.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -116,6 +118,27 @@ TEST_F(LogitsArenaTest, OwnerRemovesTheSegment) {
   ASSERT_EQ(::access(path.c_str(), F_OK), 0);
   writer_.reset();
   EXPECT_NE(::access(path.c_str(), F_OK), 0);
+}
+
+// An arena larger than /dev/shm is refused when it is made, with nothing left behind; before,
+// its pages were only sized, and the first write past the free space ended the worker with
+// SIGBUS mid-step. (Larger than the whole file system: refused before any page is taken, so the
+// test never fills /dev/shm under other tests.)
+TEST(LogitsArena, AnArenaLargerThanSharedMemoryIsRefusedWhenMade) {
+  struct statvfs fs {};
+  ASSERT_EQ(::statvfs("/dev/shm", &fs), 0);
+  const uint64_t total = uint64_t(fs.f_blocks) * fs.f_frsize;
+  const uint32_t row_floats = 1u << 28;  // 1 GiB a slot
+  const uint64_t slots = total / (uint64_t(row_floats) * 4) + 2;
+  ASSERT_LT(slots, uint64_t(1) << 32) << "a /dev/shm of " << total << " bytes";
+  const std::string name = LogitsArena::arenaName(::getpid(), 0xf00d);
+  auto arena = LogitsArena::create(name, 7, uint32_t(slots), row_floats);
+  ASSERT_FALSE(arena.ok()) << "an arena of " << slots << " GiB in a /dev/shm of " << total
+                           << " bytes";
+  EXPECT_EQ(arena.status().code(), Code::kResourceExhausted) << arena.status().toString();
+  EXPECT_NE(arena.status().message().find("does not fit in /dev/shm"), std::string::npos)
+      << arena.status().message();
+  EXPECT_NE(::access(("/dev/shm/" + name).c_str(), F_OK), 0) << "the segment was left behind";
 }
 
 }  // namespace
