@@ -2,6 +2,8 @@
 // the step; the forward pass runs in waitStep().
 #include "worker/cpu_backend.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -25,6 +27,9 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   const ModelTensors& t = checkpoint->tensors();
 
   if (options.kv_block_size == 0) return invalidArgument("kv block size must be positive");
+  // Keys and values in floats; computed in double first, where no product can wrap.
+  if (double(options.kv_block_size) * c.num_layers * c.kvDim() * 2 * 4 > 0x1p62)
+    return resourceExhausted("a KV block of this model is over 2^62 bytes");
   const uint64_t block_bytes = uint64_t(options.kv_block_size) * c.num_layers * c.kvDim() * 2 * 4;
   uint64_t blocks = options.kv_blocks;
   if (blocks == 0) {
@@ -35,6 +40,15 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(std::shared_ptr<const Che
   }
   if (blocks == 0 || blocks > UINT32_MAX)
     return resourceExhausted("KV cache of " + std::to_string(blocks) + " blocks is unusable");
+  // More than the host's memory can never be served (and asking for it would end the worker in
+  // std::bad_alloc, or in the OOM killer once touched).
+  const double kv_bytes = double(blocks) * double(block_bytes);
+  const double host_bytes = double(::sysconf(_SC_PHYS_PAGES)) * double(::sysconf(_SC_PAGE_SIZE));
+  if (kv_bytes > host_bytes)
+    return resourceExhausted("KV cache of " + std::to_string(blocks) + " blocks (" +
+                             std::to_string(uint64_t(kv_bytes) >> 20) +
+                             " MiB) is larger than this host's memory (" +
+                             std::to_string(uint64_t(host_bytes) >> 20) + " MiB): see --kv-blocks");
   const size_t kv_floats = size_t(blocks) * options.kv_block_size * c.num_layers * c.kvDim();
   b->limits_ = {.vocab_size = uint32_t(c.vocab_size),
                 .max_context = uint32_t(c.max_context),

@@ -36,9 +36,10 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend_name, "cpu | cuda | auto");
   app.add_option("--kv-blocks", backend_options.kv_blocks, "KV cache blocks (0: from budget)");
   app.add_option(
-      "--cpu-threads", backend_options.cpu_threads,
-      "CPU backend: kernel threads, this one included (0: one a core, five eighths of them "
-      "from 8 cores up)");
+         "--cpu-threads", backend_options.cpu_threads,
+         "CPU backend: kernel threads, this one included (0: one a core, five eighths of them "
+         "from 8 cores up)")
+      ->check(CLI::Range(0u, 4096u));
   app.add_option("--arena-slots", options.arena_slots, "Most logits rows one step may ask for")
       ->check(CLI::Range(1u, 1u << 16));
   app.add_option("--incarnation", options.incarnation, "Incarnation id (0: random)");

@@ -1,5 +1,5 @@
 // Every malformed step is refused with a message naming the problem, and refusal leaves the
-// backend's state untouched.
+// backend's state untouched; a KV cache larger than the host is refused when the backend is made.
 #include <gtest/gtest.h>
 
 #include "shared/checkpoint.h"
@@ -88,6 +88,20 @@ TEST_F(StepValidationTest, RejectedStepLeavesStateUntouched) {
   ASSERT_FALSE(runStep(*backend_, {&s, 1}, {}).ok());
   const auto rest = driver.step({{&seq, {7, 8}}})[0];
   EXPECT_TRUE(test::bitIdentical(rest[1], clean[3]));
+}
+
+// --kv-blocks at its largest: before, the allocation threw std::bad_alloc out of create() and the
+// worker ended in std::terminate.
+TEST(CpuBackendCreate, AKvCacheLargerThanTheHostIsRefused) {
+  auto ckpt = Checkpoint::open(test::fixtureDir("tiny-qwen2"));
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().toString();
+  CpuBackend::Options options;
+  options.kv_blocks = UINT32_MAX;
+  auto backend = CpuBackend::create(std::make_shared<const Checkpoint>(std::move(*ckpt)), options);
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), Code::kResourceExhausted) << backend.status().toString();
+  EXPECT_NE(backend.status().message().find("larger than this host's memory"), std::string::npos)
+      << backend.status().message();
 }
 
 }  // namespace
