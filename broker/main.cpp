@@ -246,9 +246,10 @@ int main(int argc, char** argv) {
   spawn.waiting = alive;
   // Verification and sampling of logits rows, spread over the host's cores.
   WorkPool pool(sampling_threads);
-  // A CPU worker leaves a quarter of a large host's cores free (CpuBackend::defaultThreads).
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (sampling_threads == 0 && cores >= 8) options.cpu_worker_sampling_threads = cores / 4;
+  // The cores a CPU worker leaves free by default (CpuBackend::defaultThreads).
+  if (sampling_threads == 0)
+    options.cpu_worker_sampling_threads =
+        WorkPool::coresBesideCpuWorker(std::thread::hardware_concurrency());
   // Not every core spins while the pool is warm: with all 16 of a host spinning beside a GPU
   // worker, one step's end in about a hundred waited 3-6 ms for a core.
   if (warm_spinners > 0) {

@@ -64,7 +64,7 @@ struct SchedulerOptions {
   // steps of the whole and the half size have been seen, their measured costs decide instead
   // (StepCosts). Negative: always one at a time; 0: always two.
   double pipeline_sample_share = 0.4;
-  // Beside a CPU worker (which computes on all but a quarter of the host's cores by default), rows
+  // Beside a CPU worker (which leaves WorkPool::coresBesideCpuWorker of the host's cores), rows
   // sampled while the worker computes another step are sampled on this many threads only, so
   // sampling takes no cores from the worker's step (WorkPool::setParticipants); while the worker
   // waits, every thread samples. 0: the pool as it was made.

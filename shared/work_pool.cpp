@@ -40,6 +40,10 @@ unsigned WorkPool::defaultSpinners(bool beside_cpu_worker) {
   return beside_cpu_worker ? cores / 8 : cores / 4;
 }
 
+unsigned WorkPool::coresBesideCpuWorker(unsigned cores) {
+  return cores >= 8 ? (3 * cores + 7) / 8 : 0;
+}
+
 void WorkPool::setSpinners(unsigned n) {
   spinners_.store(n == 0 ? unsigned(helpers_.size()) + 1 : n);
   { std::lock_guard lock(mu_); }  // a sleeper re-checks which side it sleeps on

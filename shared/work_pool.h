@@ -51,10 +51,14 @@ class WorkPool {
   void setSpinners(unsigned n);
   // The spinners a warm pool of a process that shares the host keeps by default: a quarter of a
   // host of 8 or more cores, an eighth beside a worker that computes on the host's cores (which
-  // leaves a quarter free); 0 (all) on a smaller host. Every core spinning leaves none to the
+  // leaves three eighths free); 0 (all) on a smaller host. Every core spinning leaves none to the
   // threads a step's end wakes (the worker's, the streams' writers): one then waits out a
   // scheduler slice of milliseconds.
   static unsigned defaultSpinners(bool beside_cpu_worker);
+  // The cores a CPU worker leaves to the broker beside it by default: three eighths of a host of
+  // 8 or more cores (6 of 16), none on a smaller one. The worker's kernel team takes the rest
+  // (CpuBackend::defaultThreads), the broker's sampling keeps to these while the worker computes.
+  static unsigned coresBesideCpuWorker(unsigned cores);
   unsigned spinners() const {
     return std::min(spinners_.load(std::memory_order_relaxed), unsigned(helpers_.size()) + 1);
   }

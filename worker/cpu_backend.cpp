@@ -13,6 +13,7 @@
 
 #include "shared/checksum.h"
 #include "shared/mix.h"
+#include "shared/work_pool.h"
 
 namespace bulkhead {
 
@@ -341,7 +342,7 @@ float* CpuBackend::kvAt(float* cache, int layer, uint32_t block, int kv_head, ui
 
 unsigned CpuBackend::defaultThreads() {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  return cores >= 8 ? cores - (3 * cores + 7) / 8 : cores;
+  return cores - WorkPool::coresBesideCpuWorker(cores);
 }
 
 void CpuBackend::setThreads(unsigned threads) {
