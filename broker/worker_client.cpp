@@ -19,6 +19,7 @@
 #include <thread>
 
 #include <capnp/serialize.h>
+#include <spdlog/spdlog.h>
 
 #include "proto/fault_wire.h"
 #include "proto/worker.capnp.h"
@@ -49,6 +50,15 @@ int connectUnix(const std::string& path) {
     return -1;
   }
   return fd;
+}
+
+// The process serving a connected Unix socket, as the kernel names it in this process's pid
+// namespace (SO_PEERCRED: the peer that listened); -1 if it cannot be read.
+pid_t peerPid(int fd) {
+  ucred peer{};
+  socklen_t len = sizeof(peer);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) return -1;
+  return peer.pid;
 }
 
 // Parses reply_words as a FromWorker and runs `use` on it; malformed content is a protocol
@@ -249,11 +259,23 @@ WorkerResult<std::unique_ptr<WorkerClient>> WorkerClient::attach(
         std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
     auto client = connect(socket_path, std::max(milliseconds(1), left));
     if (client.ok() && (*client)->hello().incarnation != replaced) {
-      const int pidfd = int(::syscall(SYS_pidfd_open, pid_t((*client)->hello().pid), 0));
+      // The process to watch, and to SIGKILL if it is replaced, is the one the kernel says
+      // listens on the socket, never the pid the Hello claims: a confused or hostile peer could
+      // name any process (and a worker in another pid namespace names its own numbering).
+      const pid_t pid = peerPid((*client)->fd_);
+      if (pid <= 1 || pid == ::getpid())
+        return failure(Kind::kStartFailed, "worker on " + socket_path +
+                                               ": the socket's peer is pid " + std::to_string(pid) +
+                                               ", not a worker process the broker may watch");
+      if (pid != pid_t((*client)->hello().pid))
+        spdlog::warn(
+            "worker on {}: its Hello says pid {}, the socket's peer is pid {} (another "
+            "pid namespace?); watching {}",
+            socket_path, (*client)->hello().pid, pid, pid);
+      const int pidfd = int(::syscall(SYS_pidfd_open, pid, 0));
       if (pidfd < 0)
         return failure(Kind::kStartFailed,
-                       "worker on " + socket_path + " (pid " +
-                           std::to_string((*client)->hello().pid) +
+                       "worker on " + socket_path + " (pid " + std::to_string(pid) +
                            "): cannot watch its process: " + std::strerror(errno));
       (*client)->attached_pidfd_ = pidfd;
       return client;

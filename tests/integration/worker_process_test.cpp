@@ -21,6 +21,7 @@
 #include "shared/checkpoint.h"
 #include "shared/child_process.h"
 #include "shared/ipc_frame.h"
+#include "shared/logits_arena.h"
 #include "support/backend_driver.h"
 #include "support/test_support.h"
 #include "worker/cpu_backend.h"
@@ -477,6 +478,63 @@ TEST_F(WorkerProcessTest, AHelloWithZeroLimitsIsAProtocolViolation) {
     EXPECT_EQ(why.kind, Kind::kProtocolViolation) << why.toString();
     EXPECT_NE(why.toString().find("zero limits"), std::string::npos) << why.toString();
   }
+}
+
+// Attach mode SIGKILLs a worker it replaces, so the process it watches is the one the kernel says
+// serves the socket, never the pid a Hello claims. A peer (this test process) whose Hello names
+// another process (a sleeping child) is refused, and the child is left alone; before, the client
+// watched the child and killed it when it let go.
+TEST_F(WorkerProcessTest, AttachWatchesTheSocketsPeerNotThePidItsHelloClaims) {
+  auto bystander = ChildProcess::spawn({"/bin/sleep", "60"});
+  ASSERT_TRUE(bystander.ok()) << bystander.status().toString();
+  const uint64_t incarnation = 0x5eed;
+  auto arena =
+      LogitsArena::create(LogitsArena::arenaName(::getpid(), incarnation), incarnation, 8, 64);
+  ASSERT_TRUE(arena.ok()) << arena.status().toString();
+  const std::string socket = dir_.file("claims.sock");
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  std::thread peer([&] {
+    const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    capnp::MallocMessageBuilder message;
+    auto hello = message.initRoot<wire::FromWorker>().initHello();
+    hello.setProtocolVersion(wire::PROTOCOL_VERSION);
+    hello.setPid(uint32_t(bystander->pid()));
+    hello.setIncarnation(incarnation);
+    hello.setVocabSize(64);
+    hello.setKvBlockSize(4);
+    hello.setKvBlockCount(64);
+    hello.setMaxStepTokens(64);
+    hello.setArenaSlots(8);
+    hello.setArenaName((*arena)->name());
+    EXPECT_TRUE(writeMessage(fd, message, std::chrono::steady_clock::now() + 10s).ok());
+    char byte;
+    while (::read(fd, &byte, 1) > 0) {  // until the client lets go
+    }
+    ::close(fd);
+  });
+  bool refused = false;
+  WorkerFailure why;
+  {
+    auto client = WorkerClient::attach(socket, /*replaced=*/0, 10s, nullptr, {});
+    refused = !client.ok();
+    if (refused) why = client.error();
+  }  // an attached client that was not let go SIGKILLs what it watched here
+  ::shutdown(listener, SHUT_RDWR);
+  peer.join();
+  ::close(listener);
+  EXPECT_TRUE(refused) << "attached to a peer that named another process";
+  EXPECT_NE(why.toString().find("the socket's peer is pid"), std::string::npos) << why.toString();
+  // A negative check, bounded: the bystander (sleeping a minute) must not exit now.
+  ExitInfo exit;
+  EXPECT_FALSE(bystander->waitExit(std::chrono::steady_clock::now() + 1s, &exit))
+      << "the process the Hello named was killed: " << exit.describe();
 }
 
 TEST_F(WorkerProcessTest, ConnectsToAWorkerItDidNotSpawn) {
