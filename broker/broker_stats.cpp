@@ -34,6 +34,7 @@ SchedulerStats StatsBoard::combined(std::span<const StatsBoard* const> boards) {
     out.canary_failures += s.canary_failures;
     out.rolled_back_tokens += s.rolled_back_tokens;
     out.steps_overlapped += s.steps_overlapped;
+    out.steps_discarded += s.steps_discarded;
     out.migrated_sequences += s.migrated_sequences;
     addCounts(out.restarts_by_cause, s.restarts_by_cause);
     addCounts(out.integrity_failures_by_check, s.integrity_failures_by_check);

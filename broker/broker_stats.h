@@ -24,6 +24,8 @@ struct SchedulerStats {
            canary_failures = 0, rolled_back_tokens = 0;
   // Steps sent while another awaited its reply (two in flight: sampling hidden behind compute).
   uint64_t steps_overlapped = 0;
+  // Steps whose rows were not used: in flight when an earlier step failed its integrity checks.
+  uint64_t steps_discarded = 0;
   // Sequences this worker handed to the others when it was lost or drained, and, over the last
   // 4096 that moved here, the time from the loss to their first token on this worker.
   uint64_t migrated_sequences = 0;

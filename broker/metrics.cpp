@@ -97,6 +97,10 @@ std::string renderMetrics(const SchedulerStats& s, const std::vector<WorkerView>
   m.counter("bulkhead_steps_overlapped_total",
             "Steps sent while another awaited its reply (sampling hidden behind compute).",
             double(s.steps_overlapped));
+  m.counter("bulkhead_steps_discarded_total",
+            "Steps whose rows were not used: in flight when an earlier step failed its integrity "
+            "checks.",
+            double(s.steps_discarded));
   m.counter("bulkhead_preemptions_total", "Sequences preempted to free KV blocks.",
             double(s.preemptions));
   m.counter("bulkhead_replayed_sequences_total",

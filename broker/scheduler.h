@@ -275,7 +275,12 @@ class Scheduler {
   SequenceQueues queues_;
   WorkerSlot slot_;
   uint64_t blocks_incarnation_ = 0;  // the worker the KV blocks were sized for
+  // Integrity failures since a step last passed. While there are any, one step at a time, so the
+  // step that retries decides alone whether the worker recovered.
   uint32_t step_failures_in_a_row_ = 0;
+  // Steps with lower ids were sent before a step failed its integrity checks: their rows are
+  // never used, whatever their own checks say (a fault that only the canary sees passes them).
+  uint64_t trusted_from_step_ = 0;
   std::chrono::steady_clock::time_point last_vouch_{};
   // The last step's reply when the loop went straight on from it (for between_steps_ms).
   std::optional<std::chrono::steady_clock::time_point> last_reply_;

@@ -38,7 +38,9 @@ bool Scheduler::gated(const WorkerConnection& worker) {
 
 size_t Scheduler::stepDepth(const WorkerConnection& worker) const {
   // Each of two steps needs room for a client row and the canary's in its half of the arena.
-  if (!pipelining_ || gated(worker) || worker.hello().arena_slots < 4) return 1;
+  if (!pipelining_ || gated(worker) || worker.hello().arena_slots < 4 ||
+      step_failures_in_a_row_ > 0)
+    return 1;
   return kMaxStepsInFlight;
 }
 
@@ -121,6 +123,13 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   if (!reply.ok()) {
     pool_.keepWarm(false);  // warmed by the reply watch for rows that did not come
     handleStepFailure(reply.error(), step.batch);
+    return;
+  }
+  if (step.step_id < trusted_from_step_) {
+    // In flight when an earlier step failed its integrity checks: nothing of it is used, and
+    // its sequences run again (KV writes are idempotent), after that step's retry.
+    pool_.keepWarm(false);
+    board_.update([](SchedulerStats& s, WorkerStatus&) { ++s.steps_discarded; });
     return;
   }
 
@@ -260,6 +269,9 @@ void Scheduler::handleStepFailure(const WorkerFailure& f, const std::vector<Sequ
       ++s.integrity_failures;
       ++s.integrity_failures_by_check[std::string(integrityCheckName(f.check))];
     });
+    // Whatever else is in flight was computed by a worker now in doubt.
+    for (const InFlightStep& step : in_flight_)
+      trusted_from_step_ = std::max(trusted_from_step_, step.step_id + 1);
     if (++step_failures_in_a_row_ <= options_.integrity_retries) {
       // Rows are never sampled from; the same step runs again (KV writes are idempotent).
       spdlog::warn("step rows failed verification, retrying: {}", f.toString());

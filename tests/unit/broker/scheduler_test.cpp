@@ -536,6 +536,66 @@ TEST_F(SchedulerTest, AWorkerThatStartsMiscomputingIsCaughtByTheCanaryInThatStep
       << scheduler_->workerStatus().last_failure;
 }
 
+// The same with two steps always in flight. The canary rides one of them; before, the other kept
+// being sampled (its miscomputed rows pass their own checks), each such success reset the failure
+// count, and the worker served wrong tokens to that half's streams until they ended.
+TEST_F(SchedulerTest,
+       AMiscomputingWorkerCaughtByTheCanaryWithTwoStepsInFlightReleasesNoWrongToken) {
+  control_->in_step_checks = true;  // two steps in flight are allowed
+  SchedulerOptions o;
+  o.canary_every_steps = 1;
+  o.pipeline_sample_share = 0;  // always two
+  control_->scheduleFault(8, {.kind = test::FakeFault::Kind::kMiscompute});
+  start(o, /*run=*/false);
+  auto runs = submit(4, 16);
+  scheduler_->start();
+  expectAllExact(runs, 16);
+  const SchedulerStats s = scheduler_->stats();
+  EXPECT_GT(s.steps_overlapped, 0u) << "never two steps in flight";
+  EXPECT_GT(s.steps_discarded, 0u) << "no step in flight beside the failed one was set aside";
+  EXPECT_EQ(s.canary_failures, 3u);  // the step and its two retries, each alone
+  EXPECT_EQ(control_->starts(), 2u);
+}
+
+// A fault that fails only the steps carrying one sequence (say a corrupted embedding row only its
+// token reads), with two steps in flight: the other half's passing steps reset the failure count
+// after every failure, so the worker was never replaced and that sequence (and its half) waited
+// as long as the other half had work. Now the retry runs alone, fails its retries, and a fresh
+// worker serves everything exactly.
+TEST_F(SchedulerTest, AFaultOnlyOneSequenceMeetsStillReplacesTheWorkerWithTwoStepsInFlight) {
+  control_->in_step_checks = true;
+  control_->blocks = 8192;
+  auto* control = control_.get();
+  control_->on_step = [control](std::span<const SequenceStep> batch) {
+    if (control->starts() != 1) return;  // a fresh worker is healthy
+    for (const SequenceStep& s : batch)
+      if (s.sequence_id == 1) {
+        control->scheduleFault(1, {.kind = test::FakeFault::Kind::kCorruptRow});
+        return;
+      }
+  };
+  SchedulerOptions o;
+  o.pipeline_sample_share = 0;
+  start(o, /*run=*/false);
+  auto first = submit(1, 20);  // sequence 1
+  std::vector<Run> others;
+  for (int i = 0; i < 7; ++i) {
+    others.emplace_back();
+    others.back().prompt = {uint32_t(i + 2), 5, 9};
+    GenerationRequest r;
+    r.prompt = others.back().prompt;
+    r.max_tokens = 400;
+    ASSERT_TRUE(scheduler_->submit(r, others.back().sink).ok());
+  }
+  scheduler_->start();
+  expectAllExact(first, 20);
+  const SchedulerStats s = scheduler_->stats();
+  EXPECT_EQ(s.integrity_failures, 3u) << "the step and its two retries, then a new worker";
+  EXPECT_EQ(control_->starts(), 2u);
+  EXPECT_GT(s.steps_overlapped, 0u) << "never two steps in flight";
+  expectAllExact(others, 400);
+}
+
 TEST_F(SchedulerTest, AWorkerBrokenFromBirthNeverServesAndRecordsNothing) {
   test::TempDir state;
   control_->miscomputeFromBirth(1000);
