@@ -29,6 +29,9 @@ Result<GenerationRequest> validateRequest(const v1::GenerateRequest& r, const Mo
     return bad("max_tokens", "prompt (" + std::to_string(r.prompt_token_ids_size()) +
                                  ") + max_tokens (" + std::to_string(r.max_tokens()) +
                                  ") exceeds the context of " + std::to_string(model.max_context));
+  if (r.stop_token_ids_size() > kMaxStopTokenIds)
+    return bad("stop_token_ids", std::to_string(r.stop_token_ids_size()) + " ids, at most " +
+                                     std::to_string(kMaxStopTokenIds));
   for (int i = 0; i < r.stop_token_ids_size(); ++i) {
     if (r.stop_token_ids(i) >= model.vocab_size)
       return bad("stop_token_ids[" + std::to_string(i) + "]", std::to_string(r.stop_token_ids(i)) +

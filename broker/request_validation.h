@@ -9,6 +9,8 @@ namespace bulkhead {
 
 constexpr uint32_t kMaxTopLogprobs = 20;
 constexpr size_t kMaxRequestIdBytes = 256;
+// Each generated token is looked up among them on the scheduler's thread.
+constexpr int kMaxStopTokenIds = 256;
 
 Result<GenerationRequest> validateRequest(const v1::GenerateRequest& request,
                                           const ModelLimits& model);

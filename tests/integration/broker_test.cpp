@@ -239,6 +239,10 @@ TEST_F(BrokerTest, ValidationErrorsNameTheField) {
       {[](auto& r) { r.mutable_sampling()->set_frequency_penalty(-3); },
        "sampling.frequency_penalty"},
       {[](auto& r) { r.add_stop_token_ids(600); }, "stop_token_ids[0]"},
+      {[](auto& r) {
+         for (int i = 0; i < 257; ++i) r.add_stop_token_ids(1);
+       },
+       "stop_token_ids: 257 ids, at most 256"},
       {[](auto& r) { r.set_top_logprobs(21); }, "top_logprobs"},
       {[](auto& r) { r.set_request_id(std::string(300, 'x')); }, "request_id"},
   };
