@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
 #include <capnp/message.h>
@@ -36,6 +37,44 @@ constexpr auto kStepTimeout = 10s;
 
 class WorkerProcessTest : public ::testing::Test {
  protected:
+  // A peer listening on `socket` in place of a worker: it sends one Hello (its protocol version
+  // set, the rest by `fill`) and holds the connection until the client lets go; `connect` runs a
+  // client against it. Returns why the client refused the peer (ok: it took it, and let go since).
+  WorkerFailure meetAPeer(
+      const std::string& socket, const std::function<void(wire::Hello::Builder)>& fill,
+      const std::function<WorkerResult<std::unique_ptr<WorkerClient>>()>& connect) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
+    const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    EXPECT_GE(listener, 0);
+    EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(::listen(listener, 1), 0);
+    std::thread peer([&] {
+      const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) return;
+      capnp::MallocMessageBuilder message;
+      auto hello = message.initRoot<wire::FromWorker>().initHello();
+      hello.setProtocolVersion(wire::PROTOCOL_VERSION);
+      fill(hello);
+      EXPECT_TRUE(writeMessage(fd, message, std::chrono::steady_clock::now() + 10s).ok());
+      char byte;
+      while (::read(fd, &byte, 1) > 0) {  // until the client lets go
+      }
+      ::close(fd);
+    });
+    WorkerFailure why;
+    {
+      auto client = connect();
+      if (!client.ok()) why = client.error();
+    }  // a client that was accepted lets go here (an attached one SIGKILLs what it watched), so
+       // the peer's read ends
+    ::shutdown(listener, SHUT_RDWR);  // and an accept that never got a connection returns
+    peer.join();
+    ::close(listener);
+    return why;
+  }
+
   std::unique_ptr<WorkerClient> spawn(bool fault_injection = true, uint32_t arena_slots = 64,
                                       std::vector<std::string> more_args = {}) {
     WorkerClient::SpawnOptions o;
@@ -436,45 +475,21 @@ INSTANTIATE_TEST_SUITE_P(
 // A peer on the worker's socket whose Hello claims no arena slots (or any other zero limit): the
 // client refuses it as a protocol violation instead of serving a worker no step can use.
 TEST_F(WorkerProcessTest, AHelloWithZeroLimitsIsAProtocolViolation) {
-  for (const char* zero : {"arena_slots", "kv_block_count", "max_step_tokens"}) {
-    const std::string socket = dir_.file(std::string(zero) + ".sock");
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
-    const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    ASSERT_GE(listener, 0);
-    ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    ASSERT_EQ(::listen(listener, 1), 0);
-    std::thread peer([&] {
-      const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) return;
-      capnp::MallocMessageBuilder message;
-      auto hello = message.initRoot<wire::FromWorker>().initHello();
-      hello.setProtocolVersion(wire::PROTOCOL_VERSION);
-      hello.setPid(uint32_t(::getpid()));
-      hello.setVocabSize(64);
-      hello.setKvBlockSize(4);
-      hello.setKvBlockCount(std::string(zero) == "kv_block_count" ? 0 : 64);
-      hello.setMaxStepTokens(std::string(zero) == "max_step_tokens" ? 0 : 64);
-      hello.setArenaSlots(std::string(zero) == "arena_slots" ? 0 : 8);
-      hello.setArenaName("/bulkhead-test-none");
-      EXPECT_TRUE(writeMessage(fd, message, std::chrono::steady_clock::now() + 10s).ok());
-      char byte;
-      while (::read(fd, &byte, 1) > 0) {  // until the client lets go
-      }
-      ::close(fd);
-    });
-    bool refused = false;
-    WorkerFailure why;
-    {
-      auto client = WorkerClient::connect(socket, 10s);
-      refused = !client.ok();
-      if (refused) why = client.error();
-    }  // a client that was accepted lets go here, so the peer's read ends
-    ::shutdown(listener, SHUT_RDWR);  // and an accept that never got a connection returns
-    peer.join();
-    ::close(listener);
-    ASSERT_TRUE(refused) << zero;
+  for (const std::string zero : {"arena_slots", "kv_block_count", "max_step_tokens"}) {
+    const std::string socket = dir_.file(zero + ".sock");
+    const WorkerFailure why = meetAPeer(
+        socket,
+        [&](wire::Hello::Builder hello) {
+          hello.setPid(uint32_t(::getpid()));
+          hello.setVocabSize(64);
+          hello.setKvBlockSize(4);
+          hello.setKvBlockCount(zero == "kv_block_count" ? 0 : 64);
+          hello.setMaxStepTokens(zero == "max_step_tokens" ? 0 : 64);
+          hello.setArenaSlots(zero == "arena_slots" ? 0 : 8);
+          hello.setArenaName("/bulkhead-test-none");
+        },
+        [&] { return WorkerClient::connect(socket, 10s); });
+    ASSERT_FALSE(why.ok()) << zero;
     EXPECT_EQ(why.kind, Kind::kProtocolViolation) << why.toString();
     EXPECT_NE(why.toString().find("zero limits"), std::string::npos) << why.toString();
   }
@@ -492,44 +507,20 @@ TEST_F(WorkerProcessTest, AttachWatchesTheSocketsPeerNotThePidItsHelloClaims) {
       LogitsArena::create(LogitsArena::arenaName(::getpid(), incarnation), incarnation, 8, 64);
   ASSERT_TRUE(arena.ok()) << arena.status().toString();
   const std::string socket = dir_.file("claims.sock");
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
-  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(listener, 0);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  std::thread peer([&] {
-    const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) return;
-    capnp::MallocMessageBuilder message;
-    auto hello = message.initRoot<wire::FromWorker>().initHello();
-    hello.setProtocolVersion(wire::PROTOCOL_VERSION);
-    hello.setPid(uint32_t(bystander->pid()));
-    hello.setIncarnation(incarnation);
-    hello.setVocabSize(64);
-    hello.setKvBlockSize(4);
-    hello.setKvBlockCount(64);
-    hello.setMaxStepTokens(64);
-    hello.setArenaSlots(8);
-    hello.setArenaName((*arena)->name());
-    EXPECT_TRUE(writeMessage(fd, message, std::chrono::steady_clock::now() + 10s).ok());
-    char byte;
-    while (::read(fd, &byte, 1) > 0) {  // until the client lets go
-    }
-    ::close(fd);
-  });
-  bool refused = false;
-  WorkerFailure why;
-  {
-    auto client = WorkerClient::attach(socket, /*replaced=*/0, 10s, nullptr, {});
-    refused = !client.ok();
-    if (refused) why = client.error();
-  }  // an attached client that was not let go SIGKILLs what it watched here
-  ::shutdown(listener, SHUT_RDWR);
-  peer.join();
-  ::close(listener);
-  EXPECT_TRUE(refused) << "attached to a peer that named another process";
+  const WorkerFailure why = meetAPeer(
+      socket,
+      [&](wire::Hello::Builder hello) {
+        hello.setPid(uint32_t(bystander->pid()));
+        hello.setIncarnation(incarnation);
+        hello.setVocabSize(64);
+        hello.setKvBlockSize(4);
+        hello.setKvBlockCount(64);
+        hello.setMaxStepTokens(64);
+        hello.setArenaSlots(8);
+        hello.setArenaName((*arena)->name());
+      },
+      [&] { return WorkerClient::attach(socket, /*replaced=*/0, 10s, nullptr, {}); });
+  EXPECT_FALSE(why.ok()) << "attached to a peer that named another process";
   EXPECT_NE(why.toString().find("the socket's peer is pid"), std::string::npos) << why.toString();
   // A negative check, bounded: the bystander (sleeping a minute) must not exit now.
   ExitInfo exit;
