@@ -92,7 +92,8 @@ shift 2
 # file, however many runs; also when the script is stopped by a timeout's TERM).
 if [[ $out == tar:* ]]; then
   tar_to=${out#tar:} out=$(mktemp -d)
-  trap 'tar czf "$tar_to/results.tgz" -C "$out" .; exit' EXIT TERM INT
+  scratch=$out
+  trap 'tar czf "$tar_to/results.tgz" -C "$scratch" .; exit' EXIT TERM INT
 fi
 export LD_LIBRARY_PATH=$bundle/lib BULKHEAD_FIXTURES_DIR=$bundle/fixtures
 # BULKHEAD_BIN: another build's bulkhead beside the bundle's (the same libraries), to compare two
@@ -143,7 +144,16 @@ probe() {  # probe NAME TIMEOUT NVCC_FLAGS...: tools/gpu/NAME.cu built here, the
 }
 nproc
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# A group named again writes into OUTDIR/GROUP-N (its N-th run), so no run overwrites another's.
+declare -A times_run
+first_out=$out
 for group in "$@"; do
+  times_run[$group]=$(( ${times_run[$group]:-0} + 1 ))
+  out=$first_out
+  if (( times_run[$group] > 1 )); then
+    out=$first_out/$group-${times_run[$group]}
+    mkdir -p "$out"
+  fi
   case $group in
     cpu)
       m=$(model tiny-v152k)
