@@ -65,12 +65,19 @@ struct WorkerStatus {
   int pid = 0;
   std::string backend;
   uint32_t kv_blocks_total = 0, kv_blocks_free = 0;
-  uint64_t weight_bytes = 0;  // resident in the worker's memory
+  uint32_t kv_block_size = 0;  // positions a block; 0 until a worker was ready
+  uint64_t weight_bytes = 0;   // resident in the worker's memory
   // Scrub progress: the newest step the worker computed, and the newest its scrubber has
   // verified every resident weight after.
   uint64_t last_step = 0, scrub_clean_through = 0;
   uint32_t restarts = 0;
   std::string last_failure;
+
+  // Whether the worker's KV cache, the canary's blocks aside, can hold a sequence of `positions`
+  // (true while its size is unknown: the sequence's own admission decides then).
+  bool holds(uint64_t positions) const {
+    return kv_block_size == 0 || positions <= uint64_t(kv_blocks_total) * kv_block_size;
+  }
 };
 
 class StatsBoard {

@@ -40,9 +40,16 @@ Router::Router(std::vector<WorkerFactory> factories, ModelLimits model, Schedule
       links.hand_off = [this, i](std::vector<SequencePtr>& s, bool may_park) {
         return handOff(i, s, may_park);
       };
-      links.claim_parked = [this](std::vector<SequencePtr>& into) { claimParked(into); };
-      links.stopped_serving = [this](const Status& status) {
-        if (!anyAlive()) failParked(status);
+      links.claim_parked = [this, i](std::vector<SequencePtr>& into) { claimParked(i, into); };
+      links.stopped_serving = [this, i](const Status& status) {
+        if (!anyAlive()) {
+          failParked(status);
+          return;
+        }
+        // Parked sequences only this worker could hold go to a ready one now (claimParked).
+        if (parked_count_.load() == 0) return;
+        for (size_t j = 0; j < schedulers_.size(); ++j)
+          if (j != i && ready(j)) schedulers_[j]->wake();
       };
       links.any_alive = [this] { return anyAlive(); };
       links.served_elsewhere = [this, i](std::function<void()> done) {
@@ -99,17 +106,22 @@ bool Router::ready(size_t i) const {
          schedulers_[i]->workerStatus().state == "ready";
 }
 
-size_t Router::place() const {
+size_t Router::place(uint64_t positions) const {
   if (schedulers_.size() == 1) return 0;
   size_t best = schedulers_.size();
   size_t best_load = 0;
   uint32_t best_free = 0;
-  for (int pass = 0; pass < 2 && best == schedulers_.size(); ++pass) {
+  for (int pass = 0; pass < 4 && best == schedulers_.size(); ++pass) {
     for (size_t i = 0; i < schedulers_.size(); ++i) {
-      // First pass: ready workers only; second: any not drained (the request waits for it).
-      if (pass == 0 ? !ready(i) : schedulers_[i]->retired() || schedulers_[i]->retiring()) continue;
+      // Ready workers whose cache holds the request, then any not drained that holds it (the
+      // request waits for it); then the same without the cache (its admission refuses it, saying
+      // why).
+      const bool candidate =
+          pass % 2 == 0 ? ready(i) : !schedulers_[i]->retired() && !schedulers_[i]->retiring();
+      const WorkerStatus status = schedulers_[i]->workerStatus();
+      if (!candidate || (pass < 2 && !status.holds(positions))) continue;
       const size_t load = schedulers_[i]->load();
-      const uint32_t free = schedulers_[i]->workerStatus().kv_blocks_free;
+      const uint32_t free = status.kv_blocks_free;
       if (best == schedulers_.size() || load < best_load ||
           (load == best_load && free > best_free)) {
         best = i;
@@ -122,33 +134,43 @@ size_t Router::place() const {
 }
 
 Status Router::submit(GenerationRequest request, std::shared_ptr<TokenSink> sink) {
-  const size_t at = place();
+  const size_t at = place(uint64_t(request.prompt.size()) + request.max_tokens);
   return schedulers_[at]->submit(std::move(request), std::move(sink));
 }
 
 size_t Router::handOff(size_t from, std::vector<SequencePtr>& sequences, bool may_park) {
   struct Peer {
     size_t index, load;
-    uint32_t free;
+    WorkerStatus status;
     std::vector<SequencePtr> taken;
   };
   std::vector<Peer> peers;
   for (size_t i = 0; i < schedulers_.size(); ++i)
     if (i != from && ready(i))
-      peers.push_back(
-          {i, schedulers_[i]->load(), schedulers_[i]->workerStatus().kv_blocks_free, {}});
+      peers.push_back({i, schedulers_[i]->load(), schedulers_[i]->workerStatus(), {}});
   if (peers.empty()) {
     if (may_park) park(from, sequences);
     return 0;
   }
+  // Each to the least loaded peer whose cache can hold it; one that none can hold stays (or waits
+  // in the router for a worker that can) rather than fail part-way on a smaller cache.
+  std::vector<SequencePtr> left;
   for (SequencePtr& s : sequences) {
-    Peer& p = *std::min_element(peers.begin(), peers.end(), [](const Peer& a, const Peer& b) {
-      return a.load != b.load ? a.load < b.load : a.free > b.free;
-    });
-    p.taken.push_back(std::move(s));
-    ++p.load;
+    Peer* best = nullptr;
+    for (Peer& p : peers) {
+      if (!p.status.holds(s->mostPositions())) continue;
+      if (best == nullptr || p.load < best->load ||
+          (p.load == best->load && p.status.kv_blocks_free > best->status.kv_blocks_free))
+        best = &p;
+    }
+    if (best == nullptr) {
+      left.push_back(std::move(s));
+      continue;
+    }
+    best->taken.push_back(std::move(s));
+    ++best->load;
   }
-  sequences.clear();
+  sequences = std::move(left);
   // A peer lost or drained since it read "ready" refuses them: they stay, or wait in the router.
   size_t moved = 0;
   for (Peer& p : peers) {
@@ -180,21 +202,36 @@ void Router::park(size_t from, std::vector<SequencePtr>& sequences) {
     if (i != from && ready(i)) schedulers_[i]->wake();
 }
 
-void Router::claimParked(std::vector<SequencePtr>& into) {
+void Router::claimParked(size_t claimer, std::vector<SequencePtr>& into) {
   if (parked_count_.load() == 0) return;
+  // Those its cache holds; and those no other worker that may still serve could hold, which it
+  // takes rather than leave them waiting for nobody (its admission refuses them, saying why).
+  const WorkerStatus mine = schedulers_[claimer]->workerStatus();
+  std::vector<WorkerStatus> others;
+  for (size_t i = 0; i < schedulers_.size(); ++i)
+    if (i != claimer && alive(i)) others.push_back(schedulers_[i]->workerStatus());
   std::lock_guard lock(parked_mu_);
-  for (SequencePtr& s : parked_) into.push_back(std::move(s));
-  parked_.clear();
-  parked_count_.store(0);
+  std::vector<SequencePtr> left;
+  for (SequencePtr& s : parked_) {
+    const uint64_t positions = s->mostPositions();
+    const bool elsewhere = std::any_of(others.begin(), others.end(),
+                                       [&](const WorkerStatus& w) { return w.holds(positions); });
+    (mine.holds(positions) || !elsewhere ? into : left).push_back(std::move(s));
+  }
+  parked_ = std::move(left);
+  parked_count_.store(parked_.size());
+}
+
+bool Router::alive(size_t i) const {
+  if (schedulers_[i]->retired()) return false;
+  // "stopped": a drain is stopping its worker (it is retired once that is done).
+  const std::string state = schedulers_[i]->workerStatus().state;
+  return state != "failed" && state != "stopped";
 }
 
 bool Router::anyAlive() const {
-  for (const auto& s : schedulers_) {
-    if (s->retired()) continue;
-    // "stopped": a drain is stopping its worker (it is retired once that is done).
-    const std::string state = s->workerStatus().state;
-    if (state != "failed" && state != "stopped") return true;
-  }
+  for (size_t i = 0; i < schedulers_.size(); ++i)
+    if (alive(i)) return true;
   return false;
 }
 

@@ -1,12 +1,14 @@
 // The broker's workers: one Scheduler (one thread, one worker slot) per worker, and the router in
 // front of them. A new request goes to the ready worker holding the fewest sequences (then the one
-// with the most free KV blocks) and stays there, with its KV cache, while that worker serves.
+// with the most free KV blocks) among those whose KV cache can hold it, and stays there, with its
+// KV cache, while that worker serves.
 // When a worker is lost (any failure), starting, in a crash loop or drained by an operator, the
 // sequences it holds move at once to the ready workers and are replayed there from the broker's
 // copy of their history; batch-invariant numerics make their tokens the same. The failed worker
 // restarts in the background and takes new requests once its canary passes. With no ready worker
 // elsewhere, they wait in the router for the first worker that becomes ready (its own restart
-// or another's), and fail only once every worker is in a crash loop or drained.
+// or another's), and fail only once every worker is in a crash loop or drained. A sequence moves
+// only to a worker whose cache can hold it (workers may differ), else it waits for one that can.
 //
 // Every scheduler reports into its own StatsBoard; the router adds them up. One worker behaves
 // exactly as a Scheduler alone.
@@ -69,16 +71,19 @@ class Router {
   // The scheduler named `name`; empty names the only one. NOT_FOUND / INVALID_ARGUMENT.
   Result<Scheduler*> find(const std::string& name) const;
   bool ready(size_t i) const;
-  // Where a new request goes: the ready worker with the least load, else any that is not
-  // drained (it waits for that worker).
-  size_t place() const;
+  // Where a new request of at most `positions` goes: the ready worker with the least load whose KV
+  // cache can hold it, else any not drained that can (it waits for that worker), else as if none
+  // could.
+  size_t place(uint64_t positions) const;
   // Moves `sequences` from worker `from` to the ready others, or parks them (SchedulerLinks).
   size_t handOff(size_t from, std::vector<SequencePtr>& sequences, bool may_park);
-  void claimParked(std::vector<SequencePtr>& into);
+  // What worker `claimer` takes of the parked sequences (see claimParked in router.cpp).
+  void claimParked(size_t claimer, std::vector<SequencePtr>& into);
   // Keeps `sequences` in the router until a worker is ready (while any may still serve), and
   // wakes those already ready.
   void park(size_t from, std::vector<SequencePtr>& sequences);
-  // Some worker is ready or may become ready (not in a crash loop, not drained).
+  // Worker i is ready or may become ready (not in a crash loop, not drained); anyAlive: some is.
+  bool alive(size_t i) const;
   bool anyAlive() const;
   // Ends the parked sequences with `status` (none alive, or the broker stopping).
   void failParked(const Status& status);

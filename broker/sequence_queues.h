@@ -4,6 +4,8 @@
 // and requeueing after a worker is lost — happens here. Scheduler thread only.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -43,6 +45,13 @@ struct Sequence {
 
   Sequence(GenerationRequest r, std::shared_ptr<TokenSink> s)
       : request(std::move(r)), sink(std::move(s)), ledger(request.prompt) {}
+
+  // The most KV positions it can come to need: its whole request, and at least its history and
+  // the token it generates next.
+  uint64_t mostPositions() const {
+    return std::max(uint64_t(request.prompt.size()) + request.max_tokens,
+                    uint64_t(ledger.tokens().size()) + 1);
+  }
 };
 
 using SequencePtr = std::unique_ptr<Sequence>;

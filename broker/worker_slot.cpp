@@ -68,6 +68,7 @@ bool WorkerSlot::start() {
     w.pid = h.pid;
     w.backend = h.backend;
     w.kv_blocks_total = h.kv_block_count - reservedBlocks();  // the canary holds the rest
+    w.kv_block_size = h.kv_block_size;
     w.weight_bytes = h.weight_bytes;
     w.last_step = w.scrub_clean_through = 0;
   });

@@ -357,6 +357,69 @@ TEST_F(RouterTest, SequencesFailOnceEveryWorkerIsInACrashLoop) {
   for (const WorkerView& w : router_->workers()) EXPECT_EQ(w.status.state, "failed");
 }
 
+// Worker 0's KV cache holds 64 positions less the canary's, the others' 1,024 less it. Requests of
+// 103 positions go only to workers whose cache holds them, although worker 0 is idle; worker 1 is
+// killed in the middle of the generations and its sequences move to worker 2 alone, none failing
+// part-way on the small cache.
+TEST_F(RouterTest, SequencesGoOnlyToWorkersWhoseCacheHoldsThem) {
+  controls_[0]->blocks = 16;
+  controls_[1]->restart_gate = restart_gate_;
+  start();
+  controls_[1]->scheduleFault(
+      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  auto runs = submit(6, 100);
+  expectAllExact(runs, 100);
+  for (const auto& s : controls_[0]->steps())
+    EXPECT_EQ(s.sequence_id, 0u) << "worker 0 was given a sequence its cache cannot hold";
+  EXPECT_EQ(movedMidGeneration(1, 3).size(), 3u) << "worker 1's three sequences move to worker 2";
+  EXPECT_EQ(router_->stats().requests_failed, 0u);
+  expectServedThroughout();
+  releaseRestarts();
+}
+
+// As above with worker 2 drained: worker 1's sequences fit no ready worker, so they wait in the
+// router, where worker 0 (ready, its cache too small) leaves them, until worker 1 is back.
+TEST_F(RouterTest, SequencesNoReadyWorkerCanHoldWaitForOneThatCan) {
+  controls_[0]->blocks = 16;
+  controls_[1]->restart_delay = 200ms;
+  start();
+  ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
+  controls_[1]->scheduleFault(
+      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  auto runs = submit(3, 100);
+  expectAllExact(runs, 100);
+  for (const auto& s : controls_[0]->steps())
+    EXPECT_EQ(s.sequence_id, 0u) << "worker 0 was given a sequence its cache cannot hold";
+  // Re-prefilled from position 0 with more than their prompt: replayed by worker 1's restart.
+  std::set<uint64_t> replayed;
+  for (const auto& s : controls_[1]->steps())
+    if (s.sequence_id != 0 && s.start_position == 0 && s.tokens.size() > 3)
+      replayed.insert(s.sequence_id);
+  EXPECT_EQ(replayed.size(), 3u) << "worker 1's restart replays its three sequences";
+  EXPECT_EQ(router_->stats().requests_failed, 0u);
+  EXPECT_GE(router_->workers()[1].status.restarts, 1u);
+}
+
+// And when the only worker that could hold them stays down (a crash loop), the ready worker takes
+// them rather than leave them waiting for nobody: they end with RESOURCE_EXHAUSTED saying why.
+TEST_F(RouterTest, SequencesNoLiveWorkerCanHoldEndWithTheReason) {
+  controls_[0]->blocks = 16;
+  start();
+  ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
+  controls_[1]->failStarts(1000);
+  controls_[1]->scheduleFault(
+      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  auto runs = submit(3, 100);
+  for (const Run& r : runs) {
+    ASSERT_TRUE(r.sink->wait()) << "a request never ended";
+    EXPECT_EQ(r.sink->status().code(), Code::kResourceExhausted) << r.sink->status().toString();
+    EXPECT_NE(r.sink->status().message().find("KV blocks"), std::string::npos)
+        << r.sink->status().toString();
+  }
+  EXPECT_EQ(router_->workers()[1].status.state, "failed");
+  EXPECT_EQ(router_->workers()[0].status.state, "ready");
+}
+
 TEST_F(RouterTest, TheLastReadyWorkerCannotBeDrainedAlone) {
   start();
   ASSERT_TRUE(router_->drainWorker("worker-0", 10s).ok());
