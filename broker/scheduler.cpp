@@ -296,6 +296,8 @@ void Scheduler::meetWorker(const WorkerHello& hello) {
   // A new worker's cache is empty (every sequence was requeued when the last one was lost).
   queues_.resetBlocks(hello.kv_block_count, hello.kv_block_size, slot_.reservedBlocks());
   blocks_incarnation_ = hello.incarnation;
+  // Failed steps in a row count for one worker: the new one starts with its retries whole.
+  step_failures_in_a_row_ = 0;
   beside_cpu_worker_ = options_.cpu_worker_sampling_threads > 0 && hello.backend == "cpu";
   pool_.setSpinners(beside_cpu_worker_ ? options_.cpu_worker_warm_spinners
                                        : options_.warm_spinners);
