@@ -8,8 +8,13 @@
 
 #include <atomic>
 #include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
@@ -94,9 +99,29 @@ std::string_view integrityCheckName(IntegrityCheck check) {
   return "?";
 }
 
+uint64_t LogitsArena::processStart(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return 0;
+  // After the command name (in parentheses, which it may itself contain): the state, field 3;
+  // the start time is field 22.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22; ++i)
+    if (!(fields >> field)) return 0;
+  return std::strtoull(field.c_str(), nullptr, 10);
+}
+
 std::string LogitsArena::arenaName(int pid, uint64_t incarnation) {
-  char buf[80];
-  std::snprintf(buf, sizeof(buf), "%.*s%d-%016llx", int(kPrefix.size()), kPrefix.data(), pid,
+  return arenaName(pid, processStart(pid), incarnation);
+}
+
+std::string LogitsArena::arenaName(int pid, uint64_t start, uint64_t incarnation) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%.*s%d-%llu-%016llx", int(kPrefix.size()), kPrefix.data(), pid,
+                static_cast<unsigned long long>(start),
                 static_cast<unsigned long long>(incarnation));
   return buf;
 }
@@ -191,10 +216,17 @@ int LogitsArena::collectStale() {
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
     const std::string file = entry.path().filename().string();
     if (file.rfind(kPrefix, 0) != 0) continue;
-    const int pid = std::atoi(file.c_str() + kPrefix.size());
+    // "<pid>-<start>-<incarnation>": a process of that pid that started at another time is not
+    // the creator (the pid was reused).
+    char* end = nullptr;
+    const long pid = std::strtol(file.c_str() + kPrefix.size(), &end, 10);
+    if (pid <= 0 || pid > INT_MAX || *end != '-') continue;
+    const uint64_t start = std::strtoull(end + 1, &end, 10);
+    if (*end != '-') continue;
     struct stat st {};
-    if (pid <= 0 || ::stat(entry.path().c_str(), &st) != 0 || st.st_uid != ::getuid()) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // creator still alive
+    if (::stat(entry.path().c_str(), &st) != 0 || st.st_uid != ::getuid()) continue;
+    const bool running = ::kill(pid_t(pid), 0) == 0 || errno != ESRCH;
+    if (running && processStart(int(pid)) == start) continue;  // its creator is still alive
     if (bip::shared_memory_object::remove(file.c_str())) ++removed;
   }
   return removed;

@@ -61,11 +61,16 @@ class LogitsArena {
   // Broker side: maps an existing arena read-only and checks its layout against expectations.
   static Result<std::unique_ptr<LogitsArena>> open(const std::string& name, uint64_t incarnation,
                                                    uint32_t row_floats);
-  // Removes arenas named by arenaName() whose creating process no longer exists.
-  // Returns how many were removed.
+  // Removes arenas named by arenaName() whose creating process no longer exists (no process of
+  // that pid, or one that started at another time). Returns how many were removed.
   static int collectStale();
-  // "bulkhead-arena-<pid>-<incarnation>"
+  // "bulkhead-arena-<pid>-<start>-<incarnation>": the start is the process's start time
+  // (processStart), so that a later process given the same pid is not taken for the creator.
   static std::string arenaName(int pid, uint64_t incarnation);
+  static std::string arenaName(int pid, uint64_t start, uint64_t incarnation);
+  // When process `pid` started, in clock ticks after boot (/proc/<pid>/stat); 0 when it cannot
+  // be read (no such process).
+  static uint64_t processStart(int pid);
 
   ~LogitsArena();
   LogitsArena(const LogitsArena&) = delete;

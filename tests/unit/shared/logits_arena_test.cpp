@@ -10,6 +10,8 @@
 
 #include <cmath>
 
+#include <boost/interprocess/shared_memory_object.hpp>
+
 #include "shared/checksum.h"
 
 namespace bulkhead {
@@ -139,6 +141,25 @@ TEST(LogitsArena, AnArenaLargerThanSharedMemoryIsRefusedWhenMade) {
   EXPECT_NE(arena.status().message().find("does not fit in /dev/shm"), std::string::npos)
       << arena.status().message();
   EXPECT_NE(::access(("/dev/shm/" + name).c_str(), F_OK), 0) << "the segment was left behind";
+}
+
+// An arena whose name carries this process's pid but another start time was left by an earlier
+// process that had the pid (a pid reused): collected. This process's own arena stays.
+TEST(LogitsArena, AnArenaOfAReusedPidIsCollectedAndALiveOnesIsNot) {
+  const uint64_t start = LogitsArena::processStart(::getpid());
+  ASSERT_GT(start, 0u) << "no start time in /proc/self/stat";
+  const std::string mine = LogitsArena::arenaName(::getpid(), 0xfeed01);
+  const std::string earlier = LogitsArena::arenaName(::getpid(), start - 1, 0xfeed02);
+  auto live = LogitsArena::create(mine, 1, 1, 16);
+  ASSERT_TRUE(live.ok()) << live.status().toString();
+  {  // as a process that died would leave it: mapped by nobody, not removed
+    boost::interprocess::shared_memory_object shm(boost::interprocess::create_only, earlier.c_str(),
+                                                  boost::interprocess::read_write);
+    shm.truncate(4096);
+  }
+  EXPECT_GE(LogitsArena::collectStale(), 1);
+  EXPECT_NE(::access(("/dev/shm/" + earlier).c_str(), F_OK), 0) << "the reused pid's arena stayed";
+  EXPECT_EQ(::access(("/dev/shm/" + mine).c_str(), F_OK), 0) << "the live process's arena went";
 }
 
 }  // namespace
