@@ -206,20 +206,30 @@ void Router::claimParked(size_t claimer, std::vector<SequencePtr>& into) {
   if (parked_count_.load() == 0) return;
   // Those its cache holds; and those no other worker that may still serve could hold, which it
   // takes rather than leave them waiting for nobody (its admission refuses them, saying why).
+  // Those whose clients cancelled or whose deadlines passed while they waited end here.
   const WorkerStatus mine = schedulers_[claimer]->workerStatus();
   std::vector<WorkerStatus> others;
   for (size_t i = 0; i < schedulers_.size(); ++i)
     if (i != claimer && alive(i)) others.push_back(schedulers_[i]->workerStatus());
-  std::lock_guard lock(parked_mu_);
-  std::vector<SequencePtr> left;
-  for (SequencePtr& s : parked_) {
-    const uint64_t positions = s->mostPositions();
-    const bool elsewhere = std::any_of(others.begin(), others.end(),
-                                       [&](const WorkerStatus& w) { return w.holds(positions); });
-    (mine.holds(positions) || !elsewhere ? into : left).push_back(std::move(s));
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<std::pair<SequencePtr, Status>> ended;
+  {
+    std::lock_guard lock(parked_mu_);
+    std::vector<SequencePtr> left;
+    for (SequencePtr& s : parked_) {
+      if (auto status = endedByClient(*s, now)) {
+        ended.emplace_back(std::move(s), std::move(*status));
+        continue;
+      }
+      const uint64_t positions = s->mostPositions();
+      const bool elsewhere = std::any_of(others.begin(), others.end(),
+                                         [&](const WorkerStatus& w) { return w.holds(positions); });
+      (mine.holds(positions) || !elsewhere ? into : left).push_back(std::move(s));
+    }
+    parked_ = std::move(left);
+    parked_count_.store(parked_.size());
   }
-  parked_ = std::move(left);
-  parked_count_.store(parked_.size());
+  for (auto& [s, status] : ended) s->sink->onFinish(FinishReason::kNone, {}, status);
 }
 
 bool Router::alive(size_t i) const {

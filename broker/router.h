@@ -62,6 +62,8 @@ class Router {
                                        std::chrono::milliseconds timeout, bool keep_armed = false);
 
   size_t size() const { return schedulers_.size(); }
+  // Sequences waiting in the router for a worker (see the file comment).
+  size_t parked() const { return parked_count_.load(); }
   // The broker's counters: every worker's added up, percentiles over all of their windows.
   SchedulerStats stats() const;
   StatsHistograms histograms() const;

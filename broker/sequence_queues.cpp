@@ -51,20 +51,20 @@ void SequenceQueues::admit(size_t max_running) {
   }
 }
 
+std::optional<Status> endedByClient(const Sequence& s, std::chrono::steady_clock::time_point now) {
+  if (s.sink->cancelled()) return Status(Code::kCancelled, "cancelled by the client");
+  if (s.request.deadline && now >= *s.request.deadline)
+    return Status(Code::kDeadlineExceeded,
+                  "deadline exceeded after " + std::to_string(s.ledger.released()) + " tokens");
+  return std::nullopt;
+}
+
 void SequenceQueues::dropCancelled(std::chrono::steady_clock::time_point now) {
   auto drop = [&](const SequencePtr& s) -> bool {
     if (s->in_flight) return false;  // once its step is back
-    if (s->sink->cancelled()) {
-      finish(*s, FinishReason::kNone, Status(Code::kCancelled, "cancelled by the client"));
-      return true;
-    }
-    if (s->request.deadline && now >= *s->request.deadline) {
-      finish(*s, FinishReason::kNone,
-             Status(Code::kDeadlineExceeded,
-                    "deadline exceeded after " + std::to_string(s->ledger.released()) + " tokens"));
-      return true;
-    }
-    return false;
+    const auto ended = endedByClient(*s, now);
+    if (ended) finish(*s, FinishReason::kNone, *ended);
+    return ended.has_value();
   };
   std::erase_if(running_, drop);
   std::erase_if(finishing_, drop);

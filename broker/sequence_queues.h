@@ -56,6 +56,9 @@ struct Sequence {
 
 using SequencePtr = std::unique_ptr<Sequence>;
 
+// CANCELLED when its client cancelled, DEADLINE_EXCEEDED when its deadline has passed by `now`.
+std::optional<Status> endedByClient(const Sequence& s, std::chrono::steady_clock::time_point now);
+
 // A planned step as the worker is asked for it: the sequences, and each one's part of the step
 // (views into the sequences' histories and block tables, valid until the queues change).
 struct StepRequest {

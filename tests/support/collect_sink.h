@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -28,8 +29,9 @@ class CollectSink final : public TokenSink {
     done_ = true;
     cv_.notify_all();
   }
-  bool cancelled() const override { return false; }
+  bool cancelled() const override { return cancel.load(); }
   std::function<void()> on_finish;  // runs on the scheduler thread as the request ends
+  std::atomic<bool> cancel{false};  // the client has cancelled
 
   // Waits (bounded) for the request to end.
   bool done() const {

@@ -400,6 +400,31 @@ TEST_F(RouterTest, SequencesNoReadyWorkerCanHoldWaitForOneThatCan) {
   EXPECT_GE(router_->workers()[1].status.restarts, 1u);
 }
 
+// While sequences wait in the router for worker 1's restart, one's client cancels: it ends then,
+// CANCELLED, not when worker 1 is back; the others finish exactly once it is.
+TEST_F(RouterTest, ASequenceCancelledWhileItWaitsInTheRouterEndsThen) {
+  controls_[0]->blocks = 16;
+  controls_[1]->restart_gate = restart_gate_;
+  start();
+  ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
+  controls_[1]->scheduleFault(
+      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  auto runs = submit(3, 100);
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (router_->parked() != 3 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::yield();
+  ASSERT_EQ(router_->parked(), 3u) << "worker 1's sequences did not wait in the router";
+  runs[0].sink->cancel = true;
+  ASSERT_TRUE(runs[0].sink->wait()) << "the cancelled sequence did not end while it waited";
+  EXPECT_EQ(runs[0].sink->status().code(), Code::kCancelled) << runs[0].sink->status().toString();
+  EXPECT_EQ(router_->workers()[1].status.state, "starting")
+      << "it ended only once worker 1 was back";
+  EXPECT_EQ(router_->parked(), 2u);
+  releaseRestarts();
+  runs.erase(runs.begin());
+  expectAllExact(runs, 100);
+}
+
 // And when the only worker that could hold them stays down (a crash loop), the ready worker takes
 // them rather than leave them waiting for nobody: they end with RESOURCE_EXHAUSTED saying why.
 TEST_F(RouterTest, SequencesNoLiveWorkerCanHoldEndWithTheReason) {
