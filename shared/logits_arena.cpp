@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -217,16 +218,16 @@ int LogitsArena::collectStale() {
     const std::string file = entry.path().filename().string();
     if (file.rfind(kPrefix, 0) != 0) continue;
     // "<pid>-<start>-<incarnation>": a process of that pid that started at another time is not
-    // the creator (the pid was reused).
+    // the creator (the pid was reused). An earlier release's "<pid>-<incarnation>" has no start.
     char* end = nullptr;
     const long pid = std::strtol(file.c_str() + kPrefix.size(), &end, 10);
     if (pid <= 0 || pid > INT_MAX || *end != '-') continue;
-    const uint64_t start = std::strtoull(end + 1, &end, 10);
-    if (*end != '-') continue;
+    const bool has_start = std::count(file.begin(), file.end(), '-') == 4;
+    const uint64_t start = has_start ? std::strtoull(end + 1, nullptr, 10) : 0;
     struct stat st {};
     if (::stat(entry.path().c_str(), &st) != 0 || st.st_uid != ::getuid()) continue;
     const bool running = ::kill(pid_t(pid), 0) == 0 || errno != ESRCH;
-    if (running && processStart(int(pid)) == start) continue;  // its creator is still alive
+    if (running && (!has_start || processStart(int(pid)) == start)) continue;  // creator alive
     if (bip::shared_memory_object::remove(file.c_str())) ++removed;
   }
   return removed;
