@@ -157,7 +157,7 @@ for group in "$@"; do
   case $group in
     cpu)
       m=$(model tiny-v152k)
-      lscpu | grep -E "^Model name|^Socket|^Core|^Thread|^NUMA node\(s\)|^L3"
+      lscpu | grep -E "^Model name|^Socket|^Core|^Thread|^NUMA node\(s\)|^L3" | tee "$out/host.txt"
       run sample-bench 90 "$bh" sample-bench --vocab 152064 --rows 1,32,64 --iterations 100 \
         --threads 4,8,16
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
