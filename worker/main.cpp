@@ -54,6 +54,10 @@ int main(int argc, char** argv) {
                  "After a reply, microseconds to watch the socket awake for the next step before "
                  "sleeping (0: sleep at once)")
       ->check(CLI::Range(0, 100000));
+  app.add_option("--frame-wait-ms", options.frame_wait_ms,
+                 "Once a request's first bytes arrive, milliseconds the rest may take before the "
+                 "connection is dropped")
+      ->check(CLI::Range(1, 3'600'000));
   bool no_in_step_checks = false;
   app.add_flag("--no-in-step-checks", no_in_step_checks,
                "Do not check the weight words each step reads (to measure what the checks cost; "

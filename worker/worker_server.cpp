@@ -210,7 +210,9 @@ Result<bool> WorkerServer::serveConnection(int fd) {
   while (true) {
     if (!awaitInput(fd, /*spin=*/true)) return true;  // SIGTERM/SIGINT
     const SteadyTime arrived = SteadyTime::clock::now();
-    FrameReadResult frame = readFrame(fd, words, SteadyTime::max(), /*extra_fd=*/signal_fd_);
+    FrameReadResult frame =
+        readFrame(fd, words, arrived + std::chrono::milliseconds(options_.frame_wait_ms),
+                  /*extra_fd=*/signal_fd_);
     if (frame.status.code() == Code::kAborted) return true;  // SIGTERM/SIGINT
     if (!frame.status.ok()) {
       if (frame.status.code() == Code::kInvalidArgument) {
@@ -219,6 +221,9 @@ Result<bool> WorkerServer::serveConnection(int fd) {
         capnp::MallocMessageBuilder message;
         setError(message.initRoot<wire::FromWorker>(), frame.status);
         (void)writeMessage(fd, message, replyDeadline());
+      } else if (frame.status.code() == Code::kDeadlineExceeded) {
+        spdlog::warn("dropping connection: a request's frame did not arrive in full within {} ms",
+                     options_.frame_wait_ms);
       } else if (!frame.clean_close) {
         spdlog::warn("connection ended: {}", frame.status.message());
       }

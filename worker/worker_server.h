@@ -38,6 +38,10 @@ struct WorkerOptions {
   // poll(2): a sleeping thread woken on another core costs tens of microseconds a step, a
   // spinning one a core the broker's sampling or the CPU backend may need (0: sleep at once).
   int spin_us = 0;
+  // Once a request's first bytes have arrived, how long the rest of its frame may take: a peer
+  // that stops in the middle of a frame is dropped (the worker waits for the next connection, its
+  // watchdog kept) rather than waited for without end.
+  int frame_wait_ms = 30'000;
   // systemd's readiness protocol: READY=1 once the model is loaded and the socket listens,
   // WATCHDOG=1 from the serving loop itself (between steps and while idle), STOPPING=1.
   ServiceNotifier notifier;

@@ -118,6 +118,23 @@ class WorkerProtocolTest : public ::testing::Test {
   ChildProcess worker_;
 };
 
+// A peer that stops in the middle of a frame is dropped once the frame's wait is over, and the
+// worker serves the next connection.
+TEST_F(WorkerProtocolTest, APeerStoppingMidFrameIsDroppedAndTheNextServed) {
+  auto child = startWorker(socket_, {"--frame-wait-ms", "200"});
+  ASSERT_TRUE(child.ok()) << child.status().toString();
+  worker_ = std::move(*child);
+  ASSERT_TRUE(worker_.waitReady(soon()).ok());
+  int fd = connectAndGreet();
+  const uint32_t first_word = kFrameMagic;  // a frame header's first half, and nothing more
+  ASSERT_EQ(::send(fd, &first_word, sizeof(first_word), MSG_NOSIGNAL), ssize_t(sizeof(first_word)));
+  EXPECT_TRUE(closedByPeer(fd)) << "the worker still waits for the rest of the frame";
+  ::close(fd);
+  int next = connectAndGreet();
+  expectAlive(next);
+  ::close(next);
+}
+
 TEST_F(WorkerProtocolTest, GarbagePayloadsGetErrorsAndTheConnectionSurvives) {
   start();
   int fd = connectAndGreet();
