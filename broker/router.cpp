@@ -346,7 +346,10 @@ std::vector<const StatsBoard*> Router::boards() const {
 }
 
 SchedulerStats Router::stats() const {
-  return StatsBoard::combined(boards());
+  SchedulerStats s = StatsBoard::combined(boards());
+  // Sequences waiting in the router for a worker wait too, though no scheduler holds them.
+  s.requests_waiting += uint32_t(parked_count_.load());
+  return s;
 }
 
 StatsHistograms Router::histograms() const {

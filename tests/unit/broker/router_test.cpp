@@ -414,6 +414,7 @@ TEST_F(RouterTest, ASequenceCancelledWhileItWaitsInTheRouterEndsThen) {
   while (router_->parked() != 3 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::yield();
   ASSERT_EQ(router_->parked(), 3u) << "worker 1's sequences did not wait in the router";
+  EXPECT_GE(router_->stats().requests_waiting, 3u) << "the waiting gauge leaves them out";
   runs[0].sink->cancel = true;
   ASSERT_TRUE(runs[0].sink->wait()) << "the cancelled sequence did not end while it waited";
   EXPECT_EQ(runs[0].sink->status().code(), Code::kCancelled) << runs[0].sink->status().toString();
