@@ -118,8 +118,9 @@ size_t Router::place(uint64_t positions) const {
       // why).
       const bool candidate =
           pass % 2 == 0 ? ready(i) : !schedulers_[i]->retired() && !schedulers_[i]->retiring();
+      if (!candidate) continue;
       const WorkerStatus status = schedulers_[i]->workerStatus();
-      if (!candidate || (pass < 2 && !status.holds(positions))) continue;
+      if (pass < 2 && !status.holds(positions)) continue;
       const size_t load = schedulers_[i]->load();
       const uint32_t free = status.kv_blocks_free;
       if (best == schedulers_.size() || load < best_load ||
