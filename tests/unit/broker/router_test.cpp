@@ -127,6 +127,23 @@ class RouterTest : public ::testing::Test {
     EXPECT_EQ(std::find(first, serving_changes_.end(), false), serving_changes_.end())
         << "health went NOT_SERVING while other workers served";
   }
+  // A worker's exit, as a fault.
+  static test::FakeFault exitFault() {
+    return {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited};
+  }
+  // Worker 0's KV cache holds 64 positions less the canary's, the others' 1,024 less it: too
+  // small for the 103-position requests of the capacity cases. Starts the router, then drains
+  // worker 2 when asked.
+  void startWithASmallWorker0(bool drain_worker_2) {
+    controls_[0]->blocks = 16;
+    start();
+    if (drain_worker_2) ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
+  }
+  void expectNoClientStepOn(size_t worker) {
+    for (const auto& s : controls_[worker]->steps())
+      EXPECT_EQ(s.sequence_id, 0u)
+          << "worker " << worker << " was given a sequence its cache cannot hold";
+  }
   // A fault in worker 1 in the middle of nine 24-token generations (three on each worker); its
   // restart lasts until every generation is done.
   void expectMovedOnFault(std::vector<test::FakeFault> faults) {
@@ -357,20 +374,16 @@ TEST_F(RouterTest, SequencesFailOnceEveryWorkerIsInACrashLoop) {
   for (const WorkerView& w : router_->workers()) EXPECT_EQ(w.status.state, "failed");
 }
 
-// Worker 0's KV cache holds 64 positions less the canary's, the others' 1,024 less it. Requests of
-// 103 positions go only to workers whose cache holds them, although worker 0 is idle; worker 1 is
-// killed in the middle of the generations and its sequences move to worker 2 alone, none failing
-// part-way on the small cache.
+// Requests of 103 positions go only to workers whose cache holds them, although worker 0 (whose
+// cache cannot) is idle; worker 1 is killed in the middle of the generations and its sequences move
+// to worker 2 alone, none failing part-way on the small cache.
 TEST_F(RouterTest, SequencesGoOnlyToWorkersWhoseCacheHoldsThem) {
-  controls_[0]->blocks = 16;
   controls_[1]->restart_gate = restart_gate_;
-  start();
-  controls_[1]->scheduleFault(
-      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  ASSERT_NO_FATAL_FAILURE(startWithASmallWorker0(/*drain_worker_2=*/false));
+  controls_[1]->scheduleFault(6, exitFault());
   auto runs = submit(6, 100);
   expectAllExact(runs, 100);
-  for (const auto& s : controls_[0]->steps())
-    EXPECT_EQ(s.sequence_id, 0u) << "worker 0 was given a sequence its cache cannot hold";
+  expectNoClientStepOn(0);
   EXPECT_EQ(movedMidGeneration(1, 3).size(), 3u) << "worker 1's three sequences move to worker 2";
   EXPECT_EQ(router_->stats().requests_failed, 0u);
   expectServedThroughout();
@@ -380,16 +393,12 @@ TEST_F(RouterTest, SequencesGoOnlyToWorkersWhoseCacheHoldsThem) {
 // As above with worker 2 drained: worker 1's sequences fit no ready worker, so they wait in the
 // router, where worker 0 (ready, its cache too small) leaves them, until worker 1 is back.
 TEST_F(RouterTest, SequencesNoReadyWorkerCanHoldWaitForOneThatCan) {
-  controls_[0]->blocks = 16;
   controls_[1]->restart_delay = 200ms;
-  start();
-  ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
-  controls_[1]->scheduleFault(
-      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  ASSERT_NO_FATAL_FAILURE(startWithASmallWorker0(/*drain_worker_2=*/true));
+  controls_[1]->scheduleFault(6, exitFault());
   auto runs = submit(3, 100);
   expectAllExact(runs, 100);
-  for (const auto& s : controls_[0]->steps())
-    EXPECT_EQ(s.sequence_id, 0u) << "worker 0 was given a sequence its cache cannot hold";
+  expectNoClientStepOn(0);
   // Re-prefilled from position 0 with more than their prompt: replayed by worker 1's restart.
   std::set<uint64_t> replayed;
   for (const auto& s : controls_[1]->steps())
@@ -403,12 +412,9 @@ TEST_F(RouterTest, SequencesNoReadyWorkerCanHoldWaitForOneThatCan) {
 // While sequences wait in the router for worker 1's restart, one's client cancels: it ends then,
 // CANCELLED, not when worker 1 is back; the others finish exactly once it is.
 TEST_F(RouterTest, ASequenceCancelledWhileItWaitsInTheRouterEndsThen) {
-  controls_[0]->blocks = 16;
   controls_[1]->restart_gate = restart_gate_;
-  start();
-  ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
-  controls_[1]->scheduleFault(
-      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  ASSERT_NO_FATAL_FAILURE(startWithASmallWorker0(/*drain_worker_2=*/true));
+  controls_[1]->scheduleFault(6, exitFault());
   auto runs = submit(3, 100);
   const auto deadline = std::chrono::steady_clock::now() + 20s;
   while (router_->parked() != 3 && std::chrono::steady_clock::now() < deadline)
@@ -429,12 +435,9 @@ TEST_F(RouterTest, ASequenceCancelledWhileItWaitsInTheRouterEndsThen) {
 // And when the only worker that could hold them stays down (a crash loop), the ready worker takes
 // them rather than leave them waiting for nobody: they end with RESOURCE_EXHAUSTED saying why.
 TEST_F(RouterTest, SequencesNoLiveWorkerCanHoldEndWithTheReason) {
-  controls_[0]->blocks = 16;
-  start();
-  ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
+  ASSERT_NO_FATAL_FAILURE(startWithASmallWorker0(/*drain_worker_2=*/true));
   controls_[1]->failStarts(1000);
-  controls_[1]->scheduleFault(
-      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  controls_[1]->scheduleFault(6, exitFault());
   auto runs = submit(3, 100);
   for (const Run& r : runs) {
     ASSERT_TRUE(r.sink->wait()) << "a request never ended";
