@@ -138,15 +138,19 @@ enum class GemmSchedule {
                  // rows by 32 tokens, the k splits a cluster's blocks as in the other schedules
                  // (a product of bf16 tokens; others run plain); pipelined below, and where
                  // its blocks would be fewer than kTiledMinBlocks (a small weight)
+  kStreamed,     // 1-8 rows: the weights go through shared memory by cp.async, kStreamedStages
+                 // rounds of kStreamedUnroll k blocks in flight a thread (more bytes in flight
+                 // than pipelined's two register sets, no registers held); pipelined otherwise
 };
+inline constexpr int kStreamedUnroll = 2, kStreamedStages = 6;
 inline constexpr int kTiledFromRows = 96;
 // 64 x 64 blocks (times the k splits) a product needs for tiled; bench-gemm at 128 rows, H100:
 // the 0.5B q/k/v (36 blocks) 13.6 us tiled against 7.3 pipelined, o (28) 13.6 against 6.7, down
 // (112) 15.2 against 24.8. A forced split count (bench-gemm, tests) keeps tiled where asked.
 inline constexpr int kTiledMinBlocks = 64;
-inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
-                                                  GemmSchedule::kTwoTiles,
-                                                  GemmSchedule::kInterleaved, GemmSchedule::kTiled};
+inline constexpr GemmSchedule kGemmSchedules[] = {
+    GemmSchedule::kPlain,       GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
+    GemmSchedule::kInterleaved, GemmSchedule::kTiled,     GemmSchedule::kStreamed};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -159,7 +163,7 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, tiled.
+// two_tiles, interleaved, tiled, streamed.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
@@ -167,7 +171,8 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
-                                           : "tiled";
+         : s == GemmSchedule::kTiled       ? "tiled"
+                                           : "streamed";
 }
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,

@@ -38,6 +38,9 @@
 #           then bench-engine on both shapes with --rope-in-attention off and on
 #   tiles   the GPU tests of attention in prefill tiles, then bench-engine on qwen2.5-7b at
 #           prompt 8,192 with --attention-tiles off and on (prefill tokens/s)
+#   streamed the product tests (every schedule bit for bit), bench-gemm at one row on both
+#           shapes, then bench-engine at 1 and 8 rows with the 1-8 row bucket pipelined against
+#           streamed (weights through shared memory by cp.async), twice each in turn
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles, interleaved) in every bucket, no comparison columns
 #   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
@@ -311,6 +314,23 @@ for group in "$@"; do
         run "bench-engine-qwen2.5-7b-long-tiles-$tiles" 200 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1 --prompt 8192 --steps 16 --no-compare --max-step-tokens 8192 \
           --attention-tiles $tiles
+      done
+      ;;
+    streamed)
+      run gemm-tests 240 "$bundle/gpu_tests" \
+        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*Schedule*'
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        run "bench-gemm-$shape-1" 120 "$bh" bench-gemm --shape $shape --rows 1 \
+          --json "$out/bench-gemm-$shape-1.json"
+      done
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for rep in 1 2; do
+          for first in pipelined streamed; do
+            run "bench-engine-$shape-$first-$rep" 150 "$bh" bench-engine --model "$m" \
+              --backend cuda --batch 1,8 --no-compare --gemm-schedules $first,plain,plain,tiled
+          done
+        done
       done
       ;;
     schedules)
