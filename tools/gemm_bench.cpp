@@ -99,6 +99,8 @@ const Path kPaths[] = {
     {"+fold", "interleaved_folding", false, cuda::GemmSchedule::kInterleaved, true},
     {"tiled", "tiled", false, cuda::GemmSchedule::kTiled},
     {"+fold", "tiled_folding", false, cuda::GemmSchedule::kTiled, true},
+    {"streamed", "streamed", false, cuda::GemmSchedule::kStreamed},
+    {"+fold", "streamed_folding", false, cuda::GemmSchedule::kStreamed, true},
     {"cublas", "cublas", true},
 };
 
@@ -224,8 +226,10 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf("%28s splits (plain/pipelined/two_tiles/interleaved/tiled us), a step uses %d:",
-                  "", cuda::gemmSplits(p.n, p.k));
+      std::printf(
+          "%28s splits (plain/pipelined/two_tiles/interleaved/tiled/streamed us), a step "
+          "uses %d:",
+          "", cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {
         std::printf(" %d: ", splits);
