@@ -411,11 +411,8 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // share them change. kResidual: the epilogue adds into the residual stream (GemmResidual);
 // kInput: where the tokens come from (a normed or activated input has more blocks,
 // its check tile, when it has checks to add).
-// kStages (kStreamed, one weight tile, 1-8 rows): the weights go to shared memory by cp.async,
-// kStages rounds in flight a thread, the first kStages - 1 issued before the wait for the kernel
-// before; each thread reads back only what it copied, so no barrier is needed.
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
-          bool kInterleaved = false, int kStages = 0>
+          bool kInterleaved = false>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
@@ -424,8 +421,6 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kRows = 16 * kTiles;  // weight rows per block
   constexpr int kOutputs = kRows * 8 * kGroups;
   constexpr int kSets = kPipelined ? 2 : 1;
-  constexpr bool kStreamed = kStages > 0;
-  static_assert(!kStreamed || (!kPipelined && kTiles == 1 && !kInterleaved));
   // One float of padding a row: the reduction below reads down a column, which would otherwise
   // put a warp's reads in one bank.
   __shared__ float partial[kWarps][kRows][8 * kGroups + 1];
@@ -552,29 +547,7 @@ __global__ void __launch_bounds__(kThreads)
       return;  // the whole cluster
     }
   }
-  // kStreamed: round r of this warp's k blocks in stage r % kStages, a 16-byte piece a thread.
-  extern __shared__ uint4 staged[];
-  auto piece = [&](int stage, int u, int half) -> uint4& {
-    return staged[((stage * kUnroll + u) * 2 + half) * kThreads + threadIdx.x];
-  };
-  auto streamRound = [&](int stage, int from) {  // one round's weights in, as one group
-    if (from < k_blocks && !check_tile) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int kb = from + u * lanes;
-        const bool lo = inK(kb) && row_lo[0], hi = inK(kb) && row_hi[0];
-        cpAsync16(&piece(stage, u, 0), lo ? w_lo[0] + 32 * kb : w, lo);
-        cpAsync16(&piece(stage, u, 1), hi ? w_hi[0] + 32 * kb : w, hi);
-      }
-    }
-    cpAsyncCommit();
-  };
-  if constexpr (kStreamed) {
-#pragma unroll
-    for (int r = 0; r + 1 < kStages; ++r) streamRound(r, base + r * round);
-  } else if (base < k_blocks && !check_tile) {
-    loadWeights(0, base);
-  }
+  if (base < k_blocks && !check_tile) loadWeights(0, base);
   awaitKernelBefore();
   if constexpr (kActivated) {
     if (check_tile) {
@@ -597,19 +570,7 @@ __global__ void __launch_bounds__(kThreads)
       return;  // the whole cluster: every block of the check tile returns here
     }
   }
-  if constexpr (kStreamed) {
-    for (int stage = 0; base < k_blocks; base += round) {
-      streamRound((stage + kStages - 1) % kStages, base + (kStages - 1) * round);
-      cpAsyncWait<kStages - 1>();  // round r's group has landed
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        a_lo[0][u][0] = piece(stage, u, 0);
-        a_hi[0][u][0] = piece(stage, u, 1);
-      }
-      multiply(0, base, true);
-      stage = stage + 1 == kStages ? 0 : stage + 1;
-    }
-  } else if constexpr (!kPipelined) {
+  if constexpr (!kPipelined) {
     if (base < k_blocks) {
       multiply(0, base, true);
       base += round;
@@ -685,10 +646,9 @@ __global__ void __launch_bounds__(kThreads)
 struct ProductLaunch {
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attrs[2];
-  ProductLaunch(dim3 grid, int splits, cudaStream_t stream, size_t shared_bytes = 0) {
+  ProductLaunch(dim3 grid, int splits, cudaStream_t stream) {
     config.gridDim = grid;
     config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = shared_bytes;
     config.stream = stream;
     unsigned count = 0;
     if (splits > 1) {
@@ -707,7 +667,7 @@ struct ProductLaunch {
 
 // kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
-          bool kInterleaved = false, int kStages = 0>
+          bool kInterleaved = false>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
@@ -728,34 +688,24 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + check_clusters;
   const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
   const int interleaved = kInterleaved ? token_blocks : 1;  // token input only
-  constexpr size_t kStagedBytes = size_t(kStages) * kUnroll * 2 * kThreads * sizeof(uint4);
   ProductLaunch setup(
       dim3(unsigned(blocks * splits * interleaved), unsigned(token_blocks / interleaved)), splits,
-      stream, kStagedBytes);
+      stream);
   auto go = [&](auto kernel) {
-    if constexpr (kStagedBytes > 0) {
-      const cudaError_t set = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStagedBytes));
-      if (set != cudaSuccess) return set;
-    }
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
                               interleaved, res, nin, act);
   };
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
-      return res.x != nullptr ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true,
-                                              kActivatedInput, false, kStages>)
-                              : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false,
-                                              kActivatedInput, false, kStages>);
+      return res.x != nullptr
+                 ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kActivatedInput>)
+                 : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kActivatedInput>);
     if (nin.x != nullptr)
-      return go(
-          gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput, false, kStages>);
+      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput>);
   }
   if (res.x != nullptr)
-    return go(
-        gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved, kStages>);
-  return go(
-      gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved, kStages>);
+    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved>);
+  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
 // The tiled schedule's kernel (from kTiledFromRows rows: large decode steps and prefill): a block
@@ -1008,9 +958,8 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
       }
     }
     if (!known)
-      return invalidArgument(
-          "product schedule \"" + std::string(name) +
-          "\" (known: plain, pipelined, two_tiles, interleaved, tiled, streamed)");
+      return invalidArgument("product schedule \"" + std::string(name) +
+                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled, fitted)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1032,6 +981,26 @@ int gemmSplits(int n, int k) {
          (tiles * splits < 256 || (tiles * splits < 512 && k_blocks >= 64 * splits)))
     splits *= 2;
   return splits;
+}
+
+GemmSchedule fittedSchedule(int n, int k, int splits, int wave) {
+  const int blocks = (n + 15) / 16 * splits, lanes = splits * kWarps;
+  const int warp_k_blocks = ((k + 31) / 32 + lanes - 1) / lanes;
+  if (warp_k_blocks <= 8 && blocks <= wave) return GemmSchedule::kPlain;
+  if (warp_k_blocks <= 16 && blocks > wave && blocks <= 2 * wave) return GemmSchedule::kTwoTiles;
+  return GemmSchedule::kPipelined;
+}
+
+// Blocks of a product kernel that run at once on the current device: 4 a multiprocessor.
+int productWave() {
+  static const int wave = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      sms = 132;  // an H100 or H200 (the choice changes speed only, never the bits)
+    return 4 * sms;
+  }();
+  return wave;
 }
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
@@ -1108,10 +1077,9 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   if (schedule == GemmSchedule::kTiled &&
       (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
     schedule = GemmSchedule::kPipelined;
-  if (schedule == GemmSchedule::kStreamed && m <= 8) {
-    launched = launch<1, kStreamedUnroll, false, 1, false, kStreamedStages>(
-        splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed, activated);
-  } else if (schedule == GemmSchedule::kPipelined || schedule == GemmSchedule::kStreamed) {
+  if (schedule == GemmSchedule::kFitted)
+    schedule = m <= 8 ? fittedSchedule(n, k, splits, productWave()) : GemmSchedule::kPipelined;
+  if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
                                     activated);

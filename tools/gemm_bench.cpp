@@ -99,8 +99,7 @@ const Path kPaths[] = {
     {"+fold", "interleaved_folding", false, cuda::GemmSchedule::kInterleaved, true},
     {"tiled", "tiled", false, cuda::GemmSchedule::kTiled},
     {"+fold", "tiled_folding", false, cuda::GemmSchedule::kTiled, true},
-    {"streamed", "streamed", false, cuda::GemmSchedule::kStreamed},
-    {"+fold", "streamed_folding", false, cuda::GemmSchedule::kStreamed, true},
+    {"fitted", "fitted", false, cuda::GemmSchedule::kFitted},
     {"cublas", "cublas", true},
 };
 
@@ -227,7 +226,7 @@ Status runGemmBench(const GemmBenchOptions& o) {
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
       std::printf(
-          "%28s splits (plain/pipelined/two_tiles/interleaved/tiled/streamed us), a step "
+          "%28s splits (plain/pipelined/two_tiles/interleaved/tiled/fitted us), a step "
           "uses %d:",
           "", cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();

@@ -342,7 +342,7 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
     defaults += std::string(defaults.empty() ? "" : ",") + cuda::gemmScheduleName(s);
   for (const std::string& names : {std::string("pipelined"), std::string("two_tiles"),
                                    std::string("two_tiles,pipelined,two_tiles,pipelined"),
-                                   std::string("tiled"), std::string("streamed"), defaults}) {
+                                   std::string("tiled"), std::string("fitted"), defaults}) {
     auto schedules = cuda::parseGemmSchedules(names);
     ASSERT_TRUE(schedules.ok()) << schedules.status().toString();
     auto other = cudaBackend(checkpoint_, true, 0, false, *schedules);

@@ -38,10 +38,9 @@
 #           then bench-engine on both shapes with --rope-in-attention off and on
 #   tiles   the GPU tests of attention in prefill tiles, then bench-engine on qwen2.5-7b at
 #           prompt 8,192 with --attention-tiles off and on (prefill tokens/s)
-#   streamed the product tests (every schedule bit for bit), bench-gemm at one row on both
+#   fitted  the product tests (every schedule bit for bit), bench-gemm at 1 and 8 rows on both
 #           shapes, then bench-engine at 1 and 8 rows with the 1-8 row bucket pipelined against
-#           streamed (weights through shared memory by cp.async), twice each in turn; any
-#           BUNDLE/bulkhead-ab-* (other stage counts) once beside them
+#           fitted (plain, two_tiles or pipelined by the weight's shape), twice each in turn
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles, interleaved) in every bucket, no comparison columns
 #   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
@@ -317,30 +316,20 @@ for group in "$@"; do
           --attention-tiles $tiles
       done
       ;;
-    streamed)
+    fitted)
       run gemm-tests 240 "$bundle/gpu_tests" \
         --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*Schedule*'
-      # Any BUNDLE/bulkhead-ab-* (builds with other stage counts) once each beside this one.
-      variants=()
-      for v in "$bundle"/bulkhead-ab-*; do [ -x "$v" ] && variants+=("${v#"$bundle"/bulkhead}"); done
       for shape in qwen2.5-0.5b qwen2.5-7b; do
-        for v in "" "${variants[@]}"; do
-          run "bench-gemm-$shape$v-1" 120 "$bundle/bulkhead$v" bench-gemm --shape $shape \
-            --rows 1 --json "$out/bench-gemm-$shape$v-1.json"
-        done
+        run "bench-gemm-$shape-1" 120 "$bh" bench-gemm --shape $shape --rows 1,8 \
+          --json "$out/bench-gemm-$shape-1.json"
       done
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
         for rep in 1 2; do
-          for first in pipelined streamed; do
+          for first in pipelined fitted; do
             run "bench-engine-$shape-$first-$rep" 150 "$bh" bench-engine --model "$m" \
               --backend cuda --batch 1,8 --no-compare --gemm-schedules $first,plain,plain,tiled
           done
-        done
-        for v in "${variants[@]}"; do
-          run "bench-engine-$shape$v-streamed" 150 "$bundle/bulkhead$v" bench-engine \
-            --model "$m" --backend cuda --batch 1,8 --no-compare \
-            --gemm-schedules streamed,plain,plain,tiled
         done
       done
       ;;
