@@ -40,7 +40,8 @@
 #           prompt 8,192 with --attention-tiles off and on (prefill tokens/s)
 #   fitted  the product tests (every schedule bit for bit), bench-gemm at 1 and 8 rows on both
 #           shapes, then bench-engine at 1 and 8 rows with the 1-8 row bucket pipelined against
-#           fitted (plain, two_tiles or pipelined by the weight's shape), twice each in turn
+#           fitted (plain, two_tiles or pipelined by the weight's shape), twice each in turn,
+#           and fitted at 1-64 rows with the checks' and cuBLAS columns
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles, interleaved) in every bucket, no comparison columns
 #   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
@@ -331,6 +332,8 @@ for group in "$@"; do
               --backend cuda --batch 1,8 --no-compare --gemm-schedules $first,plain,plain,tiled
           done
         done
+        run "bench-engine-$shape-fitted-compare" 200 "$bh" bench-engine --model "$m" \
+          --backend cuda --batch 1,8,32,64 --gemm-schedules fitted,plain,plain,tiled
       done
       ;;
     schedules)
