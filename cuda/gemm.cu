@@ -959,7 +959,7 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     }
     if (!known)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled, fitted)");
+                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -981,26 +981,6 @@ int gemmSplits(int n, int k) {
          (tiles * splits < 256 || (tiles * splits < 512 && k_blocks >= 64 * splits)))
     splits *= 2;
   return splits;
-}
-
-GemmSchedule fittedSchedule(int n, int k, int splits, int wave) {
-  const int blocks = (n + 15) / 16 * splits, lanes = splits * kWarps;
-  const int warp_k_blocks = ((k + 31) / 32 + lanes - 1) / lanes;
-  if (warp_k_blocks <= 8 && blocks <= wave) return GemmSchedule::kPlain;
-  if (warp_k_blocks <= 16 && blocks > wave && blocks <= 2 * wave) return GemmSchedule::kTwoTiles;
-  return GemmSchedule::kPipelined;
-}
-
-// Blocks of a product kernel that run at once on the current device: 4 a multiprocessor.
-int productWave() {
-  static const int wave = [] {
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      sms = 132;  // an H100 or H200 (the choice changes speed only, never the bits)
-    return 4 * sms;
-  }();
-  return wave;
 }
 
 Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k, float* y,
@@ -1077,8 +1057,6 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   if (schedule == GemmSchedule::kTiled &&
       (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
     schedule = GemmSchedule::kPipelined;
-  if (schedule == GemmSchedule::kFitted)
-    schedule = m <= 8 ? fittedSchedule(n, k, splits, productWave()) : GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,

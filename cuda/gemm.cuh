@@ -138,17 +138,15 @@ enum class GemmSchedule {
                  // rows by 32 tokens, the k splits a cluster's blocks as in the other schedules
                  // (a product of bf16 tokens; others run plain); pipelined below, and where
                  // its blocks would be fewer than kTiledMinBlocks (a small weight)
-  kFitted,       // 1-8 rows: one of plain, two_tiles and pipelined for each weight shape
-                 // (fittedSchedule); pipelined for more rows
 };
 inline constexpr int kTiledFromRows = 96;
 // 64 x 64 blocks (times the k splits) a product needs for tiled; bench-gemm at 128 rows, H100:
 // the 0.5B q/k/v (36 blocks) 13.6 us tiled against 7.3 pipelined, o (28) 13.6 against 6.7, down
 // (112) 15.2 against 24.8. A forced split count (bench-gemm, tests) keeps tiled where asked.
 inline constexpr int kTiledMinBlocks = 64;
-inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain,       GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
-    GemmSchedule::kInterleaved, GemmSchedule::kTiled,     GemmSchedule::kFitted};
+inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
+                                                  GemmSchedule::kTwoTiles,
+                                                  GemmSchedule::kInterleaved, GemmSchedule::kTiled};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -161,7 +159,7 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, tiled, fitted.
+// two_tiles, interleaved, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
@@ -169,18 +167,8 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
-         : s == GemmSchedule::kTiled       ? "tiled"
-                                           : "fitted";
+                                           : "tiled";
 }
-
-// The schedule kFitted gives a product of 1-8 rows of weight n x k split over `splits` blocks,
-// on a device where `wave` blocks of a product kernel run at once (4 a multiprocessor). One row,
-// H100 (`bench-gemm --rows 1`, cuda/PERFORMANCE.md): plain where every warp's k blocks are one
-// plain round and the blocks one wave (all of a block's weights are requested before the wait
-// for the kernel before: the 0.5B's q/k/v, o and down); two_tiles where the blocks are over one
-// wave and at most two and a warp has at most 16 k blocks (half the blocks, one wave: the 0.5B's
-// gate/up, the 7B's q/k/v); pipelined otherwise.
-GemmSchedule fittedSchedule(int n, int k, int splits, int wave);
 
 // x: m x k row-major; w: n x k row-major (a checkpoint's linear layer); y: m rows of n floats,
 // `ldy` apart (unused with a residual); x unused with a normed or activated input. Device memory,

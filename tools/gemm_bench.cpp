@@ -99,7 +99,6 @@ const Path kPaths[] = {
     {"+fold", "interleaved_folding", false, cuda::GemmSchedule::kInterleaved, true},
     {"tiled", "tiled", false, cuda::GemmSchedule::kTiled},
     {"+fold", "tiled_folding", false, cuda::GemmSchedule::kTiled, true},
-    {"fitted", "fitted", false, cuda::GemmSchedule::kFitted},
     {"cublas", "cublas", true},
 };
 
@@ -225,10 +224,8 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf(
-          "%28s splits (plain/pipelined/two_tiles/interleaved/tiled/fitted us), a step "
-          "uses %d:",
-          "", cuda::gemmSplits(p.n, p.k));
+      std::printf("%28s splits (plain/pipelined/two_tiles/interleaved/tiled us), a step uses %d:",
+                  "", cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {
         std::printf(" %d: ", splits);

@@ -340,9 +340,9 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   std::string defaults;
   for (const cuda::GemmSchedule s : cuda::kDefaultGemmSchedules)
     defaults += std::string(defaults.empty() ? "" : ",") + cuda::gemmScheduleName(s);
-  for (const std::string& names : {std::string("pipelined"), std::string("two_tiles"),
-                                   std::string("two_tiles,pipelined,two_tiles,pipelined"),
-                                   std::string("tiled"), std::string("fitted"), defaults}) {
+  for (const std::string& names :
+       {std::string("pipelined"), std::string("two_tiles"),
+        std::string("two_tiles,pipelined,two_tiles,pipelined"), std::string("tiled"), defaults}) {
     auto schedules = cuda::parseGemmSchedules(names);
     ASSERT_TRUE(schedules.ok()) << schedules.status().toString();
     auto other = cudaBackend(checkpoint_, true, 0, false, *schedules);

@@ -222,33 +222,6 @@ TEST(GemmProgrammatic, ReadsTheTokensTheKernelBeforeWroteInEverySchedule) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
-// The fitted schedule's choice at 1-8 rows for the Qwen2.5 shapes, a wave of 528 blocks (132
-// multiprocessors): what bench-gemm measured fastest at one row (no device needed).
-TEST(GemmSchedules, FittedChoosesByTheWeightsShape) {
-  struct Case {
-    const char* name;
-    int n, k;
-    cuda::GemmSchedule want;
-  };
-  const Case cases[] = {
-      {"0.5B q/k/v", 1152, 896, cuda::GemmSchedule::kPlain},
-      {"0.5B o", 896, 896, cuda::GemmSchedule::kPlain},
-      {"0.5B gate/up", 9728, 896, cuda::GemmSchedule::kTwoTiles},
-      {"0.5B down", 896, 4864, cuda::GemmSchedule::kPlain},
-      {"0.5B lm_head", 151936, 896, cuda::GemmSchedule::kPipelined},
-      {"7B q/k/v", 4608, 3584, cuda::GemmSchedule::kTwoTiles},
-      {"7B o", 3584, 3584, cuda::GemmSchedule::kPipelined},
-      {"7B gate/up", 37888, 3584, cuda::GemmSchedule::kPipelined},
-      {"7B down", 3584, 18944, cuda::GemmSchedule::kPipelined},
-      {"7B lm_head", 152064, 3584, cuda::GemmSchedule::kPipelined},
-  };
-  for (const Case& c : cases)
-    EXPECT_EQ(cuda::fittedSchedule(c.n, c.k, cuda::gemmSplits(c.n, c.k), 528), c.want)
-        << c.name << " (" << c.n << " x " << c.k << ", " << cuda::gemmSplits(c.n, c.k)
-        << " splits): "
-        << cuda::gemmScheduleName(cuda::fittedSchedule(c.n, c.k, cuda::gemmSplits(c.n, c.k), 528));
-}
-
 // The schedules a step's products use, per bucket of rows (no device needed).
 TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   auto all = cuda::parseGemmSchedules("two_tiles");

@@ -38,10 +38,6 @@
 #           then bench-engine on both shapes with --rope-in-attention off and on
 #   tiles   the GPU tests of attention in prefill tiles, then bench-engine on qwen2.5-7b at
 #           prompt 8,192 with --attention-tiles off and on (prefill tokens/s)
-#   fitted  the product tests (every schedule bit for bit), bench-gemm at 1 and 8 rows on both
-#           shapes, then bench-engine at 1 and 8 rows with the 1-8 row bucket pipelined against
-#           fitted (plain, two_tiles or pipelined by the weight's shape), twice each in turn,
-#           and fitted at 1-64 rows with the checks' and cuBLAS columns
 #   schedules bench-engine on both shapes with each product schedule (plain, pipelined,
 #           two_tiles, interleaved) in every bucket, no comparison columns
 #   prefill the product tests, then bench-engine prefill on both shapes (prompts of 2,048 tokens,
@@ -315,25 +311,6 @@ for group in "$@"; do
         run "bench-engine-qwen2.5-7b-long-tiles-$tiles" 200 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1 --prompt 8192 --steps 16 --no-compare --max-step-tokens 8192 \
           --attention-tiles $tiles
-      done
-      ;;
-    fitted)
-      run gemm-tests 240 "$bundle/gpu_tests" \
-        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*Schedule*'
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        run "bench-gemm-$shape-1" 120 "$bh" bench-gemm --shape $shape --rows 1,8 \
-          --json "$out/bench-gemm-$shape-1.json"
-      done
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for rep in 1 2; do
-          for first in pipelined fitted; do
-            run "bench-engine-$shape-$first-$rep" 150 "$bh" bench-engine --model "$m" \
-              --backend cuda --batch 1,8 --no-compare --gemm-schedules $first,plain,plain,tiled
-          done
-        done
-        run "bench-engine-$shape-fitted-compare" 200 "$bh" bench-engine --model "$m" \
-          --backend cuda --batch 1,8,32,64 --gemm-schedules fitted,plain,plain,tiled
       done
       ;;
     schedules)
