@@ -11,7 +11,7 @@ std::vector<Admit> planAdmission(std::span<const WaitingSequence> waiting, uint3
   std::vector<Admit> out;
   for (const WaitingSequence& s : waiting) {
     if (running >= max_running) break;
-    if (mostBlocks(s, block_size) > total_blocks) {
+    if (admissionBlocks(s, block_size) > total_blocks) {
       out.push_back(Admit::kRejectTooLarge);
       continue;
     }

@@ -19,6 +19,7 @@ enum class Admit { kStart, kRejectTooLarge };
 struct WaitingSequence {
   uint32_t history = 0;  // tokens in its history
   uint64_t most = 0;     // the most tokens it can come to hold: prompt + max_tokens
+  bool begun = false;    // its client has tokens from it (a replay, or a recompute)
 };
 
 // The blocks a sequence may come to need: for its whole request, and at least for its history
@@ -27,10 +28,18 @@ inline uint32_t mostBlocks(const WaitingSequence& s, uint32_t block_size) {
   return blocksFor(s.most > uint64_t(s.history) + 1 ? s.most : uint64_t(s.history) + 1, block_size);
 }
 
+// The blocks a sequence needs to be admitted at all: a new one's whole request (mostBlocks), so
+// that a request the worker could never finish is refused before its first token; one that has
+// begun (replayed on a worker that came back with a smaller cache, say) only its history and the
+// token it will generate next: it goes on as far as the cache holds it, and may finish first.
+inline uint32_t admissionBlocks(const WaitingSequence& s, uint32_t block_size) {
+  return s.begun ? blocksFor(uint64_t(s.history) + 1, block_size) : mostBlocks(s, block_size);
+}
+
 // Decisions for the longest prefix of `waiting` that can be decided now: a sequence starts when
-// the blocks for its history plus the token it will generate next are free; one whose request
-// could never fit the worker (mostBlocks over its total) is rejected before it produces a token,
-// rather than failed part-way; the first that must wait stops the walk (no overtaking).
+// the blocks for its history plus the token it will generate next are free; one that could never
+// fit the worker (admissionBlocks over its total) is rejected; the first that must wait stops the
+// walk (no overtaking).
 std::vector<Admit> planAdmission(std::span<const WaitingSequence> waiting, uint32_t free_blocks,
                                  uint32_t total_blocks, uint32_t block_size, size_t running,
                                  size_t max_running);

@@ -46,10 +46,13 @@ size_t Scheduler::stepDepth(const WorkerConnection& worker) const {
 
 bool Scheduler::stepOnce(WorkerConnection& worker) {
   const size_t depth = stepDepth(worker);
+  const uint64_t preemptions = queues_.counters().preemptions;
   while (in_flight_.size() < depth && sendStep(worker, depth)) {
   }
-  // A failed send replaces the worker, which forgets every step in flight.
-  if (in_flight_.empty() || slot_.worker() == nullptr) return !in_flight_.empty();
+  // A failed send replaces the worker, which forgets every step in flight. A plan that only
+  // preempted (a sequence alone that no longer fits the cache) leaves work for admission at once.
+  if (in_flight_.empty() || slot_.worker() == nullptr)
+    return !in_flight_.empty() || queues_.counters().preemptions != preemptions;
   completeStep(*slot_.worker());
   return true;
 }

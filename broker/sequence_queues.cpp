@@ -3,6 +3,7 @@
 #include "broker/sequence_queues.h"
 
 #include <algorithm>
+#include <string>
 
 #include <spdlog/spdlog.h>
 
@@ -30,17 +31,22 @@ void SequenceQueues::admit(size_t max_running) {
   std::vector<WaitingSequence> waiting;
   for (const auto& s : waiting_)
     waiting.push_back({uint32_t(s->ledger.tokens().size()),
-                       uint64_t(s->request.prompt.size()) + s->request.max_tokens});
+                       uint64_t(s->request.prompt.size()) + s->request.max_tokens,
+                       s->ledger.released() > 0});
   const auto decisions = planAdmission(waiting, blocks_.freeCount(), blocks_.total(), block_size_,
                                        running_.size(), max_running);
   for (size_t i = 0; i < decisions.size(); ++i) {
     SequencePtr seq = std::move(waiting_.front());
     waiting_.pop_front();
     if (decisions[i] == Admit::kRejectTooLarge) {
+      const std::string need = waiting[i].begun
+                                   ? "after " + std::to_string(seq->ledger.released()) +
+                                         " tokens the sequence's next token needs "
+                                   : "prompt (" + std::to_string(seq->request.prompt.size()) +
+                                         ") + max_tokens (" +
+                                         std::to_string(seq->request.max_tokens) + ") needs ";
       finish(*seq, FinishReason::kNone,
-             resourceExhausted("prompt (" + std::to_string(seq->request.prompt.size()) +
-                               ") + max_tokens (" + std::to_string(seq->request.max_tokens) +
-                               ") needs " + std::to_string(mostBlocks(waiting[i], block_size_)) +
+             resourceExhausted(need + std::to_string(admissionBlocks(waiting[i], block_size_)) +
                                " KV blocks of " + std::to_string(block_size_) +
                                " positions; the worker's cache has " +
                                std::to_string(blocks_.total())));

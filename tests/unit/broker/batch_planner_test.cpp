@@ -32,6 +32,17 @@ TEST(PlanAdmission, RejectsARequestWhoseMaxTokensCouldNeverFitBeforeItStarts) {
   EXPECT_EQ(mostBlocks({20, 12}, 4), 6u);  // never below what its history needs now
 }
 
+TEST(PlanAdmission, ASequenceThatHasBegunNeedsRoomOnlyForItsNextToken) {
+  // Three blocks of 4, as above: begun (its client has tokens; a replay on a worker that came
+  // back with a smaller cache), a 3 + 60 request starts with 9 tokens of history (3 blocks for
+  // history + 1) and goes on as far as the cache holds it; with 12 it could not take one more.
+  const std::vector<WaitingSequence> waiting = {{9, 63, true}, {12, 63, true}, {3, 63, false}};
+  EXPECT_EQ(planAdmission(waiting, 3, 3, 4, 0, 8),
+            (std::vector<Admit>{Admit::kStart, Admit::kRejectTooLarge, Admit::kRejectTooLarge}));
+  EXPECT_EQ(admissionBlocks({9, 63, true}, 4), 3u);
+  EXPECT_EQ(admissionBlocks({9, 63, false}, 4), 16u);
+}
+
 TEST(PlanAdmission, StopsAtTheRunningLimit) {
   const std::vector<WaitingSequence> waiting = {{1, 2}, {1, 2}, {1, 2}};
   EXPECT_EQ(planAdmission(waiting, 8, 8, 4, 6, 8).size(), 2u);

@@ -137,7 +137,9 @@ class RouterTest : public ::testing::Test {
   void startWithASmallWorker0(bool drain_worker_2) {
     controls_[0]->blocks = 16;
     start();
-    if (drain_worker_2) ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
+    if (drain_worker_2) {
+      ASSERT_TRUE(router_->drainWorker("worker-2", 10s).ok());
+    }
   }
   void expectNoClientStepOn(size_t worker) {
     for (const auto& s : controls_[worker]->steps())
@@ -433,8 +435,10 @@ TEST_F(RouterTest, ASequenceCancelledWhileItWaitsInTheRouterEndsThen) {
 }
 
 // And when the only worker that could hold them stays down (a crash loop), the ready worker takes
-// them rather than leave them waiting for nobody: they end with RESOURCE_EXHAUSTED saying why.
-TEST_F(RouterTest, SequencesNoLiveWorkerCanHoldEndWithTheReason) {
+// them rather than leave them waiting for nobody: having begun, they go on there as far as its
+// cache holds them (one at a time once they no longer fit side by side), their tokens exact,
+// then end with RESOURCE_EXHAUSTED saying why.
+TEST_F(RouterTest, SequencesNoLiveWorkerCanHoldGoOnAsFarAsTheyFitThenEndWithTheReason) {
   ASSERT_NO_FATAL_FAILURE(startWithASmallWorker0(/*drain_worker_2=*/true));
   controls_[1]->failStarts(1000);
   controls_[1]->scheduleFault(6, exitFault());
@@ -444,6 +448,9 @@ TEST_F(RouterTest, SequencesNoLiveWorkerCanHoldEndWithTheReason) {
     EXPECT_EQ(r.sink->status().code(), Code::kResourceExhausted) << r.sink->status().toString();
     EXPECT_NE(r.sink->status().message().find("KV blocks"), std::string::npos)
         << r.sink->status().toString();
+    const std::vector<uint32_t> tokens = r.sink->tokens();
+    EXPECT_GE(tokens.size(), 20u) << "it ended at the move, not when worker 0's cache was full";
+    EXPECT_EQ(tokens, expectedGreedy(r.prompt, uint32_t(tokens.size()), controls_[0]->vocab));
   }
   EXPECT_EQ(router_->workers()[1].status.state, "failed");
   EXPECT_EQ(router_->workers()[0].status.state, "ready");

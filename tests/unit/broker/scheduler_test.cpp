@@ -125,6 +125,36 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
   EXPECT_EQ(scheduler_->stats().worker_restarts, 1u);
 }
 
+// A worker that comes back from a fault with a smaller KV cache (16 blocks of 4 positions, from
+// 256; 44 positions with the canary's aside): a sequence whose client already has tokens is replayed there and goes on, its tokens
+// exact, as far as the new cache holds it, then ends with RESOURCE_EXHAUSTED naming the blocks,
+// rather than being refused at the replay for a max_tokens the new cache could not reach. A new
+// request too large for the new cache is still refused before its first token.
+TEST_F(SchedulerTest, AfterARestartWithASmallerCacheABegunSequenceGoesOnAsFarAsItFits) {
+  control_->on_start = [this](uint32_t start) {
+    if (start == 2) control_->blocks = 16;
+  };
+  control_->scheduleFault(
+      6, {.kind = test::FakeFault::Kind::kFailStep, .failure = WorkerFailure::Kind::kExited});
+  start();
+  auto runs = submit(1, 60);  // 63 positions: 16 blocks
+  ASSERT_TRUE(runs[0].sink->wait()) << "the request never ended";
+  EXPECT_EQ(runs[0].sink->status().code(), Code::kResourceExhausted)
+      << runs[0].sink->status().toString();
+  EXPECT_NE(runs[0].sink->status().message().find("KV blocks"), std::string::npos)
+      << runs[0].sink->status().toString();
+  const std::vector<uint32_t> tokens = runs[0].sink->tokens();
+  EXPECT_GE(tokens.size(), 20u)
+      << "the sequence stopped at the replay, not when the cache was full";
+  EXPECT_LT(tokens.size(), 60u);
+  EXPECT_EQ(tokens, expectedGreedy(runs[0].prompt, uint32_t(tokens.size()), control_->vocab));
+  EXPECT_EQ(replayedOnNewIncarnation(), 1u) << "the sequence is re-prefilled on the new worker";
+  auto refused = submit(1, 60);
+  ASSERT_TRUE(refused[0].sink->wait()) << "the new request never ended";
+  EXPECT_EQ(refused[0].sink->status().code(), Code::kResourceExhausted);
+  EXPECT_TRUE(refused[0].sink->tokens().empty()) << "refused before its first token";
+}
+
 // On SIGTERM a host's service manager stops the workers with the broker: a worker lost once the
 // scheduler was asked to stop is not replaced, and the open request ends with an error.
 TEST_F(SchedulerTest, AWorkerLostWhileStoppingIsNotReplaced) {
