@@ -2,8 +2,8 @@
 #include "tools/qualify.h"
 
 #include "broker/canary_run.h"
-#include "shared/work_pool.h"
 #include "broker/worker_client.h"
+#include "shared/work_pool.h"
 #include "worker/reference_engine.h"
 
 namespace bulkhead {

@@ -126,10 +126,11 @@ TEST_F(SchedulerTest, AWorkerLostMidGenerationIsReplayedWithIdenticalTokens) {
 }
 
 // A worker that comes back from a fault with a smaller KV cache (16 blocks of 4 positions, from
-// 256; 44 positions with the canary's aside): a sequence whose client already has tokens is replayed there and goes on, its tokens
-// exact, as far as the new cache holds it, then ends with RESOURCE_EXHAUSTED naming the blocks,
-// rather than being refused at the replay for a max_tokens the new cache could not reach. A new
-// request too large for the new cache is still refused before its first token.
+// 256; 44 positions with the canary's aside): a sequence whose client already has tokens is
+// replayed there and goes on, its tokens exact, as far as the new cache holds it, then ends with
+// RESOURCE_EXHAUSTED naming the blocks, rather than being refused at the replay for a max_tokens
+// the new cache could not reach. A new request too large for the new cache is still refused
+// before its first token.
 TEST_F(SchedulerTest, AfterARestartWithASmallerCacheABegunSequenceGoesOnAsFarAsItFits) {
   control_->on_start = [this](uint32_t start) {
     if (start == 2) control_->blocks = 16;
