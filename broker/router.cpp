@@ -206,7 +206,8 @@ void Router::park(size_t from, std::vector<SequencePtr>& sequences) {
 void Router::claimParked(size_t claimer, std::vector<SequencePtr>& into) {
   if (parked_count_.load() == 0) return;
   // Those its cache holds; and those no other worker that may still serve could hold, which it
-  // takes rather than leave them waiting for nobody (its admission refuses them, saying why).
+  // takes rather than leave them waiting for nobody (its admission serves one that has begun as
+  // far as its cache holds it, and refuses one that has not, saying why).
   // Those whose clients cancelled or whose deadlines passed while they waited end here.
   const WorkerStatus mine = schedulers_[claimer]->workerStatus();
   std::vector<WorkerStatus> others;
