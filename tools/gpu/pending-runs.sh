@@ -64,7 +64,8 @@
 #           comparison runs (checks off, cuBLAS products) as graphs of their own: what each
 #           kernel's checks cost in the captured steps (a line per kernel and grid, with its
 #           effective time; a checked product's grid has its check blocks past the unchecked one's)
-#   prefetch the product tests (every schedule bit for bit, prefetched among them), then
+#   prefetch the product tests (every schedule bit for bit, prefetched among them; PREFETCH_TESTS=off
+#           skips them), then
 #           bench-engine on both shapes (PREFETCH_BATCHES, default 1,8,32,64), the default
 #           schedules against the prefetched one at 1-8 rows, twice each in turn; then once at
 #           32 and 64 rows pipelined against prefetched in every bucket
@@ -414,7 +415,7 @@ for group in "$@"; do
       done
       ;;
     prefetch)
-      run gemm-tests 240 "$bundle/gpu_tests" \
+      [ "${PREFETCH_TESTS:-on}" = on ] && run gemm-tests 240 "$bundle/gpu_tests" \
         --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*Schedule*'
       for shape in qwen2.5-0.5b qwen2.5-7b; do
         m=$(model $shape)
