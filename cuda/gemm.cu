@@ -38,20 +38,6 @@ __device__ __forceinline__ uint4 load16(const __nv_bfloat16* p, bool valid) {
   return valid ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
 }
 
-// How many bytes of each weight row past its first round the prefetched schedule asks the L2
-// cache for before the wait (a multiple of 16): a round of loads (the tokens' too) is all that
-// may go before the wait into registers, but the L2 cache can take the rows' next rounds while
-// the kernels before run.
-constexpr int kPrefetchRowBytes = 4096;
-
-// Asks the L2 cache for `bytes` (a multiple of 16) from p (16-byte aligned), asynchronously; the
-// data goes nowhere else, so nothing waits for it.
-__device__ __forceinline__ void prefetchL2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // Eight inputs of a normed token (GemmNormedInput) as load16 would give them from the norm
 // kernel's output: bf16(w * (x * inv)), the norm kernel's expression.
 __device__ __forceinline__ uint4 normedLoad(const float* x, const __nv_bfloat16* w, float inv,
@@ -426,7 +412,7 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // kInput: where the tokens come from (a normed or activated input has more blocks,
 // its check tile, when it has checks to add).
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
-          bool kInterleaved = false, bool kPrefetch = false>
+          bool kInterleaved = false>
 __global__ void __launch_bounds__(kThreads)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
@@ -562,17 +548,6 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (base < k_blocks && !check_tile) loadWeights(0, base);
-  if constexpr (kPrefetch) {
-    // The tile's rows past the first round (each rank of the cluster some of them) into the L2
-    // cache, while the kernels before run.
-    const int r = int(threadIdx.x);
-    if (token_block == 0 && !check_tile && r < kRows && r % splits == rank && n0 + r < n) {
-      const size_t from = size_t(round) * 32, row = size_t(k);
-      if (from < row)
-        prefetchL2(w + size_t(n0 + r) * k + from,
-                   uint32_t(min(row - from, size_t(kPrefetchRowBytes / 2)) * 2));
-    }
-  }
   awaitKernelBefore();
   if constexpr (kActivated) {
     if (check_tile) {
@@ -691,9 +666,8 @@ struct ProductLaunch {
 };
 
 // kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
-// kPrefetch: the tile's rows asked of the L2 cache before the wait (GemmSchedule::kPrefetched).
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
-          bool kInterleaved = false, bool kPrefetch = false>
+          bool kInterleaved = false>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
@@ -723,42 +697,15 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   };
   if constexpr (kGroups == 1) {  // the inputs computed as they load: 1-8 rows
     if (act.gate_up != nullptr)
-      return res.x != nullptr ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true,
-                                              kActivatedInput, false, kPrefetch>)
-                              : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false,
-                                              kActivatedInput, false, kPrefetch>);
+      return res.x != nullptr
+                 ? go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kActivatedInput>)
+                 : go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kActivatedInput>);
     if (nin.x != nullptr)
-      return go(
-          gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput, false, kPrefetch>);
+      return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput>);
   }
   if (res.x != nullptr)
-    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved,
-                         kPrefetch>);
-  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved,
-                       kPrefetch>);
-}
-
-// The pipelined schedule's kernel for m rows (kPrefetch: the prefetched schedule's).
-template <bool kPrefetch>
-cudaError_t launchPipelined(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w,
-                            int n, int k, float* y, int ldy, cudaStream_t stream,
-                            const GemmFold& fold, const GemmResidual& res,
-                            const GemmNormedInput& nin, const GemmActivatedInput& act) {
-  if (m <= 8)
-    return launch<1, 4, true, 1, false, kPrefetch>(splits, x, m, w, n, k, y, ldy, stream, fold, res,
-                                                   nin, act);
-  if (m <= 16)
-    return launch<2, 2, true, 1, false, kPrefetch>(splits, x, m, w, n, k, y, ldy, stream, fold, res,
-                                                   nin, act);
-  if (m <= 32)
-    return launch<4, 1, true, 1, false, kPrefetch>(splits, x, m, w, n, k, y, ldy, stream, fold, res,
-                                                   nin, act);
-  if (m <= 64)
-    return launch<8, 1, true, 1, false, kPrefetch>(splits, x, m, w, n, k, y, ldy, stream, fold, res,
-                                                   nin, act);
-  // Several token blocks: each tile's side by side, its later reads from the L2 cache.
-  return launch<8, 1, true, 1, true, kPrefetch>(splits, x, m, w, n, k, y, ldy, stream, fold, res,
-                                                nin, act);
+    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved>);
+  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
 }
 
 // The tiled schedule's kernel (from kTiledFromRows rows: large decode steps and prefill): a block
@@ -1011,9 +958,8 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
       }
     }
     if (!known)
-      return invalidArgument(
-          "product schedule \"" + std::string(name) +
-          "\" (known: plain, pipelined, prefetched, two_tiles, interleaved, tiled)");
+      return invalidArgument("product schedule \"" + std::string(name) +
+                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1112,11 +1058,21 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
       (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
     schedule = GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
-    launched = launchPipelined<false>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
-                                      activated);
-  } else if (schedule == GemmSchedule::kPrefetched) {
-    launched = launchPipelined<true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
-                                     activated);
+    if (m <= 8)
+      launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
+    else if (m <= 16)
+      launched = launch<2, 2, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
+    else if (m <= 32)
+      launched = launch<4, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
+    else if (m <= 64)
+      launched = launch<8, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
+                                    activated);
+    else  // several token blocks: each tile's side by side, its later reads from the L2 cache
+      launched = launch<8, 1, true, 1, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
+                                             normed, activated);
   } else if (schedule == GemmSchedule::kTwoTiles) {
     if (m <= 8)
       launched = launch<1, 4, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,

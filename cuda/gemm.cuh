@@ -128,9 +128,6 @@ enum class GemmSchedule {
   kPipelined,    // the next round's loads in flight while a round multiplies (half the unroll);
                  // over 64 rows (prefill) the token blocks of each weight tile are launched side
                  // by side, as kInterleaved's are, so the tile is read from memory once
-  kPrefetched,   // pipelined, and before its wait for the kernel before each block asks the L2
-                 // cache for its weight rows past the first round (up to 4 KB a row), so that
-                 // memory is busy with the product's weights while the kernels before it run
   kTwoTiles,     // two weight tiles a warp, multiplied by each token fragment it loads (half the
                  // unroll): the tokens are read from the L2 cache half as often
   kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
@@ -147,9 +144,9 @@ inline constexpr int kTiledFromRows = 96;
 // the 0.5B q/k/v (36 blocks) 13.6 us tiled against 7.3 pipelined, o (28) 13.6 against 6.7, down
 // (112) 15.2 against 24.8. A forced split count (bench-gemm, tests) keeps tiled where asked.
 inline constexpr int kTiledMinBlocks = 64;
-inline constexpr GemmSchedule kGemmSchedules[] = {
-    GemmSchedule::kPlain,    GemmSchedule::kPipelined,   GemmSchedule::kPrefetched,
-    GemmSchedule::kTwoTiles, GemmSchedule::kInterleaved, GemmSchedule::kTiled};
+inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
+                                                  GemmSchedule::kTwoTiles,
+                                                  GemmSchedule::kInterleaved, GemmSchedule::kTiled};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -162,13 +159,12 @@ inline int gemmBucket(int rows) {
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// prefetched, two_tiles, interleaved, tiled.
+// two_tiles, interleaved, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
   return s == GemmSchedule::kPlain         ? "plain"
          : s == GemmSchedule::kPipelined   ? "pipelined"
-         : s == GemmSchedule::kPrefetched  ? "prefetched"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
                                            : "tiled";

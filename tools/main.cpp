@@ -210,8 +210,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off"}));
   engine_bench->add_option("--gemm-schedules", engine_opts.gemm_schedules,
                            "CUDA: the product's schedule, one or one per bucket of rows "
-                           "(1-8,9-16,17-32,33+): plain, pipelined, prefetched, two_tiles, "
-                           "interleaved, tiled");
+                           "(1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, tiled");
   engine_bench->add_option("--prompt", engine_opts.prompt, "Tokens prefilled per sequence");
   engine_bench->add_option("--max-step-tokens", engine_opts.max_step_tokens,
                            "Tokens a step may hold (the backend's default: 8192); longer "

@@ -341,7 +341,7 @@ TEST_P(CudaBackendModels, ProductSchedulesDoNotChangeLogits) {
   for (const cuda::GemmSchedule s : cuda::kDefaultGemmSchedules)
     defaults += std::string(defaults.empty() ? "" : ",") + cuda::gemmScheduleName(s);
   for (const std::string& names :
-       {std::string("pipelined"), std::string("prefetched"), std::string("two_tiles"),
+       {std::string("pipelined"), std::string("two_tiles"),
         std::string("two_tiles,pipelined,two_tiles,pipelined"), std::string("tiled"), defaults}) {
     auto schedules = cuda::parseGemmSchedules(names);
     ASSERT_TRUE(schedules.ok()) << schedules.status().toString();

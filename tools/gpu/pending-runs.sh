@@ -64,11 +64,6 @@
 #           comparison runs (checks off, cuBLAS products) as graphs of their own: what each
 #           kernel's checks cost in the captured steps (a line per kernel and grid, with its
 #           effective time; a checked product's grid has its check blocks past the unchecked one's)
-#   prefetch the product tests (every schedule bit for bit, prefetched among them; PREFETCH_TESTS=off
-#           skips them), then
-#           bench-engine on both shapes (PREFETCH_BATCHES, default 1,8,32,64), the default
-#           schedules against the prefetched one at 1-8 rows, twice each in turn; then once at
-#           32 and 64 rows pipelined against prefetched in every bucket
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) and any
 #           BUNDLE/bulkhead-ab-* (more builds) against this bundle's bulkhead, twice each, in turn
 #   ab-checks the same with the checks' and cuBLAS columns
@@ -412,26 +407,6 @@ for group in "$@"; do
           --model "$m" --backend cuda --batch 1,32 --steps 32
         run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py \
           "$out/timeline-$shape-checks.csv" --by-grid
-      done
-      ;;
-    prefetch)
-      [ "${PREFETCH_TESTS:-on}" = on ] && run gemm-tests 240 "$bundle/gpu_tests" \
-        --gtest_filter='*Gemm*:*ProductFold*:TokenChecks*:*ResidualEpilogue*:*Schedule*'
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for rep in 1 2; do
-          for first in pipelined prefetched; do
-            run "bench-engine-$shape-$first-$rep" 150 "$bh" bench-engine --model "$m" \
-              --backend cuda --batch "${PREFETCH_BATCHES:-1,8,32,64}" --no-compare \
-              --gemm-schedules $first,plain,plain,tiled
-          done
-        done
-      done
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        for every in pipelined prefetched; do
-          run "bench-engine-$shape-all-$every" 150 "$bh" bench-engine --model "$(model $shape)" \
-            --backend cuda --batch 32,64 --no-compare --gemm-schedules $every
-        done
       done
       ;;
     ab) alternate "" --no-compare ;;
