@@ -47,6 +47,9 @@
 #           decode at 33 to 256 rows (and the prefill of their 128-token prompts), prefill of one
 #           2,048-token prompt a step; the bucket of 33+ rows pipelined against tiled (the default
 #           from 96 rows)
+#   cublas-probe whether workspace-0 cuBLAS keeps each row's bits at 1 to 2,048 rows on the
+#           Qwen2.5 product shapes, which algorithm cuBLASLt picks at each, and their speed
+#           (tools/gpu/cublas_probe.cu, built there)
 #   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
 #           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
 #   context bench-engine on both shapes at prompt 128 and 2,048 (b1, 8, 32; the prompts prefilled
@@ -350,6 +353,9 @@ for group in "$@"; do
       ;;
     attention-probe)
       probe attention_mma_probe 120 -std=c++17 -gencode arch=compute_90,code=sm_90 -O3
+      ;;
+    cublas-probe)
+      probe cublas_probe 300 -std=c++17 -gencode arch=compute_90,code=sm_90 -O3 -lcublasLt -lcublas
       ;;
     wgmma-probe)
       probe mma_equality_probe 60 -std=c++20 -gencode arch=compute_90a,code=sm_90a -O2
