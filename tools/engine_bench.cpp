@@ -72,6 +72,7 @@ struct Measured {
   double step_p99_us = 0;
   std::vector<LaunchTime> launches;          // the timed steps', with kernel times
   std::vector<LaunchTime> prefill_launches;  // the whole prefill's, with kernel times
+  std::string backend_name;                  // Backend::name(): which products it chose
 };
 
 // Weight bytes a decode step of `batch` sequences reads: every used tensor but the embedding
@@ -127,7 +128,10 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_programmatic_launch = o.programmatic_launch;
   options.cuda_gemm_schedules = o.gemm_schedules;
   options.max_step_tokens = o.max_step_tokens;
-  options.cuda_cublas_products = v.cublas;
+  if (v.cublas)
+    options.cuda_cublas_products = true;
+  else if (o.cublas_products != "auto")
+    options.cuda_cublas_products = o.cublas_products == "on";
   options.cuda_kernel_times = v.kernel_times;
   options.cuda_residual_in_products = o.residual_in_products && !v.cublas;  // ours only
   options.cuda_norm_in_products = o.norm_in_products && !v.cublas;
@@ -171,6 +175,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
       dst[s] = rows.row(s, vocab);
     }
     Measured m;
+    m.backend_name = std::string(backend->name());
     auto start = Clock::now();
     BULKHEAD_RETURN_IF_ERROR(prefill(*backend, steps, dst, limits.max_step_tokens));
     m.prefill_tokens_per_s = double(batch) * o.prompt / (usSince(start) * 1e-6);
@@ -287,14 +292,15 @@ Status runEngineBench(const EngineBenchOptions& o) {
   std::printf(
       "bench-engine: %s on %s, graphs %s, programmatic launch %s, product schedules %s, "
       "residual in products %s, norms in products %s, silu in products %s, rope in attention %s, "
-      "attention tiles %s, attention on tensor cores %s, logits in product %s, prompt %u, %u "
-      "decode steps per batch size\n",
+      "attention tiles %s, attention on tensor cores %s, logits in product %s, cuBLAS products "
+      "%s (%s), prompt %u, %u decode steps per batch size\n",
       o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off",
       o.programmatic_launch ? "on" : "off",
       o.gemm_schedules.empty() ? "default" : o.gemm_schedules.c_str(),
       o.residual_in_products ? "on" : "off", o.norm_in_products ? "on" : "off",
       o.silu_in_products ? "on" : "off", o.rope_in_attention.c_str(), o.attention_tiles.c_str(),
-      o.attention_mma.c_str(), o.logits_in_product.c_str(), o.prompt, o.steps);
+      o.attention_mma.c_str(), o.logits_in_product.c_str(), o.cublas_products.c_str(),
+      results[0].empty() ? "" : results[0][0].backend_name.c_str(), o.prompt, o.steps);
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
                 read_bytes_per_s / 1e9);
@@ -317,6 +323,8 @@ Status runEngineBench(const EngineBenchOptions& o) {
       {"attention_tiles", o.attention_tiles},
       {"attention_mma", o.attention_mma},
       {"logits_in_product", o.logits_in_product},
+      {"cublas_products", o.cublas_products},
+      {"backend_name", results[0].empty() ? "" : results[0][0].backend_name},
       {"prompt", o.prompt},
       {"steps", o.steps},
       {"read_bandwidth_gb_s", read_bytes_per_s / 1e9},

@@ -196,16 +196,17 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->checkpoint_ = std::move(checkpoint);
   b->attention_scale_ = options.attention_scale_factor;
   b->kernel_times_ = options.kernel_times;
-  if (options.residual_in_products && options.cublas_products)
+  const ModelConfig& c = b->config();
+  b->cublas_products_ = options.cublas_products.value_or(c.hidden_size >= kCublasHiddenSize);
+  if (options.residual_in_products && b->cublas_products_)
     return invalidArgument("cuBLAS products cannot add into the residual stream");
   b->residual_in_products_ = options.residual_in_products;
   if (options.norm_in_products && !options.residual_in_products)
     return invalidArgument("norms in the products need the residual in the products");
   b->norm_in_products_ = options.norm_in_products;
-  if (options.silu_in_products && options.cublas_products)
+  if (options.silu_in_products && b->cublas_products_)
     return invalidArgument("cuBLAS products cannot compute their own activation");
   b->silu_in_products_ = options.silu_in_products;
-  const ModelConfig& c = b->config();
   const bool mma_fits = cuda::mmaAttentionSupportsHeadDim(c.head_dim) &&
                         c.num_heads / c.num_kv_heads <= cuda::kMmaTileItems;
   b->attention_mma_ = options.attention_mma;
@@ -224,6 +225,11 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->d_ = std::make_unique<CudaState>();
   BULKHEAD_RETURN_IF_ERROR(b->load(options));
   return b;
+}
+
+std::string_view CudaBackend::name() const {
+  if (cublas_products_) return attention_mma_ ? "cuda-cublas-mma" : "cuda-cublas";
+  return attention_mma_ ? "cuda-mma" : "cuda";
 }
 
 CudaBackend::~CudaBackend() {
@@ -351,9 +357,12 @@ Status CudaBackend::computeColumnSums() {
 
 void CudaBackend::expectFolds() {
   // What every weight our kernels load must fold to, from the checkpoint's own bytes: the
-  // norms, biases and embedding in our elementwise kernels, the products' weights in ours.
+  // norms, biases and embedding in our elementwise kernels, the products' weights in ours (not
+  // in cuBLAS's: their arithmetic check is their in-step check).
   auto role = [&](Weight& w, FoldRole::Uses uses) {
     if (w.tensor == nullptr) return;
+    if (cublas_products_ && (uses == FoldRole::kProducts || uses == FoldRole::kLogitsChunks))
+      return;
     w.fold = int(folds_.size());
     FoldRole& f = folds_.emplace_back();
     f.weight = &w;
@@ -481,9 +490,7 @@ Status CudaBackend::load(const Options& options) {
   clock.phase("weight upload (" + std::to_string(weight_bytes >> 20) + " MiB)");
   BULKHEAD_RETURN_IF_ERROR(bindRoles());
   BULKHEAD_RETURN_IF_ERROR(computeColumnSums());
-  if (options.cublas_products && options.check_weight_reads)
-    return invalidArgument("cuBLAS products cannot run the in-step checks: turn them off");
-  if (options.cublas_products) {
+  if (cublas_products_) {
     BULKHEAD_ASSIGN_OR_RETURN(d.cublas, cuda::Matmul::create(d.stream.get()));
   }
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
@@ -509,6 +516,37 @@ Status CudaBackend::load(const Options& options) {
              .kv_cache_bytes = d.kv_layer_elems * c.num_layers * 2 * 2,
              .checks_weight_reads = options.check_weight_reads,
              .compute_grows_with_rows = false};
+  if (d.cublas != nullptr) {
+    BULKHEAD_RETURN_IF_ERROR(warmCublas(int(options.max_step_tokens)));
+    clock.phase("cuBLAS warm-up");
+    spdlog::info("CUDA device {} ready in {}", device_, clock.summary());
+  }
+  return okStatus();
+}
+
+// cuBLAS loads each of its kernels on first use and picks one by the row count, so a step of a
+// new size (a long prompt's first chunk above all) would wait for the loading. Each product of
+// the first layer and lm_head runs once at every power of two of rows up to a step's most (on
+// the step buffers, whatever they hold), so the kernels any step picks are loaded before it.
+Status CudaBackend::warmCublas(int max_rows) {
+  CudaState& d = *d_;
+  const ModelConfig& c = config();
+  const Layer& L = layers_.front();
+  auto* xn = d.xn.get<__nv_bfloat16>();
+  for (int m = 1;; m = std::min(2 * m, max_rows)) {
+    BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, m, d.qkv.get<float>(), d.qkv_stride));
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&L.o}, d.attn.get<__nv_bfloat16>(), m, d.delta.get<float>(), c.hidden_size));
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&L.gate, &L.up}, xn, m, d.gate_up.get<float>(), 2 * c.intermediate_size));
+    BULKHEAD_RETURN_IF_ERROR(
+        products({&L.down}, d.act.get<__nv_bfloat16>(), m, d.delta.get<float>(), c.hidden_size));
+    if (m <= kLogitsChunk)
+      BULKHEAD_RETURN_IF_ERROR(products({&lm_head_}, d.final_rows.get<__nv_bfloat16>(), m,
+                                        d.logits.get<float>(), c.vocab_size));
+    if (m == max_rows) break;
+  }
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
   return okStatus();
 }
 

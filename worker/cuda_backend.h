@@ -28,6 +28,9 @@ struct CudaState;  // the device resources, defined where they are used
 
 class CudaBackend final : public Backend {
  public:
+  // Options::cublas_products unset: cuBLAS products for models whose hidden size is at least this.
+  static constexpr int kCublasHiddenSize = 2048;
+
   struct Options {
     int device = 0;
     uint32_t kv_block_size = 16;
@@ -41,9 +44,15 @@ class CudaBackend final : public Backend {
     // build support it: each may begin, and load its weights, while the one before it finishes.
     // The numbers are the same either way.
     bool programmatic_launch = true;
-    // Every product through cuBLAS (cuda/matmul.cuh) instead of our kernel: a speed reference
-    // for bench-engine. cuBLAS cannot fold the words it loads, so the in-step checks are off.
-    bool cublas_products = false;
+    // Every product through workspace-0 cuBLAS (cuda/matmul.cuh) instead of our kernel. Its rows
+    // keep their bits whatever the row count (tests/gpu/matmul_gpu_test.cpp, 1 to 2,048 rows),
+    // but they are not our kernel's bits, so the name (the key of canary records) says which.
+    // cuBLAS cannot fold the words it loads: the arithmetic check with the canonical column
+    // sums, computed in the kernels around each product, is then its weights' in-step check,
+    // and the scrubber sees the flips too small for it. Unset: cuBLAS for models of
+    // kCublasHiddenSize and more (its products were faster at every row count there:
+    // cuda/PERFORMANCE.md), ours below (where cuBLAS is bound by its launches).
+    std::optional<bool> cublas_products;
     // The product's schedule per bucket of rows (cuda/gemm.cuh): the same bits in each, so it
     // changes speed only.
     cuda::GemmScheduleBuckets gemm_schedules = cuda::kDefaultGemmSchedules;
@@ -94,8 +103,9 @@ class CudaBackend final : public Backend {
                                                      const Options& options);
   ~CudaBackend() override;
 
-  // With attention_mma, "cuda-mma": the name keys canary records, and the numbers differ.
-  std::string_view name() const override { return attention_mma_ ? "cuda-mma" : "cuda"; }
+  // The name keys canary records: "cuda", with "-cublas" for cuBLAS products and "-mma" for
+  // attention on the tensor cores, whose numbers differ.
+  std::string_view name() const override;
   const ModelConfig& config() const override { return checkpoint_->config(); }
   const BackendLimits& limits() const override { return limits_; }
   Status registerOutputs(std::span<std::byte> memory) override;
@@ -169,6 +179,7 @@ class CudaBackend final : public Backend {
   Status uploadRopeTables();
   Status bind(Weight& w, const TensorView* tensor, const std::string& role);
   Status allocateStep(const Options& options);
+  Status warmCublas(int max_rows);
   // The step's launches on the stream, from clearing the checks to reading them back.
   Status launchForward(int tokens, int logits_rows, bool aligned);
   // launchForward() on the stream (or a graph of it, `graph`), the product checks cleared first
@@ -251,6 +262,7 @@ class CudaBackend final : public Backend {
   bool rope_in_attention_ = false;
   bool attention_tiles_ = false;
   bool attention_mma_ = false;
+  bool cublas_products_ = false;  // Options::cublas_products, resolved
   bool logits_in_product_ = true;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};

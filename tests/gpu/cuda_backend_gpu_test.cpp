@@ -59,6 +59,7 @@ bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
 bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
 bool logits_in_product = true;   // CudaBackend::Options::logits_in_product
 bool attention_mma = false;      // CudaBackend::Options::attention_mma
+bool cublas_products = false;    // CudaBackend::Options::cublas_products (set: no size default)
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -71,6 +72,7 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.attention_tiles = attention_tiles;
   options.logits_in_product = logits_in_product;
   options.attention_mma = attention_mma;
+  options.cublas_products = cublas_products;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -145,6 +147,7 @@ struct ModelCase {
   bool rope = false;      // CudaBackend::Options::rope_in_attention
   bool tiles = false;     // CudaBackend::Options::attention_tiles
   bool mma = false;       // CudaBackend::Options::attention_mma
+  bool cublas = false;    // CudaBackend::Options::cublas_products
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -160,6 +163,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     rope_in_attention = GetParam().rope;
     attention_tiles = GetParam().tiles;
     attention_mma = GetParam().mma;
+    cublas_products = GetParam().cublas;
     const std::string dir =
         GetParam().shape.empty() ? test::fixtureDir("tiny-qwen2") : madeModel(GetParam().shape);
     ASSERT_FALSE(dir.empty());
@@ -172,7 +176,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
 
   void TearDown() override {
     residual_in_products = norm_in_products = silu_in_products = rope_in_attention =
-        attention_tiles = attention_mma = false;
+        attention_tiles = attention_mma = cublas_products = false;
   }
 
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -196,8 +200,10 @@ TEST_P(CudaBackendModels, AttentionRunsOnTheTensorCoresWhenAskedTo) {
   const uint64_t before = backend_->mmaAttentionSteps();
   driver.runAlone(1, tokens, 7);  // steps of 7, 7 and 6 rows
   EXPECT_EQ(backend_->mmaAttentionSteps() - before, GetParam().mma ? 3u : 0u);
-  // Its numbers are its own, so its canary records are too: they are keyed by the name.
-  EXPECT_EQ(backend_->name(), GetParam().mma ? "cuda-mma" : "cuda");
+  // Its numbers are its own, so its canary records are too: they are keyed by the name, as
+  // cuBLAS products' are.
+  EXPECT_EQ(backend_->name(), std::string(GetParam().cublas ? "cuda-cublas" : "cuda") +
+                                  (GetParam().mma ? "-mma" : ""));
 }
 
 TEST_P(CudaBackendModels, BatchCompositionDoesNotChangeLogits) {
@@ -262,9 +268,11 @@ TEST_P(CudaBackendModels, LogitsStoredByTheProductAreTheCopiedOnes) {
   expectIdentical(stored, decodeThree(*copied_plain, vocab_), "copied, no graphs");
   expectIdentical(stored, decodeThree(*plain, vocab_), "stored, no graphs");
   EXPECT_GT(backend_->graphLaunches(), 0u) << "no step ran as a graph";
-  // decodeThree: 3 prefill steps and 32 decode steps, every one stored by lm_head or none.
-  EXPECT_EQ(backend_->productStoredRowSteps(), 35u);
-  EXPECT_EQ(plain->productStoredRowSteps(), 35u);
+  // decodeThree: 3 prefill steps and 32 decode steps, every one stored by lm_head or none (a
+  // cuBLAS lm_head stores none: the copy after it does).
+  const uint64_t stored_steps = GetParam().cublas ? 0 : 35;
+  EXPECT_EQ(backend_->productStoredRowSteps(), stored_steps);
+  EXPECT_EQ(plain->productStoredRowSteps(), stored_steps);
   EXPECT_EQ(copied->productStoredRowSteps(), 0u);
   EXPECT_EQ(copied_plain->productStoredRowSteps(), 0u);
 }
@@ -368,6 +376,7 @@ TEST_P(CudaBackendModels, KernelTimesAccountForEveryLaunchAndChangeNothing) {
   options.rope_in_attention = GetParam().rope;
   options.attention_tiles = GetParam().tiles;
   options.attention_mma = GetParam().mma;
+  options.cublas_products = GetParam().cublas;
   options.kv_blocks = 256;
   options.max_step_tokens = 1024;
   auto created = CudaBackend::create(checkpoint_, options);
@@ -636,6 +645,12 @@ TEST_P(CudaBackendModels, AStaleSlotFailsItsSlotTagBeforeComputing) {
   EXPECT_EQ(verdict.failed_check, WeightCheck::kSlotTag) << verdict.why;
 }
 
+// A matrix multiply's weight (not a bias, norm or embedding), by the checkpoint's names.
+bool isProductWeight(const std::string& name) {
+  return name == "lm_head.weight" ||
+         (name.size() > 12 && name.compare(name.size() - 12, 12, "_proj.weight") == 0);
+}
+
 TEST_P(CudaBackendModels, AFlippedWeightBitFailsTheStepThatReadsIt) {
   const auto tokens = randomTokens(8, vocab_, 13);
   // The high exponent bit, then the lowest mantissa bit, of the first bf16 of every used tensor:
@@ -644,19 +659,29 @@ TEST_P(CudaBackendModels, AFlippedWeightBitFailsTheStepThatReadsIt) {
   std::vector<uint32_t> with_zero = tokens;
   with_zero[3] = 0;
   uint64_t offset = 0;
+  uint32_t tensor = 0;
   for (const TensorView* t : checkpoint_->usedTensors()) {
     ASSERT_TRUE(backend_->flipWeightBit(offset + 1, 6).ok());
     const auto verdict = verdictOf(*backend_, with_zero, 1);
     EXPECT_FALSE(verdict.failed_tensor.empty()) << t->name << " flipped, step passed";
     ASSERT_TRUE(backend_->flipWeightBit(offset + 1, 6).ok());  // flip back
     // The lowest mantissa bit: far inside the arithmetic check's tolerance, so only the folded
-    // words of the reads can see it.
+    // words of the reads can see it; cuBLAS folds none, so in its products' weights only the
+    // scrubber's checksums can.
     ASSERT_TRUE(backend_->flipWeightBit(offset, 0).ok());
     const auto low = verdictOf(*backend_, with_zero, 1);
-    EXPECT_FALSE(low.failed_tensor.empty()) << t->name << " low bit flipped, step passed";
-    EXPECT_EQ(low.failed_check, WeightCheck::kReads) << t->name << ": " << low.why;
+    if (GetParam().cublas && isProductWeight(t->name)) {
+      const std::vector<WeightRange> ranges = {{tensor, 0, t->data.size()}};
+      std::vector<uint64_t> got(1);
+      ASSERT_TRUE(backend_->residentChecksums(ranges, got).ok());
+      EXPECT_NE(got[0], checksumBytes(t->data)) << t->name << " low bit flipped, scrub passed";
+    } else {
+      EXPECT_FALSE(low.failed_tensor.empty()) << t->name << " low bit flipped, step passed";
+      EXPECT_EQ(low.failed_check, WeightCheck::kReads) << t->name << ": " << low.why;
+    }
     ASSERT_TRUE(backend_->flipWeightBit(offset, 0).ok());
     offset += t->data.size();
+    ++tensor;
   }
   const auto clean = verdictOf(*backend_, with_zero, 2);
   EXPECT_TRUE(clean.failed_tensor.empty()) << clean.failed_tensor << ": " << clean.why;
@@ -739,7 +764,12 @@ INSTANTIATE_TEST_SUITE_P(
                   true},
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
-                  true}),
+                  true},
+        // cuBLAS products (the default from a hidden size of 2048), checked by the arithmetic
+        // check alone.
+        ModelCase{"fixture_qwen2_cublas", "", false, false, false, false, false, false, true},
+        ModelCase{"qwen7b_layer_cublas", "qwen2.5-7b-layer", false, false, false, false, true,
+                  false, true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -29,21 +29,21 @@
       std::exit(2);                                                                              \
     }                                                                                            \
   } while (0)
-#define CHECK_BLAS(call)                                                                 \
-  do {                                                                                   \
-    cublasStatus_t s_ = (call);                                                          \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,                  \
-                   cublasGetStatusString(s_));                                           \
-      std::exit(2);                                                                      \
-    }                                                                                    \
+#define CHECK_BLAS(call)                                                \
+  do {                                                                  \
+    cublasStatus_t s_ = (call);                                         \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, \
+                   cublasGetStatusString(s_));                          \
+      std::exit(2);                                                     \
+    }                                                                   \
   } while (0)
 
 namespace {
 
 constexpr int kMaxRows = 2048;
-const int kRowCounts[] = {1,  2,  3,   4,   7,   8,   9,   16,  17,  31,   32,   33,  48,
-                          63, 64, 65,  96,  127, 128, 129, 200, 256, 384, 512, 777, 1024, 2048};
+const int kRowCounts[] = {1,  2,  3,  4,   7,   8,   9,   16,  17,  31,  32,  33,   48,  63,
+                          64, 65, 96, 127, 128, 129, 200, 256, 384, 512, 777, 1024, 2048};
 
 __global__ void fill(__nv_bfloat16* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
@@ -136,13 +136,17 @@ struct Probe {
 
 void describe(const cublasLtMatmulAlgo_t& algo, char* out, size_t size) {
   auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) {
-    uint64_t v = 0;  // every attribute read here is an integer of at most 8 bytes
-    size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof v, &written) !=
-        CUBLAS_STATUS_SUCCESS)
-      return -1LL;
-    return static_cast<long long>(v);
+    // The attributes are integers of 2, 4 or 8 bytes, and a read must name the exact size.
+    for (size_t bytes : {4, 2, 8}) {
+      uint64_t v = 0;
+      size_t written = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, bytes, &written) ==
+          CUBLAS_STATUS_SUCCESS)
+        return static_cast<long long>(v);
+    }
+    return -1LL;
   };
+
   std::snprintf(out, size, "id %lld tile %lld stages %lld splitk %lld reduction %lld cluster %lld",
                 get(CUBLASLT_ALGO_CONFIG_ID), get(CUBLASLT_ALGO_CONFIG_TILE_ID),
                 get(CUBLASLT_ALGO_CONFIG_STAGES_ID), get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
@@ -153,11 +157,12 @@ void describe(const cublasLtMatmulAlgo_t& algo, char* out, size_t size) {
 }  // namespace
 
 int main() {
-  const Shape shapes[] = {{"0.5B q/k/v 1152x896", 1152, 896},     {"0.5B o 896x896", 896, 896},
-                          {"0.5B gate/up 9728x896", 9728, 896},   {"0.5B down 896x4864", 896, 4864},
-                          {"0.5B lm_head 151936x896", 151936, 896}, {"7B q/k/v 4608x3584", 4608, 3584},
-                          {"7B o 3584x3584", 3584, 3584},         {"7B gate/up 37888x3584", 37888, 3584},
-                          {"7B down 3584x18944", 3584, 18944},    {"7B lm_head 152064x3584", 152064, 3584}};
+  const Shape shapes[] = {
+      {"0.5B q/k/v 1152x896", 1152, 896},       {"0.5B o 896x896", 896, 896},
+      {"0.5B gate/up 9728x896", 9728, 896},     {"0.5B down 896x4864", 896, 4864},
+      {"0.5B lm_head 151936x896", 151936, 896}, {"7B q/k/v 4608x3584", 4608, 3584},
+      {"7B o 3584x3584", 3584, 3584},           {"7B gate/up 37888x3584", 37888, 3584},
+      {"7B down 3584x18944", 3584, 18944},      {"7B lm_head 152064x3584", 152064, 3584}};
   Probe p{};
   CHECK(cudaStreamCreate(&p.stream));
   CHECK_BLAS(cublasCreate(&p.blas));
