@@ -128,10 +128,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_programmatic_launch = o.programmatic_launch;
   options.cuda_gemm_schedules = o.gemm_schedules;
   options.max_step_tokens = o.max_step_tokens;
-  if (v.cublas)
-    options.cuda_cublas_products = true;
-  else if (o.cublas_products != "auto")
-    options.cuda_cublas_products = o.cublas_products == "on";
+  options.cuda_cublas_products = v.cublas || o.cublas_products == "on";
   options.cuda_kernel_times = v.kernel_times;
   options.cuda_residual_in_products = o.residual_in_products && !v.cublas;  // ours only
   options.cuda_norm_in_products = o.norm_in_products && !v.cublas;

@@ -35,7 +35,7 @@ struct EngineBenchOptions {
   std::string attention_tiles = "on";      // CudaBackend::Options::attention_tiles: on, off
   std::string attention_mma = "off";       // CudaBackend::Options::attention_mma: on, off
   std::string logits_in_product = "on";    // CudaBackend::Options::logits_in_product: on, off
-  std::string cublas_products = "auto";    // CudaBackend::Options::cublas_products: on, off
+  std::string cublas_products = "off";     // CudaBackend::Options::cublas_products: on, off
   std::string json_path;
 };
 

@@ -16,11 +16,11 @@ struct BackendOptions {
   unsigned cpu_threads = 0;  // the CPU backend's kernel threads (0: CpuBackend::defaultThreads())
   // Check every step's weight reads (off only to measure what the checks cost).
   bool check_weight_reads = true;
-  float attention_scale_factor = 1.0f;       // fault injection (CpuBackend::Options)
-  bool cuda_graphs = true;                   // the CUDA backend runs decode steps as graphs
-  bool cuda_programmatic_launch = true;      // CudaBackend::Options::programmatic_launch
-  std::optional<bool> cuda_cublas_products;  // CudaBackend::Options::cublas_products
-  int cuda_device = 0;                       // the CUDA device ordinal the worker uses
+  float attention_scale_factor = 1.0f;   // fault injection (CpuBackend::Options)
+  bool cuda_graphs = true;               // the CUDA backend runs decode steps as graphs
+  bool cuda_programmatic_launch = true;  // CudaBackend::Options::programmatic_launch
+  bool cuda_cublas_products = false;     // CudaBackend::Options::cublas_products
+  int cuda_device = 0;                   // the CUDA device ordinal the worker uses
   // The CUDA product's schedule per bucket of rows (cuda::parseGemmSchedules); empty: the default.
   std::string cuda_gemm_schedules;
   bool cuda_kernel_times = false;              // CudaBackend::Options::kernel_times

@@ -197,7 +197,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->attention_scale_ = options.attention_scale_factor;
   b->kernel_times_ = options.kernel_times;
   const ModelConfig& c = b->config();
-  b->cublas_products_ = options.cublas_products.value_or(c.hidden_size >= kCublasHiddenSize);
+  b->cublas_products_ = options.cublas_products;
   if (options.residual_in_products && b->cublas_products_)
     return invalidArgument("cuBLAS products cannot add into the residual stream");
   b->residual_in_products_ = options.residual_in_products;

@@ -28,9 +28,6 @@ struct CudaState;  // the device resources, defined where they are used
 
 class CudaBackend final : public Backend {
  public:
-  // Options::cublas_products unset: cuBLAS products for models whose hidden size is at least this.
-  static constexpr int kCublasHiddenSize = 2048;
-
   struct Options {
     int device = 0;
     uint32_t kv_block_size = 16;
@@ -47,12 +44,12 @@ class CudaBackend final : public Backend {
     // Every product through workspace-0 cuBLAS (cuda/matmul.cuh) instead of our kernel. Its rows
     // keep their bits whatever the row count (tests/gpu/matmul_gpu_test.cpp, 1 to 2,048 rows),
     // but they are not our kernel's bits, so the name (the key of canary records) says which.
-    // cuBLAS cannot fold the words it loads: the arithmetic check with the canonical column
-    // sums, computed in the kernels around each product, is then its weights' in-step check,
-    // and the scrubber sees the flips too small for it. Unset: cuBLAS for models of
-    // kCublasHiddenSize and more (its products were faster at every row count there:
-    // cuda/PERFORMANCE.md), ours below (where cuBLAS is bound by its launches).
-    std::optional<bool> cublas_products;
+    // Faster at the 7B's shapes, most at 33-64 rows and in prefill (cuda/PERFORMANCE.md), but
+    // cuBLAS cannot fold the words it loads: the arithmetic check with the canonical column sums,
+    // computed in the kernels around each product, is then its weights' only in-step check, and
+    // a flipped weight bit inside its tolerance changes released tokens until the scrubber's pass
+    // finds it (chaos on the 7B mismatched requests). So it is off unless asked for.
+    bool cublas_products = false;
     // The product's schedule per bucket of rows (cuda/gemm.cuh): the same bits in each, so it
     // changes speed only.
     cuda::GemmScheduleBuckets gemm_schedules = cuda::kDefaultGemmSchedules;
@@ -262,7 +259,7 @@ class CudaBackend final : public Backend {
   bool rope_in_attention_ = false;
   bool attention_tiles_ = false;
   bool attention_mma_ = false;
-  bool cublas_products_ = false;  // Options::cublas_products, resolved
+  bool cublas_products_ = false;  // Options::cublas_products
   bool logits_in_product_ = true;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};

@@ -79,6 +79,12 @@ int main(int argc, char** argv) {
                "128): long prompts prefill 1.5-1.8 times as fast, decode at short contexts is "
                "slower. Other numbers than without it, so the worker names its backend cuda-mma "
                "and canary records made without it do not apply");
+  app.add_flag("--cuda-cublas-products", backend_options.cuda_cublas_products,
+               "CUDA backend: every matrix multiply through cuBLAS (faster on large models, most "
+               "in prefill and at 33-64 rows), whose weights only the arithmetic check sees in "
+               "the step: a flipped bit inside its tolerance changes tokens until the scrubber "
+               "finds it. Other numbers than without it, so the worker names its backend "
+               "cuda-cublas and canary records made without it do not apply");
   app.add_option("--gemm-schedules", backend_options.cuda_gemm_schedules,
                  "CUDA backend: the product's schedule, one for all steps or one per bucket of "
                  "rows (1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved or tiled "

@@ -59,7 +59,7 @@ bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
 bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
 bool logits_in_product = true;   // CudaBackend::Options::logits_in_product
 bool attention_mma = false;      // CudaBackend::Options::attention_mma
-bool cublas_products = false;    // CudaBackend::Options::cublas_products (set: no size default)
+bool cublas_products = false;    // CudaBackend::Options::cublas_products
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -765,8 +765,7 @@ INSTANTIATE_TEST_SUITE_P(
         ModelCase{"qwen7b_layer_mma", "qwen2.5-7b-layer", false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_residual_mma", "qwen2.5-7b-layer", true, false, false, false, false,
                   true},
-        // cuBLAS products (the default from a hidden size of 2048), checked by the arithmetic
-        // check alone.
+        // cuBLAS products, checked by the arithmetic check alone.
         ModelCase{"fixture_qwen2_cublas", "", false, false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_cublas", "qwen2.5-7b-layer", false, false, false, false, true,
                   false, true}),

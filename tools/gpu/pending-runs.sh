@@ -48,7 +48,7 @@
 #           2,048-token prompt a step; the bucket of 33+ rows pipelined against tiled (the default
 #           from 96 rows)
 #   cublas  the cuBLAS products' GPU tests (the model cases and the matmul's invariance to 2,048
-#           rows), and bench-engine on the 7B with them (auto, its default there) and with ours
+#           rows), and bench-engine on the 7B with them and with ours
 #   cublas-probe whether workspace-0 cuBLAS keeps each row's bits at 1 to 2,048 rows on the
 #           Qwen2.5 product shapes, which algorithm cuBLASLt picks at each, and their speed
 #           (tools/gpu/cublas_probe.cu, built there)
@@ -360,7 +360,7 @@ for group in "$@"; do
       run gpu-tests-cublas 300 "$bundle/gpu_tests" --gtest_filter='*cublas*:*MatmulGpuTest*'
       grep -E "FAILED|PASSED" "$out/gpu-tests-cublas.txt"
       m=$(model qwen2.5-7b)
-      for products in auto off; do
+      for products in on off; do
         run "bench-engine-qwen2.5-7b-cublas-$products" 200 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1,8,32,64 --cublas-products $products \
           --json "$out/bench-engine-qwen2.5-7b-cublas-$products.json"
