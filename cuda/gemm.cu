@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -970,6 +971,26 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
   GemmScheduleBuckets buckets;
   for (size_t b = 0; b < buckets.size(); ++b) buckets[b] = named[named.size() == 1 ? 0 : b];
   return buckets;
+}
+
+Result<std::vector<GemmSplitsFor>> parseGemmSplits(std::string_view text) {
+  std::vector<GemmSplitsFor> out;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item(text.substr(at, comma - at));
+    GemmSplitsFor s;
+    char x = 0, eq = 0;
+    int used = 0;
+    if (std::sscanf(item.c_str(), "%d%c%d%c%d%n", &s.n, &x, &s.k, &eq, &s.splits, &used) != 5 ||
+        used != int(item.size()) || x != 'x' || eq != '=' || s.n <= 0 || s.k <= 0 || s.splits < 1 ||
+        s.splits > kMaxSplits)
+      return invalidArgument("product split count \"" + item + "\" (NxK=S, S from 1 to " +
+                             std::to_string(kMaxSplits) + ")");
+    out.push_back(s);
+    at = comma + 1;
+  }
+  return out;
 }
 
 int gemmSplits(int n, int k) {

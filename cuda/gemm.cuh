@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "cuda/step_checks.cuh"
 #include "shared/mix.h"
@@ -161,6 +162,15 @@ inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
 // two_tiles, interleaved, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
+
+// A split count other than gemmSplits' for one weight shape (measurement: `bulkhead bench-engine
+// --gemm-splits`): another fixed sum order for that shape, the same for every row count, so
+// the rows keep their invariance but not their bits.
+struct GemmSplitsFor {
+  int n = 0, k = 0, splits = 0;
+};
+// "NxK=S[,NxK=S...]", S from 1 to 8.
+Result<std::vector<GemmSplitsFor>> parseGemmSplits(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
   return s == GemmSchedule::kPlain         ? "plain"

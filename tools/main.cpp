@@ -211,6 +211,9 @@ int main(int argc, char** argv) {
   engine_bench->add_option("--gemm-schedules", engine_opts.gemm_schedules,
                            "CUDA: the product's schedule, one or one per bucket of rows "
                            "(1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, tiled");
+  engine_bench->add_option("--gemm-splits", engine_opts.gemm_splits,
+                           "CUDA: split counts for some product shapes, NxK=S[,NxK=S...] (S 1 to "
+                           "8; other numbers for those shapes, the same at every row count)");
   engine_bench->add_option("--prompt", engine_opts.prompt, "Tokens prefilled per sequence");
   engine_bench->add_option("--max-step-tokens", engine_opts.max_step_tokens,
                            "Tokens a step may hold (the backend's default: 8192); longer "

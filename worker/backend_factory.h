@@ -23,6 +23,8 @@ struct BackendOptions {
   int cuda_device = 0;                   // the CUDA device ordinal the worker uses
   // The CUDA product's schedule per bucket of rows (cuda::parseGemmSchedules); empty: the default.
   std::string cuda_gemm_schedules;
+  // Split counts for some product shapes (cuda::parseGemmSplits); empty: cuda::gemmSplits'.
+  std::string cuda_gemm_splits;
   bool cuda_kernel_times = false;              // CudaBackend::Options::kernel_times
   bool cuda_residual_in_products = false;      // CudaBackend::Options::residual_in_products
   bool cuda_norm_in_products = false;          // CudaBackend::Options::norm_in_products

@@ -222,6 +222,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->logits_in_product_ = options.logits_in_product;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
+  b->gemm_splits_ = options.gemm_splits;
   b->d_ = std::make_unique<CudaState>();
   BULKHEAD_RETURN_IF_ERROR(b->load(options));
   return b;
@@ -867,10 +868,10 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
                                           : cuda::GemmNormedInput{};
     cuda::GemmResidual epilogue;
     epilogue.rows_to = rows_to;
-    BULKHEAD_RETURN_IF_ERROR(
-        cuda::launchGemm(input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy,
-                         stream, fused, schedule, 0, epilogue, normed != nullptr ? *normed : own,
-                         activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
+        input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused,
+        schedule, splitsFor(n, k), epilogue, normed != nullptr ? *normed : own,
+        activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
   }
 
   int column = 0;
@@ -879,7 +880,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     if (!adjacent && d_->cublas == nullptr)
       BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
           input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k, y + column, ldy, stream,
-          foldAlone(*w), schedule, 0, {}, ownChecks({w}, check_row)));
+          foldAlone(*w), schedule, splitsFor(wn, k), {}, ownChecks({w}, check_row)));
     BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
     column += wn;
   }
@@ -904,9 +905,16 @@ Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows,
   if (w.product == fault_role_) residual.fault = faultOutput(uint64_t(n), rows);
   return cuda::launchGemm(
       static_cast<const __nv_bfloat16*>(x), rows, static_cast<const __nv_bfloat16*>(w.ptr), n, k,
-      nullptr, 0, d.stream.get(), foldAlone(w), gemm_schedules_[size_t(cuda::gemmBucket(rows))], 0,
-      residual, activated != nullptr ? cuda::GemmNormedInput{} : ownChecks({&w}, 0),
+      nullptr, 0, d.stream.get(), foldAlone(w), gemm_schedules_[size_t(cuda::gemmBucket(rows))],
+      splitsFor(n, k), residual,
+      activated != nullptr ? cuda::GemmNormedInput{} : ownChecks({&w}, 0),
       activated != nullptr ? *activated : cuda::GemmActivatedInput{});
+}
+
+int CudaBackend::splitsFor(int n, int k) const {
+  for (const cuda::GemmSplitsFor& s : gemm_splits_)
+    if (s.n == n && s.k == k) return s.splits;
+  return 0;
 }
 
 cuda::ConsumerSums CudaBackend::consumer(const Weight& w) const {

@@ -53,6 +53,9 @@ class CudaBackend final : public Backend {
     // The product's schedule per bucket of rows (cuda/gemm.cuh): the same bits in each, so it
     // changes speed only.
     cuda::GemmScheduleBuckets gemm_schedules = cuda::kDefaultGemmSchedules;
+    // Split counts other than cuda::gemmSplits' for some weight shapes (bench-engine
+    // --gemm-splits, to measure them in whole steps): other numbers for those shapes.
+    std::vector<cuda::GemmSplitsFor> gemm_splits;
     // Measurement (bench-engine --kernel-times): a timed event after every launch of a step, so
     // that takeLaunchTimes() says where the device time goes. Steps then run uncaptured (no
     // graphs) and each launch waits for the event before it: slower, the same numbers.
@@ -263,6 +266,9 @@ class CudaBackend final : public Backend {
   bool logits_in_product_ = true;
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
+  std::vector<cuda::GemmSplitsFor> gemm_splits_;
+  // The split count a product of this shape runs with: 0 (cuda::gemmSplits) unless overridden.
+  int splitsFor(int n, int k) const;
   int device_ = 0;
   uint64_t graph_launches_ = 0;
   uint64_t parallel_attention_steps_ = 0;

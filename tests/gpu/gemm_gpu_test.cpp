@@ -261,6 +261,21 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   }
 }
 
+// Split counts for some shapes, as bench-engine --gemm-splits reads them (no device needed).
+TEST(GemmSchedules, SplitCountsReadAsShapeAndCount) {
+  auto two = cuda::parseGemmSplits("896x4864=8,896x896=2");
+  ASSERT_TRUE(two.ok()) << two.status().toString();
+  ASSERT_EQ(two->size(), 2u);
+  EXPECT_EQ((*two)[0].n, 896);
+  EXPECT_EQ((*two)[0].k, 4864);
+  EXPECT_EQ((*two)[0].splits, 8);
+  EXPECT_EQ((*two)[1].k, 896);
+  EXPECT_EQ((*two)[1].splits, 2);
+  for (const char* bad : {"", "896x896", "896x896=0", "896x896=9", "896*896=2", "896x896=2,",
+                          "896x896=2x", "-1x896=2"})
+    EXPECT_FALSE(cuda::parseGemmSplits(bad).ok()) << bad;
+}
+
 // The host side of the fold (no device needed): every single flipped bit of a weight changes it,
 // and so do two rows swapped and another weight's salt.
 TEST(ProductFold, SeesEveryFlippedBitSwappedRowsAndAnotherSalt) {

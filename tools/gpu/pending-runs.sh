@@ -49,6 +49,7 @@
 #           from 96 rows)
 #   cublas  the cuBLAS products' GPU tests (the model cases and the matmul's invariance to 2,048
 #           rows), and bench-engine on the 7B with them and with ours
+#   splits  bench-engine with other split counts for some product shapes (--gemm-splits)
 #   cublas-probe whether workspace-0 cuBLAS keeps each row's bits at 1 to 2,048 rows on the
 #           Qwen2.5 product shapes, which algorithm cuBLASLt picks at each, and their speed
 #           (tools/gpu/cublas_probe.cu, built there)
@@ -364,6 +365,24 @@ for group in "$@"; do
         run "bench-engine-qwen2.5-7b-cublas-$products" 200 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1,8,32,64 --cublas-products $products \
           --json "$out/bench-engine-qwen2.5-7b-cublas-$products.json"
+      done
+      ;;
+    splits)
+      # Split counts other than gemmSplits' for the small products, in whole steps (the one-row
+      # choices are judged in bench-engine): each variant twice, in turn, on one card.
+      declare -A variants=(
+        [qwen2.5-0.5b]="default 896x896=2,1152x896=2 896x896=4,1152x896=4 896x4864=8 896x4864=2 896x896=4,1152x896=4,896x4864=8"
+        [qwen2.5-7b]="default 4608x3584=1 37888x3584=2 3584x18944=8")
+      for shape in qwen2.5-0.5b qwen2.5-7b; do
+        m=$(model $shape)
+        for rep in 1 2; do
+          for v in ${variants[$shape]}; do
+            flags=()
+            [ "$v" = default ] || flags=(--gemm-splits "$v")
+            run "bench-engine-$shape-splits-$v-$rep" 120 "$bh" bench-engine --model "$m" \
+              --backend cuda --batch 1,8,32 --no-compare "${flags[@]}"
+          done
+        done
       done
       ;;
     cublas-probe)
