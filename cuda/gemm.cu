@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/activation.cuh"
@@ -973,23 +974,67 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
   return buckets;
 }
 
-Result<std::vector<GemmSplitsFor>> parseGemmSplits(std::string_view text) {
-  std::vector<GemmSplitsFor> out;
+namespace {
+
+// "NxK=VALUE[,NxK=VALUE...]": each item's shape and value, in order; false where one is not.
+bool parseShapeItems(std::string_view text, std::vector<std::tuple<int, int, std::string>>& items,
+                     std::string& bad) {
   size_t at = 0;
   while (at <= text.size()) {
     const size_t comma = std::min(text.find(',', at), text.size());
     const std::string item(text.substr(at, comma - at));
-    GemmSplitsFor s;
+    int n = 0, k = 0, used = 0;
     char x = 0, eq = 0;
-    int used = 0;
-    if (std::sscanf(item.c_str(), "%d%c%d%c%d%n", &s.n, &x, &s.k, &eq, &s.splits, &used) != 5 ||
-        used != int(item.size()) || x != 'x' || eq != '=' || s.n <= 0 || s.k <= 0 || s.splits < 1 ||
-        s.splits > kMaxSplits)
-      return invalidArgument("product split count \"" + item + "\" (NxK=S, S from 1 to " +
-                             std::to_string(kMaxSplits) + ")");
-    out.push_back(s);
+    if (std::sscanf(item.c_str(), "%d%c%d%c%n", &n, &x, &k, &eq, &used) != 4 || x != 'x' ||
+        eq != '=' || n <= 0 || k <= 0 || used == int(item.size())) {
+      bad = item;
+      return false;
+    }
+    items.emplace_back(n, k, item.substr(size_t(used)));
     at = comma + 1;
   }
+  return true;
+}
+
+}  // namespace
+
+Result<std::vector<GemmSplitsFor>> parseGemmSplits(std::string_view text) {
+  std::vector<std::tuple<int, int, std::string>> items;
+  std::string bad;
+  std::vector<GemmSplitsFor> out;
+  bool ok = parseShapeItems(text, items, bad);
+  for (size_t i = 0; ok && i < items.size(); ++i) {
+    const auto& [n, k, value] = items[i];
+    int splits = 0, used = 0;
+    ok = std::sscanf(value.c_str(), "%d%n", &splits, &used) == 1 && used == int(value.size()) &&
+         splits >= 1 && splits <= kMaxSplits;
+    if (!ok) bad = std::to_string(n) + "x" + std::to_string(k) + "=" + value;
+    out.push_back({n, k, splits});
+  }
+  if (!ok)
+    return invalidArgument("product split count \"" + bad + "\" (NxK=S, S from 1 to " +
+                           std::to_string(kMaxSplits) + ")");
+  return out;
+}
+
+Result<std::vector<GemmScheduleFor>> parseGemmShapeSchedules(std::string_view text) {
+  std::vector<std::tuple<int, int, std::string>> items;
+  std::string bad;
+  std::vector<GemmScheduleFor> out;
+  bool ok = parseShapeItems(text, items, bad);
+  for (size_t i = 0; ok && i < items.size(); ++i) {
+    const auto& [n, k, value] = items[i];
+    ok = false;
+    for (const GemmSchedule s : kGemmSchedules)
+      if (value == gemmScheduleName(s)) {
+        out.push_back({n, k, s});
+        ok = true;
+      }
+    if (!ok) bad = std::to_string(n) + "x" + std::to_string(k) + "=" + value;
+  }
+  if (!ok)
+    return invalidArgument("product schedule for a shape \"" + bad +
+                           "\" (NxK=NAME: plain, pipelined, two_tiles, interleaved, tiled)");
   return out;
 }
 

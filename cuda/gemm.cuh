@@ -171,6 +171,15 @@ struct GemmSplitsFor {
 };
 // "NxK=S[,NxK=S...]", S from 1 to 8.
 Result<std::vector<GemmSplitsFor>> parseGemmSplits(std::string_view text);
+// A schedule other than the bucket's for one weight shape in steps of 33 to kTiledFromRows - 1
+// rows (measurement: `bulkhead bench-engine --gemm-shape-schedules`). Every schedule gives the
+// same bits, so this changes speed only.
+struct GemmScheduleFor {
+  int n = 0, k = 0;
+  GemmSchedule schedule = GemmSchedule::kPlain;
+};
+// "NxK=NAME[,NxK=NAME...]".
+Result<std::vector<GemmScheduleFor>> parseGemmShapeSchedules(std::string_view text);
 
 inline const char* gemmScheduleName(GemmSchedule s) {
   return s == GemmSchedule::kPlain         ? "plain"

@@ -128,6 +128,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_programmatic_launch = o.programmatic_launch;
   options.cuda_gemm_schedules = o.gemm_schedules;
   options.cuda_gemm_splits = o.gemm_splits;
+  options.cuda_gemm_shape_schedules = o.gemm_shape_schedules;
   options.max_step_tokens = o.max_step_tokens;
   options.cuda_cublas_products = v.cublas || o.cublas_products == "on";
   options.cuda_kernel_times = v.kernel_times;
@@ -289,7 +290,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
 
   std::printf(
       "bench-engine: %s on %s, graphs %s, programmatic launch %s, product schedules %s, "
-      "product splits %s, "
+      "product splits %s, shape schedules %s, "
       "residual in products %s, norms in products %s, silu in products %s, rope in attention %s, "
       "attention tiles %s, attention on tensor cores %s, logits in product %s, cuBLAS products "
       "%s (%s), prompt %u, %u decode steps per batch size\n",
@@ -297,6 +298,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
       o.programmatic_launch ? "on" : "off",
       o.gemm_schedules.empty() ? "default" : o.gemm_schedules.c_str(),
       o.gemm_splits.empty() ? "default" : o.gemm_splits.c_str(),
+      o.gemm_shape_schedules.empty() ? "default" : o.gemm_shape_schedules.c_str(),
       o.residual_in_products ? "on" : "off", o.norm_in_products ? "on" : "off",
       o.silu_in_products ? "on" : "off", o.rope_in_attention.c_str(), o.attention_tiles.c_str(),
       o.attention_mma.c_str(), o.logits_in_product.c_str(), o.cublas_products.c_str(),
@@ -317,6 +319,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
       {"programmatic_launch", o.programmatic_launch},
       {"gemm_schedules", o.gemm_schedules.empty() ? "default" : o.gemm_schedules},
       {"gemm_splits", o.gemm_splits.empty() ? "default" : o.gemm_splits},
+      {"gemm_shape_schedules", o.gemm_shape_schedules.empty() ? "default" : o.gemm_shape_schedules},
       {"residual_in_products", o.residual_in_products},
       {"norm_in_products", o.norm_in_products},
       {"silu_in_products", o.silu_in_products},

@@ -21,6 +21,7 @@ struct EngineBenchOptions {
   bool programmatic_launch = false;  // CudaBackend::Options::programmatic_launch
   std::string gemm_schedules;        // BackendOptions::cuda_gemm_schedules (empty: the default)
   std::string gemm_splits;           // BackendOptions::cuda_gemm_splits (empty: the default)
+  std::string gemm_shape_schedules;  // BackendOptions::cuda_gemm_shape_schedules
   uint32_t prompt = 128;             // tokens prefilled per sequence
   uint32_t max_step_tokens = 0;      // BackendOptions::max_step_tokens (0: the backend's)
   uint32_t steps = 64;               // timed decode steps per batch size (after 8 untimed)

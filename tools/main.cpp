@@ -214,6 +214,9 @@ int main(int argc, char** argv) {
   engine_bench->add_option("--gemm-splits", engine_opts.gemm_splits,
                            "CUDA: split counts for some product shapes, NxK=S[,NxK=S...] (S 1 to "
                            "8; other numbers for those shapes, the same at every row count)");
+  engine_bench->add_option("--gemm-shape-schedules", engine_opts.gemm_shape_schedules,
+                           "CUDA: schedules for some product shapes in steps of 33-95 rows, "
+                           "NxK=NAME[,NxK=NAME...] (the same numbers)");
   engine_bench->add_option("--prompt", engine_opts.prompt, "Tokens prefilled per sequence");
   engine_bench->add_option("--max-step-tokens", engine_opts.max_step_tokens,
                            "Tokens a step may hold (the backend's default: 8192); longer "

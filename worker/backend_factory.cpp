@@ -41,6 +41,10 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.attention_tiles = options.cuda_attention_tiles;
     cuda.attention_mma = options.cuda_attention_mma;
     cuda.logits_in_product = options.cuda_logits_in_product;
+    if (!options.cuda_gemm_shape_schedules.empty()) {
+      BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_shape_schedules,
+                                cuda::parseGemmShapeSchedules(options.cuda_gemm_shape_schedules));
+    }
     if (!options.cuda_gemm_splits.empty()) {
       BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_splits, cuda::parseGemmSplits(options.cuda_gemm_splits));
     }

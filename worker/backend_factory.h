@@ -25,6 +25,8 @@ struct BackendOptions {
   std::string cuda_gemm_schedules;
   // Split counts for some product shapes (cuda::parseGemmSplits); empty: cuda::gemmSplits'.
   std::string cuda_gemm_splits;
+  // Schedules for some product shapes at 33-95 rows (cuda::parseGemmShapeSchedules).
+  std::string cuda_gemm_shape_schedules;
   bool cuda_kernel_times = false;              // CudaBackend::Options::kernel_times
   bool cuda_residual_in_products = false;      // CudaBackend::Options::residual_in_products
   bool cuda_norm_in_products = false;          // CudaBackend::Options::norm_in_products

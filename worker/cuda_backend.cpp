@@ -223,6 +223,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
   b->gemm_splits_ = options.gemm_splits;
+  b->gemm_shape_schedules_ = options.gemm_shape_schedules;
   b->d_ = std::make_unique<CudaState>();
   BULKHEAD_RETURN_IF_ERROR(b->load(options));
   return b;
@@ -853,7 +854,6 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   if (fused.weights != int(group.size())) fused = {};
   const auto* input = static_cast<const __nv_bfloat16*>(x);
   cudaStream_t stream = d_->stream.get();
-  const cuda::GemmSchedule schedule = gemm_schedules_[size_t(cuda::gemmBucket(rows))];
   if ((normed != nullptr || activated != nullptr || rows_to != nullptr) &&
       (!adjacent || d_->cublas != nullptr))
     return internalError("a computed input or rows stored elsewhere for products not one of ours");
@@ -870,7 +870,7 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
     epilogue.rows_to = rows_to;
     BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
         input, rows, static_cast<const __nv_bfloat16*>(first.ptr), n, k, y, ldy, stream, fused,
-        schedule, splitsFor(n, k), epilogue, normed != nullptr ? *normed : own,
+        scheduleFor(n, k, rows), splitsFor(n, k), epilogue, normed != nullptr ? *normed : own,
         activated != nullptr ? *activated : cuda::GemmActivatedInput{}));
   }
 
@@ -878,9 +878,10 @@ Status CudaBackend::products(std::initializer_list<const Weight*> group, const v
   for (const Weight* w : group) {
     const int wn = int(w->tensor->shape[0]);
     if (!adjacent && d_->cublas == nullptr)
-      BULKHEAD_RETURN_IF_ERROR(cuda::launchGemm(
-          input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k, y + column, ldy, stream,
-          foldAlone(*w), schedule, splitsFor(wn, k), {}, ownChecks({w}, check_row)));
+      BULKHEAD_RETURN_IF_ERROR(
+          cuda::launchGemm(input, rows, static_cast<const __nv_bfloat16*>(w->ptr), wn, k,
+                           y + column, ldy, stream, foldAlone(*w), scheduleFor(wn, k, rows),
+                           splitsFor(wn, k), {}, ownChecks({w}, check_row)));
     BULKHEAD_RETURN_IF_ERROR(applyFault(*w, y + column, rows, ldy));
     column += wn;
   }
@@ -905,10 +906,16 @@ Status CudaBackend::residualProduct(const Weight& w, const void* x, int rows,
   if (w.product == fault_role_) residual.fault = faultOutput(uint64_t(n), rows);
   return cuda::launchGemm(
       static_cast<const __nv_bfloat16*>(x), rows, static_cast<const __nv_bfloat16*>(w.ptr), n, k,
-      nullptr, 0, d.stream.get(), foldAlone(w), gemm_schedules_[size_t(cuda::gemmBucket(rows))],
-      splitsFor(n, k), residual,
+      nullptr, 0, d.stream.get(), foldAlone(w), scheduleFor(n, k, rows), splitsFor(n, k), residual,
       activated != nullptr ? cuda::GemmNormedInput{} : ownChecks({&w}, 0),
       activated != nullptr ? *activated : cuda::GemmActivatedInput{});
+}
+
+cuda::GemmSchedule CudaBackend::scheduleFor(int n, int k, int rows) const {
+  if (rows > 32 && rows < cuda::kTiledFromRows)
+    for (const cuda::GemmScheduleFor& s : gemm_shape_schedules_)
+      if (s.n == n && s.k == k) return s.schedule;
+  return gemm_schedules_[size_t(cuda::gemmBucket(rows))];
 }
 
 int CudaBackend::splitsFor(int n, int k) const {

@@ -56,6 +56,9 @@ class CudaBackend final : public Backend {
     // Split counts other than cuda::gemmSplits' for some weight shapes (bench-engine
     // --gemm-splits, to measure them in whole steps): other numbers for those shapes.
     std::vector<cuda::GemmSplitsFor> gemm_splits;
+    // Schedules other than the bucket's for some weight shapes in steps of 33 to 95 rows
+    // (bench-engine --gemm-shape-schedules): the same numbers.
+    std::vector<cuda::GemmScheduleFor> gemm_shape_schedules;
     // Measurement (bench-engine --kernel-times): a timed event after every launch of a step, so
     // that takeLaunchTimes() says where the device time goes. Steps then run uncaptured (no
     // graphs) and each launch waits for the event before it: slower, the same numbers.
@@ -267,6 +270,9 @@ class CudaBackend final : public Backend {
   cuda::GemmNormedInput normed_input_;  // normFor()'s, for the products launched after it
   cuda::GemmScheduleBuckets gemm_schedules_ = {};
   std::vector<cuda::GemmSplitsFor> gemm_splits_;
+  std::vector<cuda::GemmScheduleFor> gemm_shape_schedules_;
+  // The schedule a product of this shape runs with in a step of `rows` rows.
+  cuda::GemmSchedule scheduleFor(int n, int k, int rows) const;
   // The split count a product of this shape runs with: 0 (cuda::gemmSplits) unless overridden.
   int splitsFor(int n, int k) const;
   int device_ = 0;

@@ -261,8 +261,9 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   }
 }
 
-// Split counts for some shapes, as bench-engine --gemm-splits reads them (no device needed).
-TEST(GemmSchedules, SplitCountsReadAsShapeAndCount) {
+// Split counts and schedules for some shapes, as bench-engine --gemm-splits and
+// --gemm-shape-schedules read them (no device needed).
+TEST(GemmSchedules, SplitCountsAndSchedulesReadAsShapeAndValue) {
   auto two = cuda::parseGemmSplits("896x4864=8,896x896=2");
   ASSERT_TRUE(two.ok()) << two.status().toString();
   ASSERT_EQ(two->size(), 2u);
@@ -274,6 +275,15 @@ TEST(GemmSchedules, SplitCountsReadAsShapeAndCount) {
   for (const char* bad : {"", "896x896", "896x896=0", "896x896=9", "896*896=2", "896x896=2,",
                           "896x896=2x", "-1x896=2"})
     EXPECT_FALSE(cuda::parseGemmSplits(bad).ok()) << bad;
+  auto named = cuda::parseGemmShapeSchedules("37888x3584=plain,4608x3584=two_tiles");
+  ASSERT_TRUE(named.ok()) << named.status().toString();
+  ASSERT_EQ(named->size(), 2u);
+  EXPECT_EQ((*named)[0].n, 37888);
+  EXPECT_EQ((*named)[0].schedule, cuda::GemmSchedule::kPlain);
+  EXPECT_EQ((*named)[1].k, 3584);
+  EXPECT_EQ((*named)[1].schedule, cuda::GemmSchedule::kTwoTiles);
+  for (const char* bad : {"", "37888x3584=", "37888x3584=fast", "37888x3584=plain,", "x3584=plain"})
+    EXPECT_FALSE(cuda::parseGemmShapeSchedules(bad).ok()) << bad;
 }
 
 // The host side of the fold (no device needed): every single flipped bit of a weight changes it,

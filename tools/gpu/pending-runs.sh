@@ -50,6 +50,8 @@
 #   cublas  the cuBLAS products' GPU tests (the model cases and the matmul's invariance to 2,048
 #           rows), and bench-engine on the 7B with them and with ours
 #   splits  bench-engine with other split counts for some product shapes (--gemm-splits)
+#   shape-schedules bench-engine at 48 and 64 rows with schedules per product shape
+#           (--gemm-shape-schedules)
 #   cublas-probe whether workspace-0 cuBLAS keeps each row's bits at 1 to 2,048 rows on the
 #           Qwen2.5 product shapes, which algorithm cuBLASLt picks at each, and their speed
 #           (tools/gpu/cublas_probe.cu, built there)
@@ -381,6 +383,24 @@ for group in "$@"; do
             [ "$v" = default ] || flags=(--gemm-splits "$v")
             run "bench-engine-$shape-splits-$v-$rep" 120 "$bh" bench-engine --model "$m" \
               --backend cuda --batch 1,8,32 --no-compare "${flags[@]}"
+          done
+        done
+      done
+      ;;
+    shape-schedules)
+      # Schedules per product shape at 33-95 rows (bench-gemm's fastest at 64 rows), in whole
+      # steps: each variant twice, in turn, on one card.
+      declare -A variants=(
+        [qwen2.5-0.5b]="default 1152x896=plain,896x896=plain,9728x896=two_tiles,151936x896=two_tiles"
+        [qwen2.5-7b]="default 37888x3584=plain 4608x3584=two_tiles 152064x3584=plain 37888x3584=plain,4608x3584=two_tiles,152064x3584=plain")
+      for shape in qwen2.5-7b qwen2.5-0.5b; do
+        m=$(model $shape)
+        for rep in 1 2; do
+          for v in ${variants[$shape]}; do
+            flags=()
+            [ "$v" = default ] || flags=(--gemm-shape-schedules "$v")
+            run "bench-engine-$shape-schedules-$v-$rep" 120 "$bh" bench-engine --model "$m" \
+              --backend cuda --batch 48,64 --no-compare "${flags[@]}"
           done
         done
       done
