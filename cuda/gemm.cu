@@ -1038,6 +1038,11 @@ Result<std::vector<GemmScheduleFor>> parseGemmShapeSchedules(std::string_view te
   return out;
 }
 
+GemmSchedule gemmScheduleAt33To64(int n, int k) {
+  if (gemmSplits(n, k) > 1) return n > k ? GemmSchedule::kTwoTiles : GemmSchedule::kPipelined;
+  return n >= 8192 ? GemmSchedule::kTwoTiles : GemmSchedule::kInterleaved;
+}
+
 int gemmSplits(int n, int k) {
   const int tiles = (n + 15) / 16, k_blocks = (k + 31) / 32;
   int splits = 1;

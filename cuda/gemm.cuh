@@ -159,6 +159,15 @@ inline int gemmBucket(int rows) {
 // decode steps and prefill); 9-16 not yet measured.
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
+// With the default buckets, steps of 33 to 64 rows run the schedule this gives for the weight's
+// shape rather than the bucket's (the same bits: speed only). From `bench-gemm` at 64 rows on the
+// Qwen2.5 0.5B and 7B shapes (H100, cuda/PERFORMANCE.md) and bench-engine at 40 to 64 rows: where
+// k is split over blocks, pipelined (each keeps its loads in flight), or two tiles a warp when
+// the weight has more rows than columns (the 7B's q/k/v); with one split, two tiles a warp on
+// large weights (n of 8,192 and more: the token fragments read half as often), else plain's
+// 32-row blocks side by side (interleaved: more blocks for a small weight).
+GemmSchedule gemmScheduleAt33To64(int n, int k);
+
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
 // two_tiles, interleaved, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);

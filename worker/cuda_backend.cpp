@@ -915,6 +915,8 @@ cuda::GemmSchedule CudaBackend::scheduleFor(int n, int k, int rows) const {
   if (rows > 32 && rows < cuda::kTiledFromRows)
     for (const cuda::GemmScheduleFor& s : gemm_shape_schedules_)
       if (s.n == n && s.k == k) return s.schedule;
+  if (rows > 32 && rows <= 64 && gemm_schedules_ == cuda::kDefaultGemmSchedules)
+    return cuda::gemmScheduleAt33To64(n, k);
   return gemm_schedules_[size_t(cuda::gemmBucket(rows))];
 }
 

@@ -51,7 +51,8 @@ class CudaBackend final : public Backend {
     // finds it (chaos on the 7B mismatched requests). So it is off unless asked for.
     bool cublas_products = false;
     // The product's schedule per bucket of rows (cuda/gemm.cuh): the same bits in each, so it
-    // changes speed only.
+    // changes speed only. With the default buckets, steps of 33-64 rows take each product's
+    // schedule from its shape (cuda::gemmScheduleAt33To64).
     cuda::GemmScheduleBuckets gemm_schedules = cuda::kDefaultGemmSchedules;
     // Split counts other than cuda::gemmSplits' for some weight shapes (bench-engine
     // --gemm-splits, to measure them in whole steps): other numbers for those shapes.

@@ -277,6 +277,43 @@ TEST_P(CudaBackendModels, LogitsStoredByTheProductAreTheCopiedOnes) {
   EXPECT_EQ(copied_plain->productStoredRowSteps(), 0u);
 }
 
+// Steps of 33 to 64 rows run each product in the schedule its shape gives
+// (cuda::gemmScheduleAt33To64), and lm_head stores 33 to 64 logits rows a launch itself: the rows
+// of 40 sequences prefilled in one step (lm_head launches of 64 and 56 rows) and decoded together
+// (steps of 40 rows) are each sequence's rows alone, token by token.
+TEST_P(CudaBackendModels, StepsOf33To64RowsGiveEverySequenceItsRowsAlone) {
+  constexpr uint32_t kSequences = 40, kPrompt = 3, kPositions = kPrompt + 2;
+  std::vector<std::vector<uint32_t>> tokens;
+  for (uint32_t i = 0; i < kSequences; ++i)
+    tokens.push_back(randomTokens(kPositions, vocab_, 60 + i));
+  std::vector<float> output(size_t(kSequences * kPrompt) * ((vocab_ + 15) & ~15u));
+  ASSERT_TRUE(backend_
+                  ->registerOutputs(
+                      {reinterpret_cast<std::byte*>(output.data()), output.size() * sizeof(float)})
+                  .ok());
+  test::BackendDriver driver(*backend_);
+  driver.setOutputBuffer(&output);
+  std::vector<test::TestSequence> seqs;
+  for (uint32_t i = 0; i < kSequences; ++i) seqs.push_back(driver.newSequence(i + 1, kPositions));
+  std::vector<test::Rows> together(kSequences);
+  for (uint32_t begin = 0, len = kPrompt; begin < kPositions; begin += len, len = 1) {
+    std::vector<test::BackendDriver::Chunk> chunks;
+    for (uint32_t i = 0; i < kSequences; ++i)
+      chunks.push_back({&seqs[i], {tokens[i].begin() + begin, tokens[i].begin() + begin + len}});
+    const std::vector<test::Rows> rows = driver.step(chunks);
+    for (uint32_t i = 0; i < kSequences; ++i)
+      together[i].insert(together[i].end(), rows[i].begin(), rows[i].end());
+  }
+  const uint64_t stored = backend_->productStoredRowSteps();
+  ASSERT_TRUE(backend_->registerOutputs({}).ok());
+  test::BackendDriver alone(*backend_);  // rows straight into its own (the KV blocks reused)
+  for (uint32_t i = 0; i < kSequences; ++i)
+    expectIdentical(alone.runAlone(100 + i, tokens[i], 1), together[i],
+                    "sequence " + std::to_string(i) + " of " + std::to_string(kSequences));
+  // The prompts' step and both decode steps stored their rows from lm_head (ours, not cuBLAS).
+  EXPECT_EQ(stored, GetParam().cublas ? 0u : 3u);
+}
+
 // The product checks start every step at zero: the kernel that counts them at a step's end clears
 // them (no memset a step), with graphs and without.
 TEST_P(CudaBackendModels, EveryStepLeavesTheProductChecksCleared) {
