@@ -155,8 +155,9 @@ inline int gemmBucket(int rows) {
   return rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
 }
 // The fastest of each bucket in bench-engine on Qwen2.5 0.5B and 7B shapes (H100, cuda/
-// PERFORMANCE.md): pipelined at 1-8 and 33-95 rows, plain at 17-32, tiled from 96 (large
-// decode steps and prefill); 9-16 not yet measured.
+// PERFORMANCE.md): pipelined at 1-8 and 65-95 rows, plain at 17-32, tiled from 96 (large
+// decode steps and prefill), and at 33-64 one by the weight's shape (gemmScheduleAt33To64);
+// 9-16 not yet measured.
 inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
     GemmSchedule::kPipelined, GemmSchedule::kPlain, GemmSchedule::kPlain, GemmSchedule::kTiled};
 // With the default buckets, steps of 33 to 64 rows run the schedule this gives for the weight's
