@@ -72,7 +72,7 @@ struct Measured {
   double step_p99_us = 0;
   std::vector<LaunchTime> launches;          // the timed steps', with kernel times
   std::vector<LaunchTime> prefill_launches;  // the whole prefill's, with kernel times
-  std::string backend_name;                  // Backend::name(): which products it chose
+  std::string backend_name;                  // Backend::name(): whose products it ran
 };
 
 // Weight bytes a decode step of `batch` sequences reads: every used tensor but the embedding

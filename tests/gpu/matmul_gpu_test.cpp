@@ -21,7 +21,6 @@ struct Shape {
   int n, k;  // w is n x k: n outputs of k inputs
 };
 
-// Linear layers and lm_heads of both models (out x in).
 // Linear layers, the fused q/k/v and gate/up products, and lm_heads of both models (out x in).
 const Shape kShapes[] = {{896, 896},    {128, 896},    {1152, 896},   {4864, 896},   {9728, 896},
                          {896, 4864},   {151936, 896}, {3584, 3584},  {512, 3584},   {4608, 3584},
