@@ -261,6 +261,26 @@ TEST(GemmSchedules, OneNameForEveryBucketOrOneABucket) {
   }
 }
 
+// Steps of 33 to 64 rows take the schedule from the weight's shape (no device needed): the
+// choices bench-gemm and bench-engine measured fastest on the Qwen2.5 shapes.
+TEST(GemmSchedules, ThirtyThreeToSixtyFourRowsTakeTheScheduleOfTheShape) {
+  using S = cuda::GemmSchedule;
+  struct Case {
+    int n, k;
+    S want;
+  };
+  const Case cases[] = {
+      {1152, 896, S::kInterleaved}, {896, 896, S::kInterleaved},   // 0.5B q/k/v, o: one split
+      {9728, 896, S::kTwoTiles},    {151936, 896, S::kTwoTiles},   // gate/up, lm_head
+      {896, 4864, S::kPipelined},                                  // down: k split
+      {4608, 3584, S::kTwoTiles},   {3584, 3584, S::kPipelined},   // 7B q/k/v, o: k split
+      {37888, 3584, S::kTwoTiles},  {152064, 3584, S::kTwoTiles},  // gate/up, lm_head
+      {3584, 18944, S::kPipelined}};                               // down
+  for (const Case& c : cases)
+    EXPECT_EQ(cuda::gemmScheduleAt33To64(c.n, c.k), c.want)
+        << c.n << "x" << c.k << " (" << cuda::gemmSplits(c.n, c.k) << " splits)";
+}
+
 // Split counts and schedules for some shapes, as bench-engine --gemm-splits and
 // --gemm-shape-schedules read them (no device needed).
 TEST(GemmSchedules, SplitCountsAndSchedulesReadAsShapeAndValue) {
