@@ -16,8 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "cuda/activation.cuh"
@@ -976,66 +976,65 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
 
 namespace {
 
-// "NxK=VALUE[,NxK=VALUE...]": each item's shape and value, in order; false where one is not.
-bool parseShapeItems(std::string_view text, std::vector<std::tuple<int, int, std::string>>& items,
-                     std::string& bad) {
+// "NxK=VALUE[,NxK=VALUE...]", each VALUE read by `value(n, k, VALUE)` (nullopt: not one): the
+// items in order, or nullopt with `bad` the first item that is not one.
+template <typename T, typename Value>
+std::optional<std::vector<T>> parseShapeList(std::string_view text, Value value, std::string& bad) {
+  std::vector<T> out;
   size_t at = 0;
   while (at <= text.size()) {
     const size_t comma = std::min(text.find(',', at), text.size());
     const std::string item(text.substr(at, comma - at));
     int n = 0, k = 0, used = 0;
     char x = 0, eq = 0;
-    if (std::sscanf(item.c_str(), "%d%c%d%c%n", &n, &x, &k, &eq, &used) != 4 || x != 'x' ||
-        eq != '=' || n <= 0 || k <= 0 || used == int(item.size())) {
+    std::optional<T> parsed;
+    if (std::sscanf(item.c_str(), "%d%c%d%c%n", &n, &x, &k, &eq, &used) == 4 && x == 'x' &&
+        eq == '=' && n > 0 && k > 0 && used < int(item.size()))
+      parsed = value(n, k, item.substr(size_t(used)));
+    if (!parsed) {
       bad = item;
-      return false;
+      return std::nullopt;
     }
-    items.emplace_back(n, k, item.substr(size_t(used)));
+    out.push_back(*parsed);
     at = comma + 1;
   }
-  return true;
+  return out;
 }
 
 }  // namespace
 
 Result<std::vector<GemmSplitsFor>> parseGemmSplits(std::string_view text) {
-  std::vector<std::tuple<int, int, std::string>> items;
   std::string bad;
-  std::vector<GemmSplitsFor> out;
-  bool ok = parseShapeItems(text, items, bad);
-  for (size_t i = 0; ok && i < items.size(); ++i) {
-    const auto& [n, k, value] = items[i];
-    int splits = 0, used = 0;
-    ok = std::sscanf(value.c_str(), "%d%n", &splits, &used) == 1 && used == int(value.size()) &&
-         splits >= 1 && splits <= kMaxSplits;
-    if (!ok) bad = std::to_string(n) + "x" + std::to_string(k) + "=" + value;
-    out.push_back({n, k, splits});
-  }
-  if (!ok)
+  auto out = parseShapeList<GemmSplitsFor>(
+      text,
+      [](int n, int k, const std::string& value) -> std::optional<GemmSplitsFor> {
+        int splits = 0, used = 0;
+        if (std::sscanf(value.c_str(), "%d%n", &splits, &used) != 1 || used != int(value.size()) ||
+            splits < 1 || splits > kMaxSplits)
+          return std::nullopt;
+        return GemmSplitsFor{n, k, splits};
+      },
+      bad);
+  if (!out)
     return invalidArgument("product split count \"" + bad + "\" (NxK=S, S from 1 to " +
                            std::to_string(kMaxSplits) + ")");
-  return out;
+  return std::move(*out);
 }
 
 Result<std::vector<GemmScheduleFor>> parseGemmShapeSchedules(std::string_view text) {
-  std::vector<std::tuple<int, int, std::string>> items;
   std::string bad;
-  std::vector<GemmScheduleFor> out;
-  bool ok = parseShapeItems(text, items, bad);
-  for (size_t i = 0; ok && i < items.size(); ++i) {
-    const auto& [n, k, value] = items[i];
-    ok = false;
-    for (const GemmSchedule s : kGemmSchedules)
-      if (value == gemmScheduleName(s)) {
-        out.push_back({n, k, s});
-        ok = true;
-      }
-    if (!ok) bad = std::to_string(n) + "x" + std::to_string(k) + "=" + value;
-  }
-  if (!ok)
+  auto out = parseShapeList<GemmScheduleFor>(
+      text,
+      [](int n, int k, const std::string& value) -> std::optional<GemmScheduleFor> {
+        for (const GemmSchedule s : kGemmSchedules)
+          if (value == gemmScheduleName(s)) return GemmScheduleFor{n, k, s};
+        return std::nullopt;
+      },
+      bad);
+  if (!out)
     return invalidArgument("product schedule for a shape \"" + bad +
                            "\" (NxK=NAME: plain, pipelined, two_tiles, interleaved, tiled)");
-  return out;
+  return std::move(*out);
 }
 
 GemmSchedule gemmScheduleAt33To64(int n, int k) {
