@@ -144,6 +144,20 @@ alternate() {  # alternate SUFFIX BENCH_ENGINE_FLAGS...: BUNDLE/bulkhead-base (a
     done
   done
 }
+optionVariants() {  # optionVariants NAME OPTION BATCHES SHAPE VALUE...: bench-engine on SHAPE
+  # with OPTION VALUE for each VALUE ("default": without it), each in turn, twice, on one card
+  local name=$1 option=$2 batches=$3 shape=$4 m rep v flags
+  shift 4
+  m=$(model "$shape")
+  for rep in 1 2; do
+    for v in "$@"; do
+      flags=()
+      [ "$v" = default ] || flags=("$option" "$v")
+      run "bench-engine-$shape-$name-$v-$rep" 120 "$bh" bench-engine --model "$m" \
+        --backend cuda --batch "$batches" --no-compare "${flags[@]}"
+    done
+  done
+}
 probe() {  # probe NAME TIMEOUT NVCC_FLAGS...: tools/gpu/NAME.cu built here, then run
   local name=$1 limit=$2 nvcc=/usr/local/cuda/bin/nvcc
   shift 2
@@ -371,39 +385,21 @@ for group in "$@"; do
       ;;
     splits)
       # Split counts other than gemmSplits' for the small products, in whole steps (the one-row
-      # choices are judged in bench-engine): each variant twice, in turn, on one card.
-      declare -A variants=(
-        [qwen2.5-0.5b]="default 896x896=2,1152x896=2 896x896=4,1152x896=4 896x4864=8 896x4864=2 896x896=4,1152x896=4,896x4864=8"
-        [qwen2.5-7b]="default 4608x3584=1 37888x3584=2 3584x18944=8")
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
-        m=$(model $shape)
-        for rep in 1 2; do
-          for v in ${variants[$shape]}; do
-            flags=()
-            [ "$v" = default ] || flags=(--gemm-splits "$v")
-            run "bench-engine-$shape-splits-$v-$rep" 120 "$bh" bench-engine --model "$m" \
-              --backend cuda --batch 1,8,32 --no-compare "${flags[@]}"
-          done
-        done
-      done
+      # choices are judged in bench-engine).
+      optionVariants splits --gemm-splits 1,8,32 qwen2.5-0.5b \
+        default 896x896=2,1152x896=2 896x896=4,1152x896=4 896x4864=8 896x4864=2 \
+        896x896=4,1152x896=4,896x4864=8
+      optionVariants splits --gemm-splits 1,8,32 qwen2.5-7b \
+        default 4608x3584=1 37888x3584=2 3584x18944=8
       ;;
     shape-schedules)
       # Schedules per product shape at 33-95 rows (bench-gemm's fastest at 64 rows), in whole
-      # steps: each variant twice, in turn, on one card.
-      declare -A variants=(
-        [qwen2.5-0.5b]="default 1152x896=plain,896x896=plain,9728x896=two_tiles,151936x896=two_tiles"
-        [qwen2.5-7b]="default 37888x3584=plain 4608x3584=two_tiles 152064x3584=plain 37888x3584=plain,4608x3584=two_tiles,152064x3584=plain")
-      for shape in qwen2.5-7b qwen2.5-0.5b; do
-        m=$(model $shape)
-        for rep in 1 2; do
-          for v in ${variants[$shape]}; do
-            flags=()
-            [ "$v" = default ] || flags=(--gemm-shape-schedules "$v")
-            run "bench-engine-$shape-schedules-$v-$rep" 120 "$bh" bench-engine --model "$m" \
-              --backend cuda --batch 48,64 --no-compare "${flags[@]}"
-          done
-        done
-      done
+      # steps.
+      optionVariants schedules --gemm-shape-schedules 48,64 qwen2.5-7b \
+        default 37888x3584=plain 4608x3584=two_tiles 152064x3584=plain \
+        37888x3584=plain,4608x3584=two_tiles,152064x3584=plain
+      optionVariants schedules --gemm-shape-schedules 48,64 qwen2.5-0.5b \
+        default 1152x896=plain,896x896=plain,9728x896=two_tiles,151936x896=two_tiles
       ;;
     cublas-probe)
       probe cublas_probe 300 -std=c++17 -gencode arch=compute_90,code=sm_90 -O3 -lcublasLt -lcublas
