@@ -55,6 +55,10 @@
 #   cublas-probe whether workspace-0 cuBLAS keeps each row's bits at 1 to 2,048 rows on the
 #           Qwen2.5 product shapes, which algorithm cuBLASLt picks at each, and their speed
 #           (tools/gpu/cublas_probe.cu, built there)
+#   persistent-probe one-row decode steps of both shapes as synthetic work of the real sizes, one
+#           kernel a phase (a graph, programmatic launch) against one persistent kernel whose
+#           groups await each phase by counters: what a persistent decoder could gain
+#           (tools/gpu/persistent_probe.cu, built there)
 #   wgmma-probe whether Hopper's wgmma (A in registers or in shared memory) rounds a k16
 #           step as mma.sync does (tools/gpu/mma_equality_probe.cu, built there)
 #   context bench-engine on both shapes at prompt 128 and 2,048 (b1, 8, 32; the prompts prefilled
@@ -403,6 +407,9 @@ for group in "$@"; do
       ;;
     cublas-probe)
       probe cublas_probe 300 -std=c++17 -gencode arch=compute_90,code=sm_90 -O3 -lcublasLt -lcublas
+      ;;
+    persistent-probe)
+      probe persistent_probe 240 -std=c++17 -gencode arch=compute_90,code=sm_90 -O3
       ;;
     wgmma-probe)
       probe mma_equality_probe 60 -std=c++20 -gencode arch=compute_90a,code=sm_90a -O2
