@@ -57,6 +57,7 @@ struct Phase {
   bool silu_in = false;       // product: input is silu(gate) * up of a 2k-long gate/up output
   int heads = 0, head_dim = 0, kv_heads = 0;
   unsigned* counter = nullptr;  // this phase's, in persistent runs
+  bool skip = false;            // no work: only the phase's dependencies (timing them alone)
 };
 
 __device__ inline void groupSync(int group) {
@@ -121,6 +122,7 @@ __device__ inline const uint4* productRow(const Phase& p, int task, int t) {
 // Requests the words of round `round` of the task (product or attention).
 __device__ void loadRound(const Phase& p, int task, int round, uint4 (&w)[kRound]) {
   const int t = threadIdx.x % kGroupThreads;
+  if (p.skip) return;
   if (p.kind == kProduct) {
     const int per_row = p.k / p.splits / 8;
     const uint4* row = productRow(p, task, t);
@@ -143,7 +145,7 @@ __device__ void loadRound(const Phase& p, int task, int round, uint4 (&w)[kRound
 
 // Asks the L2 cache for the task's first round (no registers held).
 __device__ void prefetchTask(const Phase& p, int task) {
-  if (p.kind != kProduct) return;
+  if (p.kind != kProduct || p.skip) return;
   const int t = threadIdx.x % kGroupThreads, per_row = p.k / p.splits / 8;
   const uint4* row = productRow(p, task, t);
   for (int i = 0; i < kRound; ++i) {
@@ -155,6 +157,7 @@ __device__ void prefetchTask(const Phase& p, int task) {
 // The rest of the task, its inputs ready.
 __device__ void runTask(const Phase& p, int task, uint4 (&w)[kRound], Smem& sm, int group) {
   const int t = threadIdx.x % kGroupThreads;
+  if (p.skip) return;
   if (p.kind == kProduct) {
     const int kk = p.k / p.splits, tile = task / p.splits, s = task % p.splits;
     const int per_row = kk / 8, rounds = (per_row + 8 * kRound - 1) / (8 * kRound);
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kGroupThreads) phaseKernel(Phase p) {
 // Every phase of a step; group g = block * kGroups + j takes the tasks b + blocks * (j + kGroups
 // * i) of each phase (a phase's tasks spread over the multiprocessors first).
 __global__ void __launch_bounds__(kGroupThreads* kGroups, 1)
-    persistentKernel(const Phase* phases, int count, unsigned step) {
+    persistentKernel(const Phase* phases, int count, unsigned step, bool fenced) {
   extern __shared__ unsigned char raw[];
   const int j = threadIdx.x / kGroupThreads, t = threadIdx.x % kGroupThreads;
   Smem& sm = reinterpret_cast<Smem*>(raw)[j];
@@ -270,7 +273,7 @@ __global__ void __launch_bounds__(kGroupThreads* kGroups, 1)
       runTask(p, task, w, sm, j);
       groupSync(j);
       if (t == 0) {
-        __threadfence();
+        if (fenced) __threadfence();
         addRelease(p.counter);
       }
       task += blocks * kGroups;
@@ -397,9 +400,9 @@ double copyBandwidth() {  // GB/s read + written
   return 2.0 * bytes * 10 / (ms * 1e-3) / 1e9;
 }
 
-// Median ms a step over `steps` runs of `run`.
+// Median ms a step over `steps` runs of `run`, which launches on `stream`.
 template <typename F>
-double timeSteps(int steps, F&& run) {
+double timeSteps(int steps, cudaStream_t stream, F&& run) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
@@ -407,9 +410,9 @@ double timeSteps(int steps, F&& run) {
   CHECK(cudaDeviceSynchronize());
   std::vector<float> ms(steps);
   for (int i = 0; i < steps; ++i) {
-    CHECK(cudaEventRecord(e0));
+    CHECK(cudaEventRecord(e0, stream));
     run(5 + i);
-    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventRecord(e1, stream));
     CHECK(cudaEventSynchronize(e1));
     CHECK(cudaEventElapsedTime(&ms[i], e0, e1));
   }
@@ -437,7 +440,7 @@ double runKernels(const Step& step, int steps) {
   CHECK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const double ms = timeSteps(steps, [&](int) { CHECK(cudaGraphLaunch(exec, stream)); });
+  const double ms = timeSteps(steps, stream, [&](int) { CHECK(cudaGraphLaunch(exec, stream)); });
   CHECK(cudaStreamSynchronize(stream));
   CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaGraphDestroy(graph));
@@ -445,7 +448,7 @@ double runKernels(const Step& step, int steps) {
   return ms;
 }
 
-double runPersistent(const Step& step, int steps, int blocks) {
+double runPersistent(const Step& step, int steps, int blocks, bool fenced) {
   Phase* phases;
   CHECK(cudaMalloc(&phases, step.phases.size() * sizeof(Phase)));
   CHECK(cudaMemcpy(phases, step.phases.data(), step.phases.size() * sizeof(Phase),
@@ -456,9 +459,9 @@ double runPersistent(const Step& step, int steps, int blocks) {
   int count = int(step.phases.size());
   // Counters only grow: step i waits for (i + 1) x tasks. Reset them for this run.
   for (const Phase& p : step.phases) CHECK(cudaMemset(p.counter, 0, sizeof(unsigned)));
-  const double ms = timeSteps(steps, [&](int i) {
+  const double ms = timeSteps(steps, nullptr, [&](int i) {
     unsigned s = unsigned(i);
-    void* args[] = {&phases, &count, &s};
+    void* args[] = {&phases, &count, &s, &fenced};
     CHECK(cudaLaunchCooperativeKernel(persistentKernel, dim3(blocks), dim3(kGroupThreads * kGroups),
                                       args, smem, nullptr));
   });
@@ -485,17 +488,26 @@ int main(int argc, char** argv) {
   if (per_sm < 1) return 1;
   const double copy = copyBandwidth();
   std::printf("copy kernel %.0f GB/s (read + written)\n\n", copy);
-  std::printf("| shape | phases | MB read | kernels ms | persistent ms | persistent / kernels | "
-              "MB read at the copy kernel's rate, ms |\n|---|---|---|---|---|---|---|\n");
+  std::printf("Work: all (every phase), products (the others' tasks empty), none (every task "
+              "empty: the phases' dependencies alone).\n\n");
+  std::printf("| shape | phases | work | MB read | kernels ms | persistent ms | without the fence "
+              "before the release, ms | persistent / kernels | MB read at the copy kernel's rate, "
+              "ms |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : kShapes) {
     for (bool fused : {false, true}) {
       Step step = buildStep(s, fused, blocks * kGroups);
-      const double k = runKernels(step, steps);
-      const double p = runPersistent(step, steps, blocks);
-      std::printf("| %s%s | %zu | %.0f | %.3f | %.3f | %.3f | %.3f |\n", s.name,
-                  fused ? " fused" : "", step.phases.size(), step.weight_bytes / 1e6, k, p, p / k,
-                  step.weight_bytes / (copy / 2 * 1e9) * 1e3);
-      std::fflush(stdout);
+      for (const char* work : {"all", "products", "none"}) {
+        for (Phase& p : step.phases)
+          p.skip = std::strcmp(work, "none") == 0 ||
+                   (std::strcmp(work, "products") == 0 && p.kind != kProduct);
+        const double k = runKernels(step, steps);
+        const double p = runPersistent(step, steps, blocks, true);
+        const double u = runPersistent(step, steps, blocks, false);
+        std::printf("| %s%s | %zu | %s | %.0f | %.3f | %.3f | %.3f | %.3f | %.3f |\n", s.name,
+                    fused ? " fused" : "", step.phases.size(), work, step.weight_bytes / 1e6, k, p,
+                    u, p / k, step.weight_bytes / (copy / 2 * 1e9) * 1e3);
+        std::fflush(stdout);
+      }
       for (void* a : step.allocations) CHECK(cudaFree(a));
     }
   }
