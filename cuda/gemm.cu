@@ -382,18 +382,19 @@ __device__ __forceinline__ unsigned long long tileFold(const GemmFold& fold, int
 // A block's sums of its kOutputs outputs (block_sum, in shared memory) stored through
 // store(e, value). With splits > 1 the cluster's blocks are the tile's k splits: rank r adds up
 // the outputs r, r + splits, ... over the blocks in rank order, and keeps its shared memory
-// until every rank has read it. Every thread of the block calls it.
+// until every rank has read it. Every thread of the block calls it; tid is its index among the
+// kThreads threads whose sums block_sum holds (a block of gemmKernel may hold two such).
 template <int kOutputs, typename Store>
 __device__ __forceinline__ void storeBlockSums(float* block_sum, int rank, int splits,
-                                               Store&& store) {
+                                               Store&& store, int tid = threadIdx.x) {
   if (splits == 1) {
     __syncthreads();
-    for (int e = threadIdx.x; e < kOutputs; e += kThreads) store(e, block_sum[e]);
+    for (int e = tid; e < kOutputs; e += kThreads) store(e, block_sum[e]);
     return;
   }
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  for (int e = rank * kThreads + threadIdx.x; e < kOutputs; e += splits * kThreads) {
+  for (int e = rank * kThreads + tid; e < kOutputs; e += splits * kThreads) {
     float total = *cluster.map_shared_rank(&block_sum[e], 0);
     for (int r = 1; r < splits; ++r) total += *cluster.map_shared_rank(&block_sum[e], r);
     store(e, total);
@@ -412,10 +413,13 @@ constexpr int kTokenInput = 0, kNormedInput = 1, kActivatedInput = 2;
 // operations in the same order in all of them: only when loads are issued and how many tiles
 // share them change. kResidual: the epilogue adds into the residual stream (GemmResidual);
 // kInput: where the tokens come from (a normed or activated input has more blocks,
-// its check tile, when it has checks to add).
+// its check tile, when it has checks to add). kPairs: kPairs sets of kWarps warps a block, each
+// the work of one block of the others (consecutive cells: weight tiles, or check tiles), so that
+// their warps of one lane read the same tokens at about the same time and the later reads come
+// from the L1 cache.
 template <int kGroups, int kUnroll, bool kPipelined, int kTiles, bool kResidual, int kInput,
-          bool kInterleaved = false>
-__global__ void __launch_bounds__(kThreads)
+          bool kInterleaved = false, int kPairs = 1>
+__global__ void __launch_bounds__(kThreads* kPairs)
     gemmKernel(const __nv_bfloat16* __restrict__ x, int m, const __nv_bfloat16* __restrict__ w,
                int n, int k, float* __restrict__ y, int ldy, GemmFold fold, int splits,
                int token_blocks, GemmResidual res, GemmNormedInput nin, GemmActivatedInput act) {
@@ -425,18 +429,26 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kSets = kPipelined ? 2 : 1;
   // One float of padding a row: the reduction below reads down a column, which would otherwise
   // put a warp's reads in one bank.
-  __shared__ float partial[kWarps][kRows][8 * kGroups + 1];
-  __shared__ float block_sum[kOutputs];
-  __shared__ unsigned long long fold_scratch[kWarps][kTiles];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  static_assert(kPairs == 1 || !kInterleaved);
+  __shared__ float pair_partial[kPairs][kWarps][kRows][8 * kGroups + 1];
+  __shared__ float pair_block_sum[kPairs][kOutputs];
+  __shared__ unsigned long long pair_fold_scratch[kPairs][kWarps][kTiles];
+  const int pair = int(threadIdx.x) / kThreads, tid = int(threadIdx.x) % kThreads;
+  auto& partial = pair_partial[pair];
+  float* const block_sum = pair_block_sum[pair];
+  auto& fold_scratch = pair_fold_scratch[pair];
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   // A cluster of `splits` blocks per (weight tile, token block). kInterleaved: the token_blocks
   // blocks of a tile are neighbours along x (launched together, so the tile's later reads come
   // from the L2 cache); otherwise the token blocks go along y.
   // The check tile's clusters (past the weight's tiles in the tile numbers below) come first in
   // the grid, so that they run beside the product's first blocks rather than after its last.
-  const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits;
+  // With pairs, the weight's tiles are padded to a multiple of kPairs (a tile past the weight's
+  // rows loads and stores nothing), and so are the check tiles, so that no block holds both.
+  const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits * kPairs + pair;
   const int weight_tiles = ((n + 15) / 16 + kTiles - 1) / kTiles,
-            check_tiles = int(gridDim.x) / splits / token_blocks - weight_tiles,
+            check_tiles = int(gridDim.x) / splits * kPairs / token_blocks -
+                          (weight_tiles + kPairs - 1) / kPairs * kPairs,
             placed = kInterleaved ? cell / token_blocks : cell,
             tile = placed < check_tiles ? weight_tiles + placed : placed - check_tiles,
             token_block = kInterleaved ? cell % token_blocks : int(blockIdx.y);
@@ -541,7 +553,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool check_tile =
       ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act)) ||
        (kInput == kTokenInput && tokenHasChecks(nin))) &&
-      tile >= weight_tiles;
+      placed < check_tiles;
   const int check_first = (tile - weight_tiles) * lanes + base, check_stride = check_tiles * lanes;
   if constexpr (kInput == kTokenInput) {
     if (check_tile) {  // its own path from here, with its own loads before the wait
@@ -616,7 +628,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   // Output e is weight row e % kRows and token e / kRows: neighbouring threads store
   // neighbouring outputs.
-  for (int e = threadIdx.x; e < kOutputs; e += kThreads) {
+  for (int e = tid; e < kOutputs; e += kThreads) {
     float total = partial[0][e % kRows][e / kRows];
 #pragma unroll
     for (int v = 1; v < kWarps; ++v) total += partial[v][e % kRows][e / kRows];
@@ -626,8 +638,8 @@ __global__ void __launch_bounds__(kThreads)
   auto store = [&](int e, float value) {
     storeOutput<kResidual>(n0 + e % kRows, m0 + e / kRows, value, n, m, y, ldy, res);
   };
-  storeBlockSums<kOutputs>(block_sum, rank, splits, store);
-  if (folding && threadIdx.x == 0) {
+  storeBlockSums<kOutputs>(block_sum, rank, splits, store, tid);
+  if (folding && tid == 0) {
     // The block's fold of each tile into its weight's account: the ranks' folds add up to the
     // tile's (integers: in any order), and rank 0 counts the tile's words.
     for (int i = 0; i < kTiles; ++i) {
@@ -643,14 +655,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// A product kernel's launch: 128 threads a block, clusters of `splits` blocks along x (the k
-// splits of a tile), programmatic where the stream is. Holds the attributes its config points to.
+// A product kernel's launch: 128 threads a block (times `pairs`), clusters of `splits` blocks
+// along x (the k splits of a tile), programmatic where the stream is. Holds the attributes its
+// config points to.
 struct ProductLaunch {
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attrs[2];
-  ProductLaunch(dim3 grid, int splits, cudaStream_t stream) {
+  ProductLaunch(dim3 grid, int splits, cudaStream_t stream, int pairs = 1) {
     config.gridDim = grid;
-    config.blockDim = dim3(kThreads);
+    config.blockDim = dim3(unsigned(kThreads * pairs));
     config.stream = stream;
     unsigned count = 0;
     if (splits > 1) {
@@ -667,9 +680,10 @@ struct ProductLaunch {
   ProductLaunch& operator=(const ProductLaunch&) = delete;
 };
 
-// kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel).
+// kInterleaved: the token blocks of each weight tile side by side (token_blocks in the kernel);
+// kPairs: cells a block (gemmKernel).
 template <int kGroups, int kUnroll, bool kPipelined = false, int kTiles = 1,
-          bool kInterleaved = false>
+          bool kInterleaved = false, int kPairs = 1>
 cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, int k,
                    float* y, int ldy, cudaStream_t stream, const GemmFold& fold,
                    const GemmResidual& res, const GemmNormedInput& nin,
@@ -687,12 +701,15 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
   const int check_clusters = !checks            ? 0
                              : token_checks > 0 ? (token_checks + lanes - 1) / lanes
                                                 : (k_blocks + 8 * lanes - 1) / (8 * lanes);
-  const int blocks = ((n + 15) / 16 + kTiles - 1) / kTiles + check_clusters;
+  // Cells (weight tiles, then check tiles), each padded to whole blocks of kPairs cells.
+  auto wholeBlocks = [](int cells) { return (cells + kPairs - 1) / kPairs; };
+  const int blocks =
+      wholeBlocks(((n + 15) / 16 + kTiles - 1) / kTiles) + wholeBlocks(check_clusters);
   const int token_blocks = (m + 8 * kGroups - 1) / (8 * kGroups);
   const int interleaved = kInterleaved ? token_blocks : 1;  // token input only
   ProductLaunch setup(
       dim3(unsigned(blocks * splits * interleaved), unsigned(token_blocks / interleaved)), splits,
-      stream);
+      stream, kPairs);
   auto go = [&](auto kernel) {
     return cudaLaunchKernelEx(&setup.config, kernel, x, m, w, n, k, y, ldy, fold, splits,
                               interleaved, res, nin, act);
@@ -706,8 +723,10 @@ cudaError_t launch(int splits, const __nv_bfloat16* x, int m, const __nv_bfloat1
       return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kNormedInput>);
   }
   if (res.x != nullptr)
-    return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved>);
-  return go(gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved>);
+    return go(
+        gemmKernel<kGroups, kUnroll, kPipelined, kTiles, true, kTokenInput, kInterleaved, kPairs>);
+  return go(
+      gemmKernel<kGroups, kUnroll, kPipelined, kTiles, false, kTokenInput, kInterleaved, kPairs>);
 }
 
 // The tiled schedule's kernel (from kTiledFromRows rows: large decode steps and prefill): a block
@@ -961,7 +980,7 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     }
     if (!known)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved, tiled)");
+                             "\" (known: plain, pipelined, two_tiles, interleaved, paired, tiled)");
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1032,13 +1051,14 @@ Result<std::vector<GemmScheduleFor>> parseGemmShapeSchedules(std::string_view te
       },
       bad);
   if (!out)
-    return invalidArgument("product schedule for a shape \"" + bad +
-                           "\" (NxK=NAME: plain, pipelined, two_tiles, interleaved, tiled)");
+    return invalidArgument(
+        "product schedule for a shape \"" + bad +
+        "\" (NxK=NAME: plain, pipelined, two_tiles, interleaved, paired, tiled)");
   return std::move(*out);
 }
 
 GemmSchedule gemmScheduleAt33To64(int n, int k) {
-  if (gemmSplits(n, k) > 1) return n > k ? GemmSchedule::kTwoTiles : GemmSchedule::kPipelined;
+  if (gemmSplits(n, k) > 1) return n > k ? GemmSchedule::kTwoTiles : GemmSchedule::kPaired;
   return n >= 8192 ? GemmSchedule::kTwoTiles : GemmSchedule::kInterleaved;
 }
 
@@ -1127,6 +1147,8 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
   if (schedule == GemmSchedule::kTiled &&
       (m < kTiledFromRows || (forced_splits == 0 && tiled_blocks < kTiledMinBlocks)))
     schedule = GemmSchedule::kPipelined;
+  if (schedule == GemmSchedule::kPaired && (m <= 8 || m > 64 || is_normed || is_activated))
+    schedule = GemmSchedule::kPipelined;
   if (schedule == GemmSchedule::kPipelined) {
     if (m <= 8)
       launched = launch<1, 4, true>(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed,
@@ -1156,6 +1178,16 @@ Status launchGemm(const __nv_bfloat16* x, int m, const __nv_bfloat16* w, int n, 
     else
       launched = launch<8, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold, residual,
                                         normed, activated);
+  } else if (schedule == GemmSchedule::kPaired) {
+    if (m <= 16)
+      launched = launch<2, 2, true, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold,
+                                                 residual, normed, activated);
+    else if (m <= 32)
+      launched = launch<4, 1, true, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold,
+                                                 residual, normed, activated);
+    else
+      launched = launch<8, 1, true, 1, false, 2>(splits, x, m, w, n, k, y, ldy, stream, fold,
+                                                 residual, normed, activated);
   } else if (schedule == GemmSchedule::kTiled && !is_normed && !is_activated) {
     launched = launchTiled(splits, x, m, w, n, k, y, ldy, stream, fold, residual, normed);
   } else if (schedule == GemmSchedule::kInterleaved && m > 32) {

@@ -134,6 +134,9 @@ enum class GemmSchedule {
   kInterleaved,  // plain's 32-row blocks for more than 32 rows, the token blocks of each weight
                  // tile launched side by side: the tile's second and later reads come from the
                  // L2 cache (plain for up to 32 rows)
+  kPaired,       // pipelined's warps, two cells (weight tiles) a block of 256 threads: the warps
+                 // of one lane in both read the same tokens at about the same time, so the later
+                 // reads come from the L1 cache (9 to 64 rows; pipelined at others)
   kTiled,        // from kTiledFromRows rows, blocks of 64 weight rows by 64 tokens, both staged
                  // in shared memory two k blocks a stage (three stages in flight), each warp 32
                  // rows by 32 tokens, the k splits a cluster's blocks as in the other schedules
@@ -145,9 +148,9 @@ inline constexpr int kTiledFromRows = 96;
 // the 0.5B q/k/v (36 blocks) 13.6 us tiled against 7.3 pipelined, o (28) 13.6 against 6.7, down
 // (112) 15.2 against 24.8. A forced split count (bench-gemm, tests) keeps tiled where asked.
 inline constexpr int kTiledMinBlocks = 64;
-inline constexpr GemmSchedule kGemmSchedules[] = {GemmSchedule::kPlain, GemmSchedule::kPipelined,
-                                                  GemmSchedule::kTwoTiles,
-                                                  GemmSchedule::kInterleaved, GemmSchedule::kTiled};
+inline constexpr GemmSchedule kGemmSchedules[] = {
+    GemmSchedule::kPlain,       GemmSchedule::kPipelined, GemmSchedule::kTwoTiles,
+    GemmSchedule::kInterleaved, GemmSchedule::kPaired,    GemmSchedule::kTiled};
 // The schedule a step's products use, per bucket of rows (1-8, 9-16, 17-32, 33 or more: the
 // kernel's token groups). Every schedule gives the same bits, so this choice changes speed only.
 using GemmScheduleBuckets = std::array<GemmSchedule, 4>;
@@ -163,14 +166,15 @@ inline constexpr GemmScheduleBuckets kDefaultGemmSchedules = {
 // With the default buckets, steps of 33 to 64 rows run the schedule this gives for the weight's
 // shape rather than the bucket's (the same bits: speed only). From `bench-gemm` at 64 rows on the
 // Qwen2.5 0.5B and 7B shapes (H100, cuda/PERFORMANCE.md) and bench-engine at 40 to 64 rows: where
-// k is split over blocks, pipelined (each keeps its loads in flight), or two tiles a warp when
-// the weight has more rows than columns (the 7B's q/k/v); with one split, two tiles a warp on
+// k is split over blocks, paired (two cells a block, the tokens' second reads from the L1
+// cache), or two tiles a warp when the weight has more rows than columns (the 7B's q/k/v); with
+// one split, two tiles a warp on
 // large weights (n of 8,192 and more: the token fragments read half as often), else plain's
 // 32-row blocks side by side (interleaved: more blocks for a small weight).
 GemmSchedule gemmScheduleAt33To64(int n, int k);
 
 // "NAME" for every bucket, or four names, comma-separated, one a bucket: plain, pipelined,
-// two_tiles, interleaved, tiled.
+// two_tiles, interleaved, paired, tiled.
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text);
 
 // A split count other than gemmSplits' for one weight shape (measurement: `bulkhead bench-engine
@@ -196,6 +200,7 @@ inline const char* gemmScheduleName(GemmSchedule s) {
          : s == GemmSchedule::kPipelined   ? "pipelined"
          : s == GemmSchedule::kTwoTiles    ? "two_tiles"
          : s == GemmSchedule::kInterleaved ? "interleaved"
+         : s == GemmSchedule::kPaired      ? "paired"
                                            : "tiled";
 }
 

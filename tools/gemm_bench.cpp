@@ -97,6 +97,8 @@ const Path kPaths[] = {
     {"+fold", "two_tiles_folding", false, cuda::GemmSchedule::kTwoTiles, true},
     {"interleaved", "interleaved", false, cuda::GemmSchedule::kInterleaved},
     {"+fold", "interleaved_folding", false, cuda::GemmSchedule::kInterleaved, true},
+    {"paired", "paired", false, cuda::GemmSchedule::kPaired},
+    {"+fold", "paired_folding", false, cuda::GemmSchedule::kPaired, true},
     {"tiled", "tiled", false, cuda::GemmSchedule::kTiled},
     {"+fold", "tiled_folding", false, cuda::GemmSchedule::kTiled, true},
     {"cublas", "cublas", true},
@@ -224,8 +226,9 @@ Status runGemmBench(const GemmBenchOptions& o) {
                   from_cache ? " (weights in the L2 cache)" : "");
       // The other split counts a shape could be given (each its own fixed sum order): whether
       // gemmSplits chose well.
-      std::printf("%28s splits (plain/pipelined/two_tiles/interleaved/tiled us), a step uses %d:",
-                  "", cuda::gemmSplits(p.n, p.k));
+      std::printf(
+          "%28s splits (plain/pipelined/two_tiles/interleaved/paired/tiled us), a step uses %d:",
+          "", cuda::gemmSplits(p.n, p.k));
       row["splits"] = nlohmann::json::array();
       for (const int splits : {1, 2, 4, 8}) {
         std::printf(" %d: ", splits);

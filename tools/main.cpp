@@ -208,9 +208,10 @@ int main(int argc, char** argv) {
       ->add_option("--programmatic-launch", engine_programmatic,
                    "on | off: each of a step's kernels may begin while the one before finishes")
       ->check(CLI::IsMember({"on", "off"}));
-  engine_bench->add_option("--gemm-schedules", engine_opts.gemm_schedules,
-                           "CUDA: the product's schedule, one or one per bucket of rows "
-                           "(1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, tiled");
+  engine_bench->add_option(
+      "--gemm-schedules", engine_opts.gemm_schedules,
+      "CUDA: the product's schedule, one or one per bucket of rows "
+      "(1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, paired, tiled");
   engine_bench->add_option("--gemm-splits", engine_opts.gemm_splits,
                            "CUDA: split counts for some product shapes, NxK=S[,NxK=S...] (S 1 to "
                            "8; other numbers for those shapes, the same at every row count)");

@@ -272,10 +272,10 @@ TEST(GemmSchedules, ThirtyThreeToSixtyFourRowsTakeTheScheduleOfTheShape) {
   const Case cases[] = {
       {1152, 896, S::kInterleaved}, {896, 896, S::kInterleaved},   // 0.5B q/k/v, o: one split
       {9728, 896, S::kTwoTiles},    {151936, 896, S::kTwoTiles},   // gate/up, lm_head
-      {896, 4864, S::kPipelined},                                  // down: k split
-      {4608, 3584, S::kTwoTiles},   {3584, 3584, S::kPipelined},   // 7B q/k/v, o: k split
+      {896, 4864, S::kPaired},                                     // down: k split
+      {4608, 3584, S::kTwoTiles},   {3584, 3584, S::kPaired},      // 7B q/k/v, o: k split
       {37888, 3584, S::kTwoTiles},  {152064, 3584, S::kTwoTiles},  // gate/up, lm_head
-      {3584, 18944, S::kPipelined}};                               // down
+      {3584, 18944, S::kPaired}};                                  // down
   for (const Case& c : cases)
     EXPECT_EQ(cuda::gemmScheduleAt33To64(c.n, c.k), c.want)
         << c.n << "x" << c.k << " (" << cuda::gemmSplits(c.n, c.k) << " splits)";

@@ -83,6 +83,14 @@
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
 #           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
 #           with programmatic launch off (the b64 loss is in the overlap with its neighbours)
+#   paired  the product tests (every schedule bit for bit), bench-gemm at 32 and 64 rows, then
+#           bench-engine on both shapes at 40-64 rows, twice each in turn: the default (the
+#           paired schedule, two cells a block, where k is split and n <= k) against those
+#           products pipelined (the rule before)
+#   paired-engine that group's bench-engine runs alone
+#   product-ncu ncu (the full set) on the first layer's gate/up (two tiles a warp) and down
+#           (pipelined) products of a 7B decode step of 64 rows: what bounds them there (the
+#           L2 cache's throughput, the tokens' reloads, latency)
 #   timeline every kernel of the 0.5B's captured decode steps at b1 and b8, then the 7B's at b1
 #           and b64 with attention on the CUDA
 #           cores and on the tensor cores, from CUPTI (tools/gpu/kernel_timeline.cpp, LD_PRELOAD;
@@ -436,6 +444,32 @@ for group in "$@"; do
           --launch-skip "${kernel_skip#*:}" -c 1 --page details "$bh" bench-engine --model "$m" \
           --backend cuda \
           --batch 1 --prompt 2048 --max-step-tokens 2048 --steps 1 --no-compare --graphs off
+      done
+      ;;
+    paired)
+      run gemm-tests 200 "$bundle/gpu_tests" --gtest_filter='*Gemm*:*ProductFold*:*TokenChecks*'
+      for shape in qwen2.5-7b qwen2.5-0.5b; do
+        run "bench-gemm-$shape-32-64" 120 "$bh" bench-gemm --shape $shape --rows 32,64
+      done
+      "$0" "$bundle" "$out" paired-engine
+      ;;
+    paired-engine)
+      # The default (paired where k is split and n <= k: the 7B's o and down, the 0.5B's down)
+      # against those products pipelined, the rule before, at 33-64 rows.
+      optionVariants paired --gemm-shape-schedules 40,48,64 qwen2.5-7b \
+        default 3584x3584=pipelined,3584x18944=pipelined
+      optionVariants paired --gemm-shape-schedules 40,48,64 qwen2.5-0.5b default 896x4864=pipelined
+      ;;
+    product-ncu)
+      m=$(model qwen2.5-7b)
+      # Demangled: gemmKernel<(int)8, (int)1, (bool)0, (int)2, ...>; the second launch of each
+      # in the step (q/k/v then gate/up; o then down).
+      for kernel in "gemmKernel<.int.8, .int.1, .bool.0, .int.2," \
+        "gemmKernel<.int.8, .int.1, .bool.1, .int.1,"; do
+        run "ncu-b64-${kernel//[^a-z0-9]/}" 200 ncu --clock-control none --set full \
+          --kernel-name-base demangled -k "regex:$kernel" --launch-skip 1 -c 1 --page details \
+          "$bh" bench-engine --model "$m" --backend cuda --batch 64 --steps 1 --no-compare \
+          --graphs off
       done
       ;;
     timeline)

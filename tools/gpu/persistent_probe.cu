@@ -37,10 +37,10 @@
 namespace {
 
 constexpr int kGroupThreads = 128;
-constexpr int kGroups = 4;          // groups of kGroupThreads a persistent block
-constexpr int kRound = 16;          // 16-byte weight words a thread loads a round
-constexpr int kPositions = 128;     // cached positions attention reads a head
-constexpr int kMaxStage = 4864;     // floats of input a group stages (the largest k a split)
+constexpr int kGroups = 4;       // groups of kGroupThreads a persistent block
+constexpr int kRound = 16;       // 16-byte weight words a thread loads a round
+constexpr int kPositions = 128;  // cached positions attention reads a head
+constexpr int kMaxStage = 4864;  // floats of input a group stages (the largest k a split)
 
 enum Kind : int { kProduct, kNorm, kAttention, kSilu };
 
@@ -51,10 +51,10 @@ struct Phase {
   int tasks = 0;
   const float* in = nullptr;  // in_splits x in_len floats, summed
   int in_len = 0, in_splits = 1;
-  float* out = nullptr;       // product: splits x n; others: out_len
+  float* out = nullptr;  // product: splits x n; others: out_len
   int out_len = 0;
-  bool norm_in = false;       // product: normalise the input first (fused)
-  bool silu_in = false;       // product: input is silu(gate) * up of a 2k-long gate/up output
+  bool norm_in = false;  // product: normalise the input first (fused)
+  bool silu_in = false;  // product: input is silu(gate) * up of a 2k-long gate/up output
   int heads = 0, head_dim = 0, kv_heads = 0;
   unsigned* counter = nullptr;  // this phase's, in persistent runs
   bool skip = false;            // no work: only the phase's dependencies (timing them alone)
@@ -71,8 +71,12 @@ __device__ inline unsigned loadAcquire(const unsigned* p) {
 __device__ inline void addRelease(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
-__device__ inline float bf16Lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ inline float bf16Hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ inline float bf16Lo(uint32_t v) {
+  return __uint_as_float(v << 16);
+}
+__device__ inline float bf16Hi(uint32_t v) {
+  return __uint_as_float(v & 0xffff0000u);
+}
 __device__ inline float dot8(uint4 w, const float* x) {
   return bf16Lo(w.x) * x[0] + bf16Hi(w.x) * x[1] + bf16Lo(w.y) * x[2] + bf16Hi(w.y) * x[3] +
          bf16Lo(w.z) * x[4] + bf16Hi(w.z) * x[5] + bf16Lo(w.w) * x[6] + bf16Hi(w.w) * x[7];
@@ -231,7 +235,9 @@ __device__ void runTask(const Phase& p, int task, uint4 (&w)[kRound], Smem& sm, 
   }
 }
 
-__device__ inline void waitGridBefore() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ inline void waitGridBefore() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
 __device__ inline void letNextLaunch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
@@ -488,11 +494,13 @@ int main(int argc, char** argv) {
   if (per_sm < 1) return 1;
   const double copy = copyBandwidth();
   std::printf("copy kernel %.0f GB/s (read + written)\n\n", copy);
-  std::printf("Work: all (every phase), products (the others' tasks empty), none (every task "
-              "empty: the phases' dependencies alone).\n\n");
-  std::printf("| shape | phases | work | MB read | kernels ms | persistent ms | without the fence "
-              "before the release, ms | persistent / kernels | MB read at the copy kernel's rate, "
-              "ms |\n|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "Work: all (every phase), products (the others' tasks empty), none (every task "
+      "empty: the phases' dependencies alone).\n\n");
+  std::printf(
+      "| shape | phases | work | MB read | kernels ms | persistent ms | without the fence "
+      "before the release, ms | persistent / kernels | MB read at the copy kernel's rate, "
+      "ms |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : kShapes) {
     for (bool fused : {false, true}) {
       Step step = buildStep(s, fused, blocks * kGroups);
