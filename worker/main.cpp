@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
                "cuda-cublas and canary records made without it do not apply");
   app.add_option("--gemm-schedules", backend_options.cuda_gemm_schedules,
                  "CUDA backend: the product's schedule, one for all steps or one per bucket of "
-                 "rows (1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved or tiled "
+                 "rows (1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, paired or "
+                 "tiled "
                  "(the logits are the same; by default pipelined,plain,plain,tiled)");
   std::string canary_record;
   app.add_option("--canary-record", canary_record,
