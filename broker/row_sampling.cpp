@@ -59,6 +59,7 @@ struct ChunkStats {
   float adj_max = 0;
   uint32_t adj_arg = 0;
   uint64_t mass = 0;
+  uint32_t max_key = 0;  // the bits of the chunk's largest weight e (the weights pass)
   uint64_t kept_mass = 0;
   uint32_t kept_count = 0;
   uint32_t ties = 0;
@@ -479,19 +480,24 @@ void RowSampler::RowWork::weightsChunk(uint32_t c) {
   const float* src = (s.penalised ? buf->weights.data() : buf->values.data()) + base;
   float* dst = e_data + base;
   const __m256 m = _mm256_set1_ps(amax), scale = _mm256_set1_ps(inv_t);
-  __m256i mass = _mm256_setzero_si256();
+  __m256i mass = _mm256_setzero_si256(), max_key = _mm256_setzero_si256();
   // Whole vectors of 16 first where the processor has them, then 8 lanes for the rest.
   const uint32_t done = wide_vectors && kHaveAvx512 ? len / 16 * 16 : 0;
-  const uint64_t wide_mass =
-      done > 0 ? avx512::weightsSixteens(src, dst, done / 16, amax, inv_t) : 0;
+  const avx512::WeightsTotals wide = done > 0
+                                         ? avx512::weightsSixteens(src, dst, done / 16, amax, inv_t)
+                                         : avx512::WeightsTotals{};
   for (uint32_t i = done; i < len; i += 8) {
     const uint32_t valid = std::min(8u, len - i);
     const __m256 x = _mm256_mul_ps(_mm256_sub_ps(loadLanes(src + i, valid), m), scale);
     const __m256 e = _mm256_and_ps(exp8(x), _mm256_castsi256_ps(laneMask(valid)));
     storeLanes(dst + i, e, valid);
     mass = _mm256_add_epi64(mass, biasedMass8Sum(e));
+    max_key = _mm256_max_epi32(max_key, _mm256_castps_si256(e));  // non-negative: bits order
   }
-  s.mass = sum64(mass) - uint64_t(len - done + 7) / 8 * 8 * kMassBias + wide_mass;
+  s.mass = sum64(mass) - uint64_t(len - done + 7) / 8 * 8 * kMassBias + wide.mass;
+  alignas(32) uint32_t keys[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(keys), max_key);
+  s.max_key = std::max(wide.max_key, *std::max_element(keys, keys + 8));
   if (radix && !reject) histogramChunk(c);
 }
 
@@ -563,6 +569,11 @@ void RowSampler::RowWork::tiesChunk(uint32_t c) {
 }
 
 void RowSampler::RowWork::keptChunk(uint32_t c) {
+  if (stats[c].max_key < cut_key) {  // no weight of the chunk reaches the cut: nothing kept
+    stats[c].kept_mass = 0;
+    stats[c].kept_count = 0;
+    return;
+  }
   const uint32_t base = begin(c), len = size(c);
   const float* w = e_data + base;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);

@@ -123,16 +123,19 @@ __attribute__((target("avx512f"))) ReadTotals readSixteens(const float* src, flo
   return totals;
 }
 
-__attribute__((target("avx512f"))) uint64_t weightsSixteens(const float* src, float* dst,
-                                                            uint32_t count, float m, float scale) {
+__attribute__((target("avx512f"))) WeightsTotals weightsSixteens(const float* src, float* dst,
+                                                                 uint32_t count, float m,
+                                                                 float scale) {
   const __m512 vm = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale);
-  __m512i mass = _mm512_setzero_si512();
+  __m512i mass = _mm512_setzero_si512(), max_key = _mm512_setzero_si512();
   for (uint32_t i = 0; i < 16 * count; i += 16) {
     const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(src + i), vm), vscale));
     _mm512_storeu_ps(dst + i, e);
     mass = _mm512_add_epi64(mass, biasedMass16Sum(e));
+    max_key = _mm512_max_epi32(max_key, _mm512_castps_si512(e));  // non-negative: bits order
   }
-  return sumLanes(mass) - uint64_t(16) * count * kMassBias;
+  return {sumLanes(mass) - uint64_t(16) * count * kMassBias,
+          uint32_t(_mm512_reduce_max_epi32(max_key))};
 }
 
 __attribute__((target("avx512f"))) void expSumSixteens(const float* src, uint32_t count, float m,

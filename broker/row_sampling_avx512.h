@@ -28,8 +28,14 @@ struct ReadTotals {
 ReadTotals readSixteens(const float* src, float* dst, uint32_t count, uint32_t base, bool copy,
                         bool track);
 
-// The weights pass over `count` vectors of 16: e = exp((x - m) * scale) stored, and their mass.
-uint64_t weightsSixteens(const float* src, float* dst, uint32_t count, float m, float scale);
+struct WeightsTotals {
+  uint64_t mass = 0;
+  uint32_t max_key = 0;  // the bits of the largest e (every e lies in [0, 1])
+};
+
+// The weights pass over `count` vectors of 16: e = exp((x - m) * scale) stored, their mass and
+// the largest one's bits.
+WeightsTotals weightsSixteens(const float* src, float* dst, uint32_t count, float m, float scale);
 
 // The log-sum-exp pass over `count` vectors of 16: adds exp(x - m) into the 8 lanes of `acc`, a
 // vector's first 8 values and then its last 8, as the 8-lane loop adds them (the same bits).

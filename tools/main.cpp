@@ -292,6 +292,9 @@ int main(int argc, char** argv) {
   sample_bench->add_option("--threads", sample_threads,
                            "Comma-separated pool sizes, one table each (0: all cores)");
   sample_bench->add_option("--iterations", sample_opts.iterations, "Measured calls per cell");
+  sample_bench->add_flag("--peaked", sample_opts.peaked,
+                         "Rows as trained models give them (a few likely tokens) instead of "
+                         "near-flat ones");
   sample_bench->add_option("--json", sample_opts.json_path, "Also write the results as JSON");
 
   ChaosOptions chaos_opts;

@@ -1,6 +1,7 @@
 // sample-bench: the broker's cost of verifying and sampling a step's logits rows, without a
-// worker. Synthetic near-flat rows (as random-weight models produce), timed per call for
-// verify-only, greedy, temperature and temperature + top-p, for each pool size asked for.
+// worker. Synthetic rows, near-flat (as random-weight models produce) or peaked (as trained models
+// give: a few likely tokens above a spread of unlikely ones), timed per call for verify-only,
+// greedy, temperature and temperature + top-p, for each pool size asked for.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@ struct SampleBenchOptions {
   std::vector<uint32_t> rows = {1, 8, 32, 64};
   std::vector<unsigned> threads = {0};  // pool sizes, a table each; 0: hardware concurrency
   uint32_t iterations = 200;
+  bool peaked = false;  // rows with a few likely tokens instead of near-flat ones
   std::string json_path;
 };
 

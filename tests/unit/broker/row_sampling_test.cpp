@@ -348,19 +348,23 @@ TEST(VerifyAndSample, SixteenLanePassesGiveTheEightLaneWeightsAndExactMasses) {
   for (uint32_t b = 0xc2a00000u; b <= 0xc2b00000u; ++b) x.push_back(std::bit_cast<float>(b));
   x.resize(x.size() / 16 * 16);
   std::vector<float> wide(x.size()), narrow(x.size());
-  const uint64_t wide_mass =
+  const avx512::WeightsTotals wide_totals =
       avx512::weightsSixteens(x.data(), wide.data(), uint32_t(x.size() / 16), 0.0f, 1.0f);
   uint64_t mass = 0;
+  uint32_t max_key = 0;
   size_t differ = 0;
   for (size_t i = 0; i < x.size(); i += 8) {
     _mm256_storeu_ps(narrow.data() + i, exp8(_mm256_loadu_ps(x.data() + i)));
     for (size_t j = i; j < i + 8; ++j) {
       differ += std::bit_cast<uint32_t>(wide[j]) != std::bit_cast<uint32_t>(narrow[j]);
       mass += uint64_t(std::nearbyint(double(narrow[j]) * 0x1p40));
+      max_key = std::max(max_key, std::bit_cast<uint32_t>(narrow[j]));
     }
   }
   EXPECT_EQ(differ, 0u) << "of " << x.size() << " weights";
-  EXPECT_EQ(wide_mass, mass);
+  EXPECT_EQ(wide_totals.mass, mass);
+  EXPECT_EQ(wide_totals.max_key, max_key) << "the largest weight's bits";
+  EXPECT_EQ(max_key, std::bit_cast<uint32_t>(1.0f)) << "e^-0 is among them";
   // The kept pass over the same weights, cut at a key inside the range, ties by id.
   const uint32_t cut_key = std::bit_cast<uint32_t>(narrow[x.size() / 2]), cut_id = 1000;
   uint64_t kept_mass = 0;
@@ -419,6 +423,30 @@ TEST(VerifyAndSample, KeptSetsAndDrawsMatchASortBasedReference) {
       }
     }
   }
+}
+
+// Rows as trained models give them: a few likely tokens in a few chunks above a spread of
+// unlikely ones, so the kept passes skip every chunk whose largest weight is below the cut. The
+// draws are still the reference's.
+TEST(VerifyAndSample, PeakedRowsMatchTheReference) {
+  WorkPool pool(3);
+  std::vector<float> logits = syntheticRow(11, kVocab, 8.0f);
+  for (uint32_t j = 0; j < 16; ++j)
+    logits[splitmix64(1000 + j) % kVocab] = 10.0f + 0.25f * float(j);
+  uint64_t position = 0;
+  for (float top_p : {1.0f, 0.9f, 0.5f})
+    for (uint32_t top_k : {0u, 3u})
+      for (float min_p : {0.0f, 0.2f}) {
+        SamplingConfig c = temperature(0.8f);
+        c.top_p = top_p, c.top_k = top_k, c.min_p = min_p;
+        for (int draw = 0; draw < 4; ++draw, ++position) {
+          const SampledRow got = sampleOne(pool, rowOf(logits, &c, position));
+          ASSERT_EQ(got.failed, IntegrityCheck::kNone);
+          ASSERT_EQ(got.choice.token, referenceToken(logits, c, position))
+              << "top_p " << top_p << " top_k " << top_k << " min_p " << min_p << " position "
+              << position;
+        }
+      }
 }
 
 TEST(VerifyAndSample, PenalisedDrawsMatchTheReference) {
