@@ -37,9 +37,8 @@ Status benchPool(const SampleBenchOptions& o, unsigned threads, const std::vecto
   WorkPool pool(threads);
   RowSampler sampler(pool);
   std::printf(
-      "sample-bench: vocab %u, %s rows, %u threads, %u iterations, %d-lane passes; microseconds "
-      "per "
-      "call\n",
+      "sample-bench: vocab %u, %s rows, %u threads, %u iterations, %d-lane passes; "
+      "microseconds per call\n",
       o.vocab, o.peaked ? "peaked" : "near-flat", pool.threads(), o.iterations,
       RowSampler::sixteenLanes() ? 16 : 8);
   std::printf("%6s", "rows");
