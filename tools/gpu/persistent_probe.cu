@@ -9,11 +9,13 @@
 //               backend's design today
 //   persistent  one cooperative launch a step, four groups of 128 threads a multiprocessor each
 //               running its tasks of every phase in turn, a phase's inputs awaited by a counter
-//               (acquire loads) that its producers' groups add to (release), a task's first
-//               weights requested before that wait
-// Optionally with the norms folded into the products after them and the activation into the
-// down product (each task recomputes them from its input: `fused`). The outputs are not checked
-// against anything: this measures time only. Builds alone with nvcc:
+//               (acquire loads) that its producers' groups add to (release, with and without a
+//               fence before it), a task's first weights requested before that wait and its
+//               next task's asked of the L2 cache
+// Each with every phase's work, with the products' only, and with none (the dependencies alone);
+// and the step again with the norms folded into the products after them and the activation into
+// the down product (each task recomputes them from its input: `fused`). The outputs are not
+// checked against anything: this measures time only. Builds alone with nvcc:
 //   nvcc -std=c++17 -gencode arch=compute_90,code=sm_90 -O3 -o persistent_probe persistent_probe.cu
 #include <cuda_runtime.h>
 
@@ -25,14 +27,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK(call)                                                                              \
-  do {                                                                                           \
-    cudaError_t e_ = (call);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
+#include "probe.cuh"
 
 namespace {
 
