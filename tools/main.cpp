@@ -242,30 +242,24 @@ int main(int argc, char** argv) {
                    "up to 64, without --attention-mma)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
-  engine_bench
-      ->add_option("--attention-tiles", engine_opts.attention_tiles,
-                   "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, "
-                   "loading each key and value once for them")
-      ->check(CLI::IsMember({"on", "off"}))
-      ->capture_default_str();
-  engine_bench
-      ->add_option("--attention-mma", engine_opts.attention_mma,
-                   "CUDA: attention on the tensor cores in every step (head sizes 64 and 128); "
-                   "other numbers than the CUDA-core kernel, each invariant")
-      ->check(CLI::IsMember({"on", "off"}))
-      ->capture_default_str();
-  engine_bench
-      ->add_option("--logits-in-product", engine_opts.logits_in_product,
-                   "CUDA: lm_head stores the logits rows to their destinations as it computes "
-                   "them (off: a copy after it)")
-      ->check(CLI::IsMember({"on", "off"}))
-      ->capture_default_str();
-  engine_bench
-      ->add_option("--cublas-products", engine_opts.cublas_products,
-                   "CUDA: every product through workspace-0 cuBLAS, whose weights only the "
-                   "arithmetic check sees in the step (off: our kernels, which fold every word)")
-      ->check(CLI::IsMember({"on", "off"}))
-      ->capture_default_str();
+  // CUDA options taking on | off, their default shown.
+  auto engineOnOff = [&](const char* name, std::string& value, const char* help) {
+    engine_bench->add_option(name, value, help)
+        ->check(CLI::IsMember({"on", "off"}))
+        ->capture_default_str();
+  };
+  engineOnOff("--attention-tiles", engine_opts.attention_tiles,
+              "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, loading "
+              "each key and value once for them");
+  engineOnOff("--attention-mma", engine_opts.attention_mma,
+              "CUDA: attention on the tensor cores in every step (head sizes 64 and 128); other "
+              "numbers than the CUDA-core kernel, each invariant");
+  engineOnOff("--logits-in-product", engine_opts.logits_in_product,
+              "CUDA: lm_head stores the logits rows to their destinations as it computes them "
+              "(off: a copy after it)");
+  engineOnOff("--cublas-products", engine_opts.cublas_products,
+              "CUDA: every product through workspace-0 cuBLAS, whose weights only the arithmetic "
+              "check sees in the step (off: our kernels, which fold every word)");
   engine_bench->add_flag("--kernel-times", engine_opts.kernel_times,
                          "CUDA: then where a decode step's device time goes, launch by launch "
                          "(an event after each, no graphs), with and without the checks, and "
