@@ -433,7 +433,8 @@ __global__ void __launch_bounds__(kThreads* kPairs)
   __shared__ float pair_partial[kPairs][kWarps][kRows][8 * kGroups + 1];
   __shared__ float pair_block_sum[kPairs][kOutputs];
   __shared__ unsigned long long pair_fold_scratch[kPairs][kWarps][kTiles];
-  // Constants with one cell a block, so that those kernels compile as before pairs existed.
+  // Unsigned, and constants with one cell a block: signed or computed indices gave the kernels of
+  // one cell other registers (the one-row pipelined kernel 138 instead of 128).
   const unsigned pair = kPairs == 1 ? 0u : threadIdx.x / kThreads,
                  tid = kPairs == 1 ? threadIdx.x : threadIdx.x % kThreads;
   auto& partial = pair_partial[pair];
@@ -447,13 +448,10 @@ __global__ void __launch_bounds__(kThreads* kPairs)
   // the grid, so that they run beside the product's first blocks rather than after its last.
   // With pairs, the weight's tiles are padded to a multiple of kPairs (a tile past the weight's
   // rows loads and stores nothing), and so are the check tiles, so that no block holds both.
-  const int rank = int(blockIdx.x) % splits,
-            cell = kPairs == 1 ? int(blockIdx.x) / splits
-                               : int(blockIdx.x) / splits * kPairs + int(pair);
+  const int rank = int(blockIdx.x) % splits, cell = int(blockIdx.x) / splits * kPairs + int(pair);
   const int weight_tiles = ((n + 15) / 16 + kTiles - 1) / kTiles,
-            check_tiles = kPairs == 1 ? int(gridDim.x) / splits / token_blocks - weight_tiles
-                                      : int(gridDim.x) / splits * kPairs -
-                                            (weight_tiles + kPairs - 1) / kPairs * kPairs,
+            check_tiles = int(gridDim.x) / splits * kPairs / token_blocks -
+                          (weight_tiles + kPairs - 1) / kPairs * kPairs,
             placed = kInterleaved ? cell / token_blocks : cell,
             tile = placed < check_tiles ? weight_tiles + placed : placed - check_tiles,
             token_block = kInterleaved ? cell % token_blocks : int(blockIdx.y);
@@ -558,7 +556,7 @@ __global__ void __launch_bounds__(kThreads* kPairs)
   const bool check_tile =
       ((kNormed && normedHasChecks(nin)) || (kActivated && activatedHasChecks(act)) ||
        (kInput == kTokenInput && tokenHasChecks(nin))) &&
-      (kPairs == 1 ? tile >= weight_tiles : placed < check_tiles);
+      placed < check_tiles;
   const int check_first = (tile - weight_tiles) * lanes + base, check_stride = check_tiles * lanes;
   if constexpr (kInput == kTokenInput) {
     if (check_tile) {  // its own path from here, with its own loads before the wait

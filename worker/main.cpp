@@ -88,8 +88,7 @@ int main(int argc, char** argv) {
   app.add_option("--gemm-schedules", backend_options.cuda_gemm_schedules,
                  "CUDA backend: the product's schedule, one for all steps or one per bucket of "
                  "rows (1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, paired or "
-                 "tiled "
-                 "(the logits are the same; by default pipelined,plain,plain,tiled)");
+                 "tiled (the logits are the same; by default pipelined,plain,plain,tiled)");
   std::string canary_record;
   app.add_option("--canary-record", canary_record,
                  "A canary record `bulkhead qualify` made for this model and backend: the worker "
