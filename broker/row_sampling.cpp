@@ -215,7 +215,8 @@ struct RowSampler::RowWork {
   // Selection: the kept set is {key > cut_key} + {key == cut_key and id <= cut_id}.
   bool radix = false;
   // Top-p by rejection: `testing` while the kept pass measures the tokens before test_token.
-  bool reject = false, testing = false;
+  // `test_kept`: a row-mode pass found the token kept before reading every chunk.
+  bool reject = false, testing = false, test_kept = false;
   uint32_t attempt = 0, test_token = 0;
   uint32_t top_k = 0;
   uint64_t total = 0, mass_goal = 0;
@@ -236,6 +237,8 @@ struct RowSampler::RowWork {
   void refineChunk(uint32_t c);
   void tiesChunk(uint32_t c);
   void keptChunk(uint32_t c);
+  // Every chunk of the stage, in order, on this thread (row mode).
+  void allChunks();
 
   void finishRead();
   void walk(const uint32_t* count, const uint64_t* mass);
@@ -617,6 +620,30 @@ void RowSampler::RowWork::chunk(uint32_t c) {
   }
 }
 
+void RowSampler::RowWork::allChunks() {
+  if (!(stage == Stage::kKept && testing && bitsOf(e_data[test_token]) >= minPKey())) {
+    for (uint32_t c = 0; c < chunks; ++c) chunk(c);
+    return;
+  }
+  // A test whose token reaches min_p is kept once the tokens before it so far, with every token
+  // of the chunks not yet read, stay under the goal's mass and top_k: whatever those chunks
+  // hold, so they are not read. judge() decides the same as after a whole pass; only a rejected
+  // token needs every chunk's mass before it (the next draw is from those tokens).
+  uint64_t before_mass = 0, rest_mass = total;
+  uint32_t before_count = 0, rest_count = n;
+  for (uint32_t c = 0; c < chunks; ++c) {
+    if (before_mass + rest_mass < mass_goal && before_count + rest_count < top_k) {
+      test_kept = true;
+      return;
+    }
+    keptChunk(c);
+    before_mass += stats[c].kept_mass;
+    before_count += stats[c].kept_count;
+    rest_mass -= stats[c].mass;
+    rest_count -= size(c);
+  }
+}
+
 void RowSampler::RowWork::finishRead() {
   uint64_t checksum = 0;
   bool non_finite = false;
@@ -784,6 +811,7 @@ void RowSampler::RowWork::draw() {
 // Measures the tokens ordered before `token` (e desc, id asc) in a kept pass; judge() decides.
 void RowSampler::RowWork::test(uint32_t token) {
   test_token = token;
+  test_kept = false;
   const uint32_t key = bitsOf(e_data[token]);
   if (token == 0) {
     cut_key = key + 1;  // keys are below 2^30
@@ -801,6 +829,10 @@ void RowSampler::RowWork::test(uint32_t token) {
 // precedes it, so the next draw is from the tokens before it; after kRejectionDraws draws the
 // kept set is selected exactly and drawn from.
 void RowSampler::RowWork::judge() {
+  if (test_kept) {
+    choose(test_token);
+    return finish(IntegrityCheck::kNone);
+  }
   uint64_t before_mass = 0;
   uint32_t before_count = 0;
   for (const ChunkStats& s : stats) {
@@ -914,8 +946,7 @@ void RowSampler::verifyAndSample(std::span<const RowToSample> rows, std::span<Sa
         RowWork& w = *work_[r];
         w.buf = buffers_[slot].get();
         while (w.stage != Stage::kDone) {
-          if (w.hasChunkWork())
-            for (uint32_t c = 0; c < w.chunks; ++c) w.chunk(c);
+          if (w.hasChunkWork()) w.allChunks();
           w.combine();
         }
       }

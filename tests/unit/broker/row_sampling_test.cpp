@@ -449,6 +449,46 @@ TEST(VerifyAndSample, PeakedRowsMatchTheReference) {
       }
 }
 
+// Rows that each run on one thread (as many rows as threads or more): there a top-p test stops
+// reading once the token is sure to be kept, and goes through every chunk when it is rejected
+// (the next draw needs the mass before it). Flat and peaked rows, tokens kept and rejected, with
+// top_k and min_p: the reference's draws.
+TEST(VerifyAndSample, RowModeTopPTestsMatchTheReference) {
+  WorkPool pool(1);
+  RowSampler sampler(pool);
+  std::vector<float> peaked = syntheticRow(12, kVocab, 8.0f);
+  for (uint32_t j = 0; j < 16; ++j)
+    peaked[splitmix64(2000 + j) % kVocab] = 10.0f + 0.25f * float(j);
+  const std::vector<std::vector<float>> rows = {syntheticRow(13, kVocab, 1.0f), peaked,
+                                                syntheticRow(14, 5000, 20.0f, 0)};
+  uint64_t position = 0;
+  int rejected = 0;
+  for (const std::vector<float>& logits : rows)
+    for (float top_p : {0.9f, 0.5f, 0.1f})
+      for (uint32_t top_k : {0u, 3u, 60000u})
+        for (float min_p : {0.0f, 0.2f}) {
+          SamplingConfig c = temperature(0.8f);
+          c.top_p = top_p, c.top_k = top_k, c.min_p = min_p;
+          for (int draw = 0; draw < 3; ++draw, ++position) {
+            const RowToSample row = rowOf(logits, &c, position);
+            SampledRow got;
+            sampler.verifyAndSample(std::span(&row, 1), std::span(&got, 1));
+            ASSERT_EQ(got.failed, IntegrityCheck::kNone);
+            const uint32_t want = referenceToken(logits, c, position);
+            ASSERT_EQ(got.choice.token, want)
+                << "n " << logits.size() << " top_p " << top_p << " top_k " << top_k << " min_p "
+                << min_p << " position " << position;
+            // The first draw (attempt 0) from every token, taken or not.
+            SamplingConfig whole = c;
+            whole.top_p = 1.0f, whole.top_k = 0, whole.min_p = 0.0f;
+            rejected += referenceToken(logits, whole, position) != want;
+          }
+        }
+  // Both outcomes of a test ran: tokens kept at once and tokens rejected.
+  EXPECT_GT(rejected, 0);
+  EXPECT_LT(rejected, int(position));
+}
+
 TEST(VerifyAndSample, PenalisedDrawsMatchTheReference) {
   WorkPool pool(2);
   const auto logits = syntheticRow(7, 20000, 3.0f);
