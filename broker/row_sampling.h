@@ -24,7 +24,9 @@
 //   so S becomes the tokens before t and the next attempt draws. After kRejectionDraws (4)
 //   rejected draws, attempt 4 draws from the kept set, selected as above. Each accepted token is
 //   distributed as a draw from the kept set, and the common case costs one extra vector pass
-//   over the row instead of a selection.
+//   over the row instead of a selection; less where a row runs on one thread, whose pass stops
+//   once the tokens before t so far, with every token of the chunks not yet read, stay under the
+//   goal and top_k (t is then kept whatever those chunks hold).
 // - logprob (only when the config asks for logprobs or top_logprobs; otherwise the row's raw
 //   log-sum-exp is never computed) = r_t - (R + log(sum_c s_c * exp32(R_c - R))), R the raw max,
 //   R_c a 4096-token chunk's raw max and s_c the chunk's float sum of exp32(r_i - R_c) over 8 fixed
