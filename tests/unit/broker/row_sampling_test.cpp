@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -342,8 +343,10 @@ TEST(VerifyAndSample, WideAndNarrowVectorsGiveTheSameResults) {
 // the result is subnormal or underflows) and the masses are the exact sums of round(e * 2^40).
 TEST(VerifyAndSample, SixteenLanePassesGiveTheEightLaneWeightsAndExactMasses) {
   if (!RowSampler::sixteenLanes()) GTEST_SKIP() << "this processor has no AVX-512";
-  std::vector<float> x;
-  // Every 89th float from -0 down to -88, and every one where e^x is subnormal or near it.
+  // Far below -87.33 first, where the 16-lane exp relies on its zeroing alone (it has no
+  // clamps); then every 89th float from -0 down to -88, and every one where e^x is subnormal or
+  // near it.
+  std::vector<float> x = {-89.0f, -104.0f, -1000.0f, -1e30f, -FLT_MAX, -INFINITY};
   for (uint32_t b = 0x80000000u; b <= 0xc2b00000u; b += 89) x.push_back(std::bit_cast<float>(b));
   for (uint32_t b = 0xc2a00000u; b <= 0xc2b00000u; ++b) x.push_back(std::bit_cast<float>(b));
   x.resize(x.size() / 16 * 16);
