@@ -108,8 +108,8 @@
 #   h200    what the open issues wait for on the H200, most needed first: cpu twice, engine,
 #           serve, tests, start (with PENDING_BUDGET_S, 570 unless set)
 # PENDING_BUDGET_S: a group starts only while this many seconds of the call leave it the time it
-# usually takes (its figure below; groups without one always start), so that a call ends with
-# whole groups rather than one cut off by the call's limit.
+# is expected to take (its figure below; groups without one always start), so that a call ends
+# with whole groups rather than one cut off by the call's limit.
 set -uo pipefail
 bundle=$1 out=$2
 shift 2
@@ -185,13 +185,14 @@ nproc
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # A group named again writes into OUTDIR/GROUP-N (its N-th run), so no run overwrites another's.
 declare -A times_run
-# Seconds a group usually takes on a 16-core host, its models made (the 7B's adds about a minute
-# to the first group that makes it).
+# Seconds a group is expected to take on a 16-core host, with room to spare: cpu (two runs took
+# 115 s) and tests (four shards in about 50 s) from earlier calls, the others estimates; the
+# first group that makes the 7B model takes about a minute more.
 declare -A usual=([cpu]=90 [engine]=200 [serve]=240 [tests]=80 [start]=240 [gpu-spin]=270)
 first_out=$out
 for group in "$@"; do
   if [ -n "${PENDING_BUDGET_S:-}" ] && (( SECONDS + ${usual[$group]:-0} > PENDING_BUDGET_S )); then
-    echo "== $group: not started ($SECONDS s gone of $PENDING_BUDGET_S, it usually takes ${usual[$group]} s)"
+    echo "== $group: not started ($SECONDS s gone of $PENDING_BUDGET_S, it is given ${usual[$group]} s)"
     continue
   fi
   times_run[$group]=$(( ${times_run[$group]:-0} + 1 ))
