@@ -967,6 +967,25 @@ uint32_t productFold(const std::byte* data, size_t rows, int k, uint32_t first_r
   return (2 * salt + 1) * fold;
 }
 
+namespace {
+
+// The schedule gemmScheduleName gives this name, if any.
+std::optional<GemmSchedule> scheduleNamed(std::string_view name) {
+  for (const GemmSchedule s : kGemmSchedules)
+    if (name == gemmScheduleName(s)) return s;
+  return std::nullopt;
+}
+
+// Every schedule's name, comma-separated, for the parsers' messages.
+std::string scheduleNames() {
+  std::string names;
+  for (const GemmSchedule s : kGemmSchedules)
+    names += (names.empty() ? "" : ", ") + std::string(gemmScheduleName(s));
+  return names;
+}
+
+}  // namespace
+
 Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
   std::vector<GemmSchedule> named;
   size_t at = 0;
@@ -974,16 +993,11 @@ Result<GemmScheduleBuckets> parseGemmSchedules(std::string_view text) {
     const size_t comma = text.find(',', at);
     const std::string_view name =
         text.substr(at, comma == std::string_view::npos ? comma : comma - at);
-    bool known = false;
-    for (const GemmSchedule s : kGemmSchedules) {
-      if (name == gemmScheduleName(s)) {
-        named.push_back(s);
-        known = true;
-      }
-    }
-    if (!known)
+    const std::optional<GemmSchedule> schedule = scheduleNamed(name);
+    if (!schedule)
       return invalidArgument("product schedule \"" + std::string(name) +
-                             "\" (known: plain, pipelined, two_tiles, interleaved, paired, tiled)");
+                             "\" (known: " + scheduleNames() + ")");
+    named.push_back(*schedule);
     if (comma == std::string_view::npos) break;
     at = comma + 1;
   }
@@ -1048,15 +1062,14 @@ Result<std::vector<GemmScheduleFor>> parseGemmShapeSchedules(std::string_view te
   auto out = parseShapeList<GemmScheduleFor>(
       text,
       [](int n, int k, const std::string& value) -> std::optional<GemmScheduleFor> {
-        for (const GemmSchedule s : kGemmSchedules)
-          if (value == gemmScheduleName(s)) return GemmScheduleFor{n, k, s};
+        if (const std::optional<GemmSchedule> s = scheduleNamed(value))
+          return GemmScheduleFor{n, k, *s};
         return std::nullopt;
       },
       bad);
   if (!out)
-    return invalidArgument(
-        "product schedule for a shape \"" + bad +
-        "\" (NxK=NAME: plain, pipelined, two_tiles, interleaved, paired, tiled)");
+    return invalidArgument("product schedule for a shape \"" + bad +
+                           "\" (NxK=NAME: " + scheduleNames() + ")");
   return std::move(*out);
 }
 
