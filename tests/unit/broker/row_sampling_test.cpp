@@ -34,6 +34,15 @@ std::vector<float> syntheticRow(uint64_t seed, uint32_t n, float spread, int lev
   return row;
 }
 
+// A full-size row as trained models give them: 16 likely tokens (10 to 13.75, at ids from
+// splitmix64(first_id + j)) above a spread of unlikely ones.
+std::vector<float> peakedRow(uint64_t seed, uint64_t first_id) {
+  std::vector<float> row = syntheticRow(seed, kVocab, 8.0f);
+  for (uint32_t j = 0; j < 16; ++j)
+    row[splitmix64(first_id + j) % kVocab] = 10.0f + 0.25f * float(j);
+  return row;
+}
+
 uint64_t checksumOf(const std::vector<float>& row) {
   return checksumBytes(std::as_bytes(std::span(row)));
 }
@@ -433,9 +442,7 @@ TEST(VerifyAndSample, KeptSetsAndDrawsMatchASortBasedReference) {
 // draws are still the reference's.
 TEST(VerifyAndSample, PeakedRowsMatchTheReference) {
   WorkPool pool(3);
-  std::vector<float> logits = syntheticRow(11, kVocab, 8.0f);
-  for (uint32_t j = 0; j < 16; ++j)
-    logits[splitmix64(1000 + j) % kVocab] = 10.0f + 0.25f * float(j);
+  const std::vector<float> logits = peakedRow(11, 1000);
   uint64_t position = 0;
   for (float top_p : {1.0f, 0.9f, 0.5f})
     for (uint32_t top_k : {0u, 3u})
@@ -459,10 +466,7 @@ TEST(VerifyAndSample, PeakedRowsMatchTheReference) {
 TEST(VerifyAndSample, RowModeTopPTestsMatchTheReference) {
   WorkPool pool(1);
   RowSampler sampler(pool);
-  std::vector<float> peaked = syntheticRow(12, kVocab, 8.0f);
-  for (uint32_t j = 0; j < 16; ++j)
-    peaked[splitmix64(2000 + j) % kVocab] = 10.0f + 0.25f * float(j);
-  const std::vector<std::vector<float>> rows = {syntheticRow(13, kVocab, 1.0f), peaked,
+  const std::vector<std::vector<float>> rows = {syntheticRow(13, kVocab, 1.0f), peakedRow(12, 2000),
                                                 syntheticRow(14, 5000, 20.0f, 0)};
   uint64_t position = 0;
   int rejected = 0;
