@@ -73,6 +73,7 @@ struct Measured {
   std::vector<LaunchTime> launches;          // the timed steps', with kernel times
   std::vector<LaunchTime> prefill_launches;  // the whole prefill's, with kernel times
   std::string backend_name;                  // Backend::name(): whose products it ran
+  uint64_t streamed_bytes = 0;               // weight bytes a step copies in (weight_budget)
 };
 
 // Weight bytes a decode step of `batch` sequences reads: every used tensor but the embedding
@@ -139,6 +140,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_attention_tiles = o.attention_tiles == "on";
   options.cuda_attention_mma = o.attention_mma == "on";
   options.cuda_logits_in_product = o.logits_in_product == "on";
+  options.cuda_weight_budget = o.weight_budget;
   BULKHEAD_ASSIGN_OR_RETURN(auto backend, createBackend(o.backend, ckpt, options));
   const BackendLimits& limits = backend->limits();
   const uint32_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
@@ -175,6 +177,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
     }
     Measured m;
     m.backend_name = std::string(backend->name());
+    m.streamed_bytes = limits.streamed_weight_bytes;
     auto start = Clock::now();
     BULKHEAD_RETURN_IF_ERROR(prefill(*backend, steps, dst, limits.max_step_tokens));
     m.prefill_tokens_per_s = double(batch) * o.prompt / (usSince(start) * 1e-6);
@@ -306,6 +309,10 @@ Status runEngineBench(const EngineBenchOptions& o) {
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
                 read_bytes_per_s / 1e9);
+  const uint64_t streamed = results[0].empty() ? 0 : results[0][0].streamed_bytes;
+  if (!o.weight_budget.empty())
+    std::printf("weight budget %s: %.1f MiB of weights streamed from host memory every step\n",
+                o.weight_budget.c_str(), double(streamed) / (1 << 20));
   std::printf("%6s %12s %10s %10s %10s %11s %7s", "batch", "prefill_t/s", "step_ms", "step_p99",
               "tokens/s", "weight_GB/s", "of_HBM");
   if (variants.size() > 1)
@@ -332,6 +339,8 @@ Status runEngineBench(const EngineBenchOptions& o) {
       {"prompt", o.prompt},
       {"steps", o.steps},
       {"read_bandwidth_gb_s", read_bytes_per_s / 1e9},
+      {"weight_budget", o.weight_budget},
+      {"streamed_weight_bytes", streamed},
       {"results", nlohmann::json::array()}};
   for (size_t i = 0; i < o.batches.size(); ++i) {
     const uint32_t batch = o.batches[i];
@@ -364,6 +373,12 @@ Status runEngineBench(const EngineBenchOptions& o) {
       row["cublas_step_p50_ms"] = cublas.step_p50_us / 1e3;
       row["cublas_tokens_per_s"] = cublas_tokens;
       row["tokens_per_s_vs_cublas"] = tokens_per_s / cublas_tokens;
+    }
+    if (streamed > 0) {
+      // What the copies from host memory reached: a step copies every streamed byte once.
+      const double streamed_gb_s = double(streamed) / (m.step_p50_us * 1e-6) / 1e9;
+      std::printf("  streamed %.1f GB/s", streamed_gb_s);
+      row["streamed_gb_per_s"] = streamed_gb_s;
     }
     std::printf("\n");
     report["results"].push_back(row);

@@ -38,6 +38,9 @@ struct EngineBenchOptions {
   std::string attention_mma = "off";       // CudaBackend::Options::attention_mma: on, off
   std::string logits_in_product = "on";    // CudaBackend::Options::logits_in_product: on, off
   std::string cublas_products = "off";     // CudaBackend::Options::cublas_products: on, off
+  // BackendOptions::cuda_weight_budget: device memory for the weights; the products' weights
+  // beyond it are streamed from host memory every step ("": no limit).
+  std::string weight_budget;
   std::string json_path;
 };
 

@@ -264,6 +264,9 @@ int main(int argc, char** argv) {
                          "CUDA: then where a decode step's device time goes, launch by launch "
                          "(an event after each, no graphs), with and without the checks, and "
                          "where the prefill's went");
+  engine_bench->add_option("--weight-budget", engine_opts.weight_budget,
+                           "CUDA: device memory for the weights (such as 8GiB); the products' "
+                           "weights beyond it are streamed from host memory every step");
   engine_bench->add_option("--json", engine_opts.json_path, "Also write the results as JSON");
 
   GemmBenchOptions gemm_opts;

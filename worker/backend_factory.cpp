@@ -5,6 +5,7 @@
 #ifdef BULKHEAD_HAVE_CUDA
 #include "cuda/gemm.cuh"
 #include "worker/cuda_backend.h"
+#include "worker/weight_residency.h"
 #endif
 
 namespace bulkhead {
@@ -41,6 +42,11 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.attention_tiles = options.cuda_attention_tiles;
     cuda.attention_mma = options.cuda_attention_mma;
     cuda.logits_in_product = options.cuda_logits_in_product;
+    if (!options.cuda_weight_budget.empty()) {
+      BULKHEAD_ASSIGN_OR_RETURN(cuda.weight_budget, parseByteSize(options.cuda_weight_budget));
+    }
+    cuda.streamed_units = options.cuda_streamed_units;
+    cuda.staging_slots = options.cuda_staging_slots;
     if (!options.cuda_gemm_shape_schedules.empty()) {
       BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_shape_schedules,
                                 cuda::parseGemmShapeSchedules(options.cuda_gemm_shape_schedules));

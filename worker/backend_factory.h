@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
@@ -35,6 +36,10 @@ struct BackendOptions {
   bool cuda_attention_tiles = true;            // CudaBackend::Options::attention_tiles
   bool cuda_attention_mma = false;             // CudaBackend::Options::attention_mma
   bool cuda_logits_in_product = true;          // CudaBackend::Options::logits_in_product
+  // CudaBackend::Options::weight_budget, as parseByteSize reads it ("0": no limit).
+  std::string cuda_weight_budget = "0";
+  std::vector<std::string> cuda_streamed_units;  // CudaBackend::Options::streamed_units
+  uint32_t cuda_staging_slots = 2;               // CudaBackend::Options::staging_slots
 };
 
 Result<std::unique_ptr<Backend>> createBackend(const std::string& name,

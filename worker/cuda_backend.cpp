@@ -31,6 +31,7 @@
 #include "shared/phase_clock.h"
 #include "shared/work_pool.h"
 #include "worker/staged_upload.h"
+#include "worker/weight_residency.h"
 
 namespace bulkhead {
 
@@ -82,8 +83,19 @@ struct Layout {
 struct CudaState {
   cuda::Stream stream, scrub_stream;
   cuda::Event done;
-  DeviceMemory weights;             // every slot
-  std::vector<std::byte*> slots;    // one per used tensor, in usedTensors() order
+  DeviceMemory weights;  // every resident slot
+  // One per used tensor, in usedTensors() order: its resident slot, or for a streamed tensor the
+  // device's address of its pinned host copy (what the scrubber and the column sums read).
+  std::vector<std::byte*> slots;
+  // Streamed weights (CudaBackend::Options::weight_budget): their pinned host copies, the staging
+  // slots they are copied into on copy_stream, and per staging slot the events of a unit's copy
+  // landing (staged) and of its products being launched after it (freed); fork and join tie the
+  // copy stream into a step's launches (and so into its graph).
+  PinnedMemory streamed_host;
+  DeviceMemory staging;
+  cuda::Stream copy_stream;
+  std::vector<cuda::Event> staged, freed;
+  cuda::Event fork, join;
   std::vector<DeviceMemory> stale;  // stale copies made by fault injection
   DeviceMemory column_sums;         // per product role: colsum[k], then abssum[k]
   DeviceMemory product_scales;      // per product role (cuda::ProductScale)
@@ -248,20 +260,80 @@ Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string&
     return unimplemented("the CUDA backend computes from bf16 weights; " + tensor->name + " is " +
                          std::string(dtypeName(tensor->dtype)));
   w.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), tensor) - used_.begin());
-  w.ptr = d_->slots[w.tensor_index];
-  w.generation = slot_tags_.generation(w.ptr);
+  const bool streamed = unit_of_[w.tensor_index] >= 0;
+  w.ptr = streamed ? staged_at_[w.tensor_index] : d_->slots[w.tensor_index];
+  w.generation = streamed ? 0 : slot_tags_.generation(w.ptr);
   w.salt = uint32_t(splitmix64(weights_.size() + 1));
   weights_.push_back(&w);
   return okStatus();
 }
 
-Result<uint64_t> CudaBackend::uploadWeights() {
+Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
   const ModelTensors& t = checkpoint_->tensors();
   CudaState& d = *d_;
-  // One slot per used tensor in one allocation, filled from the checkpoint's bytes. Each layer's
-  // q, k and v slots come one after another, and its gate and up slots, so each group is one
-  // weight matrix to the product that reads it (when their sizes keep the slots adjacent).
   used_ = checkpoint_->usedTensors();
+  auto indexOf = [&](const TensorView* m) {
+    return size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
+  };
+  // The products' weights as units a step reads in turn (worker/weight_residency.h), each laid
+  // out as its slots are on the device, so a streamed group is one matrix in its staging slot
+  // as it is resident.
+  std::vector<WeightUnit> units;
+  std::vector<std::vector<const TensorView*>> members;
+  auto unit = [&](std::string name, std::vector<const TensorView*> tensors, size_t layer) {
+    Layout laid;
+    for (const TensorView* m : tensors) laid.add(m->data.size());
+    units.push_back({std::move(name), laid.bytes, uint32_t(layer)});
+    members.push_back(std::move(tensors));
+  };
+  for (size_t l = 0; l < t.layers.size(); ++l) {
+    const LayerTensors& L = t.layers[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    unit(p + "qkv", {L.q, L.k, L.v}, l);
+    unit(p + "o", {L.o}, l);
+    unit(p + "gate_up", {L.gate, L.up}, l);
+    unit(p + "down", {L.down}, l);
+  }
+  if (t.lm_head != t.embed) unit("lm_head", {t.lm_head}, t.layers.size());
+  unit_of_.assign(used_.size(), -1);
+  Layout fixed;
+  for (const TensorView* m : used_) fixed.add(m->data.size());
+  for (const WeightUnit& u : units) fixed.bytes -= u.bytes;  // each unit's Layout as in `fixed`
+  ResidencyRequest request;
+  request.budget = options.weight_budget;
+  request.streamed = options.streamed_units;
+  request.staging_slots = options.staging_slots;
+  BULKHEAD_ASSIGN_OR_RETURN(const ResidencyPlan plan, planResidency(units, fixed.bytes, request));
+
+  // Streamed units: one pinned host copy, unit after unit in step order, and the staging slots.
+  Layout host;
+  std::vector<size_t> host_offset(used_.size()), unit_base;
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (!plan.streamed[u]) continue;
+    const size_t base = host.add(units[u].bytes);
+    Layout within;
+    for (const TensorView* m : members[u]) {
+      const size_t i = indexOf(m);
+      unit_of_[i] = int(streamed_.size());
+      host_offset[i] = base + within.add(m->data.size());
+    }
+    streamed_.push_back({nullptr, units[u].bytes});
+    unit_base.push_back(base);
+  }
+  staging_slots_ = plan.staging_slots;
+  slot_bytes_ = plan.slot_bytes;
+  BULKHEAD_ASSIGN_OR_RETURN(d.streamed_host, PinnedMemory::allocate(host.bytes));
+  BULKHEAD_ASSIGN_OR_RETURN(d.staging, DeviceMemory::allocate(staging_slots_ * slot_bytes_));
+  std::byte* host_device = nullptr;  // the host copy's address on the device
+  if (host.bytes > 0)
+    BULKHEAD_CUDA_RETURN_IF_ERROR(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_device), d.streamed_host.get(), 0));
+  for (size_t j = 0; j < streamed_.size(); ++j)
+    streamed_[j].host = d.streamed_host.get<std::byte>() + unit_base[j];
+
+  // Resident slots in one allocation. Each layer's q, k and v slots come one after another, and
+  // its gate and up slots, so each group is one weight matrix to the product that reads it (when
+  // their sizes keep the slots adjacent).
   std::vector<const TensorView*> order;
   for (const LayerTensors& l : t.layers)
     for (const TensorView* m : {l.q, l.k, l.v, l.gate, l.up}) order.push_back(m);
@@ -269,23 +341,63 @@ Result<uint64_t> CudaBackend::uploadWeights() {
     if (std::find(order.begin(), order.end(), m) == order.end()) order.push_back(m);
   Layout arena;
   std::vector<size_t> offsets(used_.size());
-  uint64_t weight_bytes = 0;
+  uint64_t resident_bytes = 0;
   for (const TensorView* m : order) {
-    const size_t index = size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
+    const size_t index = indexOf(m);
+    if (unit_of_[index] >= 0) continue;
     offsets[index] = arena.add(m->data.size());
-    weight_bytes += m->data.size();
+    resident_bytes += m->data.size();
   }
   BULKHEAD_ASSIGN_OR_RETURN(d.weights, DeviceMemory::allocate(arena.bytes));
   std::vector<Upload> uploads;
+  std::vector<size_t> streamed_tensors;
+  host_at_.assign(used_.size(), nullptr);
+  staged_at_.assign(used_.size(), nullptr);
   for (size_t i = 0; i < used_.size(); ++i) {
+    if (unit_of_[i] >= 0) {
+      const int j = unit_of_[i];
+      const size_t within = host_offset[i] - unit_base[size_t(j)];
+      host_at_[i] = d.streamed_host.get<std::byte>() + host_offset[i];
+      staged_at_[i] =
+          d.staging.get<std::byte>() + size_t(j % int(staging_slots_)) * slot_bytes_ + within;
+      d.slots.push_back(host_device + host_offset[i]);
+      streamed_tensors.push_back(i);
+      continue;
+    }
     std::byte* slot = d.weights.get<std::byte>() + offsets[i];
     uploads.push_back({used_[i]->data, slot});
     slot_tags_.tag(slot, uint32_t(i));
     d.slots.push_back(slot);
   }
   BULKHEAD_RETURN_IF_ERROR(uploadStaged(uploads, d.stream.get()));
-
-  return weight_bytes;
+  // The streamed tensors into their host copies, on every core, in pieces of a few MiB.
+  constexpr size_t kPiece = size_t(8) << 20;
+  std::vector<std::pair<size_t, size_t>> pieces;  // (tensor, offset)
+  for (const size_t i : streamed_tensors)
+    for (size_t at = 0; at < used_[i]->data.size(); at += kPiece) pieces.push_back({i, at});
+  WorkPool pool;
+  pool.parallelFor(pieces.size(), [&](size_t p) {
+    const auto [i, at] = pieces[p];
+    const size_t n = std::min(kPiece, used_[i]->data.size() - at);
+    std::memcpy(host_at_[i] + at, used_[i]->data.data() + at, n);
+  });
+  if (!streamed_.empty()) {
+    BULKHEAD_ASSIGN_OR_RETURN(d.copy_stream, cuda::Stream::create());
+    BULKHEAD_ASSIGN_OR_RETURN(d.fork, cuda::Event::create());
+    BULKHEAD_ASSIGN_OR_RETURN(d.join, cuda::Event::create());
+    for (uint32_t r = 0; r < staging_slots_; ++r) {
+      BULKHEAD_ASSIGN_OR_RETURN(cuda::Event staged, cuda::Event::create());
+      BULKHEAD_ASSIGN_OR_RETURN(cuda::Event freed, cuda::Event::create());
+      d.staged.push_back(std::move(staged));
+      d.freed.push_back(std::move(freed));
+    }
+    spdlog::info(
+        "weights: {} MiB resident, {} MiB in {} units streamed every step through {} "
+        "staging slots of {} MiB",
+        resident_bytes >> 20, plan.streamed_bytes >> 20, streamed_.size(), staging_slots_,
+        slot_bytes_ >> 20);
+  }
+  return resident_bytes;
 }
 
 Status CudaBackend::bindRoles() {
@@ -329,7 +441,8 @@ Status CudaBackend::bindRoles() {
 Status CudaBackend::computeColumnSums() {
   CudaState& d = *d_;
   // The column sums of every product's weight, computed on the device from the slot just filled
-  // with the checkpoint's bytes (the scrubber verifies those bytes from then on).
+  // with the checkpoint's bytes, or a streamed weight's host copy (the scrubber verifies those
+  // bytes from then on).
   const size_t column_floats = [&] {
     size_t n = 0;
     for (const Weight* w : linear_) n += 2 * size_t(w->tensor->shape[1]);
@@ -341,9 +454,9 @@ Status CudaBackend::computeColumnSums() {
     const int rows = int(w->tensor->shape[0]), cols = int(w->tensor->shape[1]);
     d.colsum.push_back(at);
     d.abssum.push_back(at + cols);
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchColumnSums(static_cast<const __nv_bfloat16*>(w->ptr), rows,
-                                                    cols, boundUnit(cols), at, at + cols,
-                                                    d.stream.get()));
+    BULKHEAD_RETURN_IF_ERROR(
+        cuda::launchColumnSums(reinterpret_cast<const __nv_bfloat16*>(d.slots[w->tensor_index]),
+                               rows, cols, boundUnit(cols), at, at + cols, d.stream.get()));
     at += 2 * size_t(cols);
   }
   std::vector<cuda::ProductScale> scales;
@@ -488,8 +601,14 @@ Status CudaBackend::load(const Options& options) {
   BULKHEAD_ASSIGN_OR_RETURN(d.done, cuda::Event::create());
 
   PhaseClock clock;
-  BULKHEAD_ASSIGN_OR_RETURN(const uint64_t weight_bytes, uploadWeights());
-  clock.phase("weight upload (" + std::to_string(weight_bytes >> 20) + " MiB)");
+  BULKHEAD_ASSIGN_OR_RETURN(const uint64_t weight_bytes, uploadWeights(options));
+  uint64_t streamed_bytes = 0;
+  for (size_t i = 0; i < used_.size(); ++i)
+    if (unit_of_[i] >= 0) streamed_bytes += used_[i]->data.size();
+  clock.phase("weight upload (" + std::to_string(weight_bytes >> 20) + " MiB" +
+              (streamed_bytes > 0 ? ", " + std::to_string(streamed_bytes >> 20) + " MiB streamed"
+                                  : std::string()) +
+              ")");
   BULKHEAD_RETURN_IF_ERROR(bindRoles());
   BULKHEAD_RETURN_IF_ERROR(computeColumnSums());
   if (cublas_products_) {
@@ -514,7 +633,7 @@ Status CudaBackend::load(const Options& options) {
              .max_step_tokens = options.max_step_tokens,
              .graph_batch_buckets = std::move(buckets),
              .resident_weight_bytes = weight_bytes,
-             .streamed_weight_bytes = 0,
+             .streamed_weight_bytes = streamed_bytes,
              .kv_cache_bytes = d.kv_layer_elems * c.num_layers * 2 * 2,
              .checks_weight_reads = options.check_weight_reads,
              .compute_grows_with_rows = false};
@@ -1002,7 +1121,9 @@ Status CudaBackend::launchLayer(size_t l, int n) {
   cuda::RmsNormArgs norm = normBefore(l, n);
   BULKHEAD_ASSIGN_OR_RETURN(const cuda::GemmNormedInput* normed,
                             normFor(norm, {&L.q, &L.k, &L.v}, "norm (input)"));
+  BULKHEAD_RETURN_IF_ERROR(awaitStaged(L.q));
   BULKHEAD_RETURN_IF_ERROR(products({&L.q, &L.k, &L.v}, xn, n, qkv, d.qkv_stride, normed));
+  BULKHEAD_RETURN_IF_ERROR(releaseStaged(L.q));
   BULKHEAD_RETURN_IF_ERROR(mark("product q/k/v"));
 
   cuda::QkvArgs qa;
@@ -1037,8 +1158,10 @@ Status CudaBackend::launchLayer(size_t l, int n) {
 
   BULKHEAD_RETURN_IF_ERROR(launchAttention(L, qa, rope_in, n));
   const auto* attn = d.attn.get<__nv_bfloat16>();
+  BULKHEAD_RETURN_IF_ERROR(awaitStaged(L.o));
   BULKHEAD_RETURN_IF_ERROR(residual ? residualProduct(L.o, attn, n)
                                     : products({&L.o}, attn, n, delta, c.hidden_size));
+  BULKHEAD_RETURN_IF_ERROR(releaseStaged(L.o));
   BULKHEAD_RETURN_IF_ERROR(mark("product o"));
 
   norm.delta = residual ? nullptr : delta;
@@ -1050,7 +1173,9 @@ Status CudaBackend::launchLayer(size_t l, int n) {
   norm.consumers[1] = consumerInKernel(L.up);
   norm.consumers[2] = {};
   BULKHEAD_ASSIGN_OR_RETURN(normed, normFor(norm, {&L.gate, &L.up}, "norm (post-attention)"));
+  BULKHEAD_RETURN_IF_ERROR(awaitStaged(L.gate));
   BULKHEAD_RETURN_IF_ERROR(products({&L.gate, &L.up}, xn, n, gate_up, 2 * inter, normed));
+  BULKHEAD_RETURN_IF_ERROR(releaseStaged(L.gate));
   BULKHEAD_RETURN_IF_ERROR(mark("product gate/up"));
 
   cuda::SiluMulArgs sa;
@@ -1073,9 +1198,11 @@ Status CudaBackend::launchLayer(size_t l, int n) {
     BULKHEAD_RETURN_IF_ERROR(cuda::launchSiluMul(sa, stream));
     BULKHEAD_RETURN_IF_ERROR(mark("silu"));
   }
+  BULKHEAD_RETURN_IF_ERROR(awaitStaged(L.down));
   BULKHEAD_RETURN_IF_ERROR(
       residual ? residualProduct(L.down, sa.out, n, computed)
                : products({&L.down}, sa.out, n, delta, c.hidden_size, nullptr, computed));
+  BULKHEAD_RETURN_IF_ERROR(releaseStaged(L.down));
   return mark("product down");
 }
 
@@ -1141,6 +1268,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   const int vocab = c.vocab_size;
   auto* const* dst = d.input<float*>(d.in.dst);
   auto* const* dst_host = d.inputHost<float*>(d.in.dst);
+  BULKHEAD_RETURN_IF_ERROR(awaitStaged(lm_head_));
   for (int first = 0; first < m; first += kLogitsChunk) {
     const int rows = std::min(kLogitsChunk, m - first);
     const bool in_product = lmHeadStoresRows();
@@ -1171,6 +1299,7 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
       BULKHEAD_RETURN_IF_ERROR(mark("logits copy-out"));
     }
   }
+  BULKHEAD_RETURN_IF_ERROR(releaseStaged(lm_head_));
   if (checks)
     BULKHEAD_RETURN_IF_ERROR(cuda::launchCountFailedProducts(
         d.view.products, n, product_roles_, d.product_scales.get<cuda::ProductScale>(),
@@ -1189,6 +1318,7 @@ Status CudaBackend::enqueueForward(int n, int m, bool aligned, cudaGraphExec_t g
     BULKHEAD_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(d.products.get(), 0, d.products.bytes(), d.stream.get()));
   products_dirty_ = true;  // until the whole step is on the stream
+  streamed_steps_ += streamed_.empty() ? 0 : 1;
   if (graph != nullptr)
     BULKHEAD_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graph, d.stream.get()));
   else
@@ -1213,6 +1343,7 @@ Status CudaBackend::launchForward(int n, int m, bool aligned) {
   // The product checks are zero already (enqueueForward); the step's other results are not.
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.results.get(), 0, d.res.layout.bytes, stream));
   BULKHEAD_RETURN_IF_ERROR(mark("clear checks"));
+  BULKHEAD_RETURN_IF_ERROR(beginStaging());
   BULKHEAD_RETURN_IF_ERROR(cuda::launchEmbedding(
       static_cast<const __nv_bfloat16*>(embed_.ptr), config().hidden_size,
       d.input<uint32_t>(d.in.tokens), n, d.x.get<float>(), stream,
@@ -1221,14 +1352,76 @@ Status CudaBackend::launchForward(int n, int m, bool aligned) {
       d.partials_stride));
   BULKHEAD_RETURN_IF_ERROR(mark("embedding"));
   for (size_t l = 0; l < layers_.size(); ++l) BULKHEAD_RETURN_IF_ERROR(launchLayer(l, n));
-  return launchOutput(n, m, aligned);
+  BULKHEAD_RETURN_IF_ERROR(launchOutput(n, m, aligned));
+  return endStaging();
+}
+
+Status CudaBackend::beginStaging() {
+  if (streamed_.empty()) return okStatus();
+  CudaState& d = *d_;
+  // The copies start once the step does (and, captured, belong to its graph); the staging slots
+  // are free then, since the step before has finished.
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.fork.get(), d.stream.get()));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d.copy_stream.get(), d.fork.get(), 0));
+  next_copy_ = 0;
+  for (uint32_t r = 0; r < staging_slots_ && next_copy_ < streamed_.size(); ++r)
+    BULKHEAD_RETURN_IF_ERROR(copyNextUnit());
+  return okStatus();
+}
+
+// Unit j into staging slot j % slots, once the products of unit j - slots, which read that slot,
+// have run. Events are reused slot by slot: each wait is issued before the next record of its
+// event, so it waits for the record meant.
+Status CudaBackend::copyNextUnit() {
+  CudaState& d = *d_;
+  const size_t j = next_copy_++;
+  const size_t slot = j % staging_slots_;
+  cudaStream_t copy = d.copy_stream.get();
+  if (j >= staging_slots_)
+    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy, d.freed[slot].get(), 0));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.staging.get<std::byte>() + slot * slot_bytes_,
+                                                streamed_[j].host, streamed_[j].bytes,
+                                                cudaMemcpyHostToDevice, copy));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.staged[slot].get(), copy));
+  return okStatus();
+}
+
+Status CudaBackend::awaitStaged(const Weight& w) {
+  const int j = unit_of_[w.tensor_index];
+  if (j < 0) return okStatus();
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaStreamWaitEvent(d_->stream.get(), d_->staged[size_t(j) % staging_slots_].get(), 0));
+  return okStatus();
+}
+
+Status CudaBackend::releaseStaged(const Weight& w) {
+  const int j = unit_of_[w.tensor_index];
+  if (j < 0) return okStatus();
+  BULKHEAD_CUDA_RETURN_IF_ERROR(
+      cudaEventRecord(d_->freed[size_t(j) % staging_slots_].get(), d_->stream.get()));
+  return next_copy_ < streamed_.size() ? copyNextUnit() : okStatus();
+}
+
+Status CudaBackend::endStaging() {
+  if (streamed_.empty()) return okStatus();
+  CudaState& d = *d_;
+  if (next_copy_ != streamed_.size())
+    return internalError("a step copied " + std::to_string(next_copy_) + " of its " +
+                         std::to_string(streamed_.size()) + " streamed weight units");
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.join.get(), d.copy_stream.get()));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d.stream.get(), d.join.get(), 0));
+  return okStatus();
 }
 
 WeightReadVerdict CudaBackend::verifySlots() const {
   WeightReadVerdict verdict;
   verdict.checked = true;
   for (const Weight* w : weights_) {
-    const std::string_view why = slot_tags_.mismatch(w->ptr, w->tensor_index, w->generation);
+    const size_t i = w->tensor_index;
+    const std::string_view why =
+        unit_of_[i] < 0           ? slot_tags_.mismatch(w->ptr, uint32_t(i), w->generation)
+        : w->ptr == staged_at_[i] ? std::string_view()
+                                  : std::string_view("bound to other memory than its staging slot");
     if (why.empty()) continue;
     verdict.failed_tensor = w->role;
     verdict.failed_check = WeightCheck::kSlotTag;
@@ -1486,8 +1679,12 @@ Status CudaBackend::residentChecksums(std::span<const WeightRange> ranges,
 Status CudaBackend::repairResident(const WeightRange& r) {
   BULKHEAD_RETURN_IF_ERROR(onDevice());
   BULKHEAD_RETURN_IF_ERROR(checkRange(r));
-  return copyToDevice(d_->slots[r.tensor] + r.offset, used_[r.tensor]->data.data() + r.offset,
-                      r.bytes, d_->scrub_stream.get());
+  const std::byte* from = used_[r.tensor]->data.data() + r.offset;
+  if (unit_of_[r.tensor] >= 0) {  // a streamed tensor's host copy
+    std::memcpy(host_at_[r.tensor] + r.offset, from, r.bytes);
+    return okStatus();
+  }
+  return copyToDevice(d_->slots[r.tensor] + r.offset, from, r.bytes, d_->scrub_stream.get());
 }
 
 Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
@@ -1495,6 +1692,10 @@ Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
   BULKHEAD_RETURN_IF_ERROR(onDevice());
   uint64_t offset = byte_offset;
   for (size_t t = 0; t < used_.size(); ++t) {
+    if (offset < used_[t]->data.size() && unit_of_[t] >= 0) {  // a streamed tensor's host copy
+      host_at_[t][offset] ^= std::byte(1u << bit);
+      return okStatus();
+    }
     if (offset < used_[t]->data.size()) {
       std::byte* at = d_->slots[t] + offset;
       std::byte value;
@@ -1506,8 +1707,9 @@ Status CudaBackend::flipWeightBit(uint64_t byte_offset, uint8_t bit) {
     }
     offset -= used_[t]->data.size();
   }
-  return invalidArgument("weight byte " + std::to_string(byte_offset) + " outside " +
-                         std::to_string(limits_.resident_weight_bytes) + " bytes");
+  return invalidArgument(
+      "weight byte " + std::to_string(byte_offset) + " outside " +
+      std::to_string(limits_.resident_weight_bytes + limits_.streamed_weight_bytes) + " bytes");
 }
 
 }  // namespace bulkhead

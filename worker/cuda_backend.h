@@ -1,4 +1,6 @@
-// The CUDA backend: every weight resident in its own tagged device slot, a paged bf16 KV cache,
+// The CUDA backend: every weight resident in its own tagged device slot (or, for products' weights
+// beyond a device budget, streamed from pinned host memory through staging slots every step), a
+// paged bf16 KV cache,
 // and a forward pass of our own kernels (cuda/), every product on the invariant tensor-core
 // kernel (cuda/gemm.cuh), launched on one stream (decode steps as a graph) by enqueueStep() and
 // waited for in waitStep(). Logits rows go straight into the
@@ -101,6 +103,15 @@ class CudaBackend final : public Backend {
     // them, so they cross PCIe during the product instead of in a copy after it; the rows kernel
     // then only checksums them from the device copy. The same rows either way.
     bool logits_in_product = true;
+    // Device bytes for the weights: the resident ones and the staging slots the streamed ones
+    // pass through. The products' weights beyond it (units: a layer's q/k/v, o, gate/up or down,
+    // an untied lm_head) are copied from pinned host memory every step, on a stream of their
+    // own, each into a staging slot while the products before it run (worker/weight_residency.h
+    // picks them). The kernels read a staging slot as they read a resident one, so the numbers
+    // are the same. 0: every weight resident.
+    uint64_t weight_budget = 0;
+    std::vector<std::string> streamed_units;  // units streamed whatever the budget (by name)
+    uint32_t staging_slots = 2;
   };
 
   static Result<std::unique_ptr<CudaBackend>> create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -138,6 +149,8 @@ class CudaBackend final : public Backend {
   // practice (waitStep), and of those, the ones whose second computation gave the same logits
   // (rounding after all: the step passed).
   uint64_t recomputedSteps() const { return recomputed_steps_; }
+  // Steps that copied streamed weights in (Options::weight_budget, streamed_units).
+  uint64_t streamedSteps() const { return streamed_steps_; }
   uint64_t straysRepeated() const { return strays_repeated_; }
 
  private:
@@ -175,7 +188,7 @@ class CudaBackend final : public Backend {
   // The parts of load(), in order: the weight slots (returns their bytes); the roles bound to
   // them; the products' column sums; what each folded weight must fold to (with in-step checks);
   // the KV cache (returns its blocks); the RoPE tables.
-  Result<uint64_t> uploadWeights();
+  Result<uint64_t> uploadWeights(const Options& options);
   Status bindRoles();
   Status computeColumnSums();
   void expectFolds();
@@ -254,6 +267,15 @@ class CudaBackend final : public Backend {
   // a tile for each KV head. Returns how many.
   int mmaTiles(std::span<const SequenceStep> batch, uint32_t* tiles) const;
   Status collectLaunchTimes();
+  // Streamed weights within a step's launches: beginStaging() starts the copies of the first
+  // units (one a staging slot); a product of a streamed unit first waits for its copy
+  // (awaitStaged), and once launched frees its slot for the next unit's copy (releaseStaged);
+  // endStaging() joins the copy stream back. Nothing for resident weights.
+  Status beginStaging();
+  Status awaitStaged(const Weight& w);
+  Status releaseStaged(const Weight& w);
+  Status endStaging();
+  Status copyNextUnit();
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
@@ -283,9 +305,22 @@ class CudaBackend final : public Backend {
   uint64_t mma_attention_steps_ = 0;
   uint64_t product_stored_row_steps_ = 0;
   uint64_t recomputed_steps_ = 0, strays_repeated_ = 0;
+  uint64_t streamed_steps_ = 0;
   std::unique_ptr<CudaState> d_;
   std::vector<const TensorView*> used_;
   SlotTags slot_tags_;
+  // Streamed units in step order (their host copies), and per used tensor: its unit (-1:
+  // resident), its host copy and its address in its unit's staging slot.
+  struct StreamedUnit {
+    const std::byte* host = nullptr;
+    size_t bytes = 0;
+  };
+  std::vector<StreamedUnit> streamed_;
+  std::vector<int> unit_of_;
+  std::vector<std::byte*> host_at_, staged_at_;
+  uint32_t staging_slots_ = 0;
+  size_t slot_bytes_ = 0;
+  size_t next_copy_ = 0;  // the next streamed unit to copy, while a step is being launched
   Weight embed_, lm_head_, final_norm_;
   std::vector<Layer> layers_;
   std::vector<Weight*> weights_;  // every role, for slot checks and fault injection

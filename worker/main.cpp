@@ -4,6 +4,7 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -20,6 +21,7 @@
 #include "shared/service_notify.h"
 #include "worker/backend_factory.h"
 #include "worker/canary_check.h"
+#include "worker/weight_residency.h"
 #include "worker/worker_server.h"
 
 int main(int argc, char** argv) {
@@ -85,6 +87,23 @@ int main(int argc, char** argv) {
                "the step: a flipped bit inside its tolerance changes tokens until the scrubber "
                "finds it. Other numbers than without it, so the worker names its backend "
                "cuda-cublas and canary records made without it do not apply");
+  app.add_option("--cuda-weight-budget", backend_options.cuda_weight_budget,
+                 "CUDA backend: device memory for the weights (such as 40GiB; 0: no limit). The "
+                 "products' weights beyond it stay in pinned host memory and are copied in every "
+                 "step through staging slots (a step then takes at least the streamed bytes over "
+                 "the host-to-device bandwidth); the logits are the same")
+      ->check([](const std::string& v) {
+        const auto size = bulkhead::parseByteSize(v);
+        return size.ok() ? std::string() : std::string(size.status().message());
+      });
+  std::string streamed_units;
+  app.add_option("--cuda-streamed", streamed_units,
+                 "CUDA backend: weight units to stream whatever the budget (layers.N.qkv, "
+                 "layers.N.o, layers.N.gate_up, layers.N.down, lm_head; comma-separated)");
+  app.add_option("--cuda-staging-slots", backend_options.cuda_staging_slots,
+                 "CUDA backend: device slots streamed weights are copied into, each the size of "
+                 "the largest streamed unit (more let copies run further ahead)")
+      ->check(CLI::Range(1u, 64u));
   app.add_option("--gemm-schedules", backend_options.cuda_gemm_schedules,
                  "CUDA backend: the product's schedule, one for all steps or one per bucket of "
                  "rows (1-8,9-16,17-32,33+): plain, pipelined, two_tiles, interleaved, paired or "
@@ -125,6 +144,12 @@ int main(int argc, char** argv) {
   ::pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   backend_options.check_weight_reads = !no_in_step_checks;
+  for (size_t at = 0; at < streamed_units.size();) {
+    const size_t comma = std::min(streamed_units.find(',', at), streamed_units.size());
+    if (comma > at)
+      backend_options.cuda_streamed_units.push_back(streamed_units.substr(at, comma - at));
+    at = comma + 1;
+  }
   backend_options.cuda_graphs = !no_cuda_graphs;
   backend_options.cuda_programmatic_launch = !no_programmatic_launch;
   if (backend_options.attention_scale_factor != 1.0f && !options.enable_fault_injection) {

@@ -53,13 +53,26 @@ std::shared_ptr<const Checkpoint> openModel(const std::string& dir) {
 // CudaBackend::Options::residual_in_products for the backends a test makes: the model case's
 // (CudaBackendModels sets it for each test).
 bool residual_in_products = false;
-bool norm_in_products = false;   // and CudaBackend::Options::norm_in_products
-bool silu_in_products = false;   // and CudaBackend::Options::silu_in_products
-bool rope_in_attention = false;  // and CudaBackend::Options::rope_in_attention
-bool attention_tiles = false;    // and CudaBackend::Options::attention_tiles
-bool logits_in_product = true;   // CudaBackend::Options::logits_in_product
-bool attention_mma = false;      // CudaBackend::Options::attention_mma
-bool cublas_products = false;    // CudaBackend::Options::cublas_products
+bool norm_in_products = false;            // and CudaBackend::Options::norm_in_products
+bool silu_in_products = false;            // and CudaBackend::Options::silu_in_products
+bool rope_in_attention = false;           // and CudaBackend::Options::rope_in_attention
+bool attention_tiles = false;             // and CudaBackend::Options::attention_tiles
+bool logits_in_product = true;            // CudaBackend::Options::logits_in_product
+bool attention_mma = false;               // CudaBackend::Options::attention_mma
+bool cublas_products = false;             // CudaBackend::Options::cublas_products
+std::vector<std::string> streamed_units;  // CudaBackend::Options::streamed_units
+uint32_t staging_slots = 2;               // CudaBackend::Options::staging_slots
+uint64_t weight_budget = 0;               // CudaBackend::Options::weight_budget
+
+// Every weight unit a backend can stream (CudaBackend::Options::streamed_units).
+std::vector<std::string> everyUnit(const Checkpoint& ckpt) {
+  std::vector<std::string> units;
+  for (size_t l = 0; l < ckpt.tensors().layers.size(); ++l)
+    for (const char* u : {"qkv", "o", "gate_up", "down"})
+      units.push_back("layers." + std::to_string(l) + "." + u);
+  if (ckpt.tensors().lm_head != ckpt.tensors().embed) units.push_back("lm_head");
+  return units;
+}
 
 std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt, bool graphs = true,
                                          int device = 0, bool programmatic = false,
@@ -73,6 +86,9 @@ std::unique_ptr<CudaBackend> cudaBackend(std::shared_ptr<const Checkpoint> ckpt,
   options.logits_in_product = logits_in_product;
   options.attention_mma = attention_mma;
   options.cublas_products = cublas_products;
+  options.streamed_units = streamed_units;
+  options.staging_slots = staging_slots;
+  options.weight_budget = weight_budget;
   options.gemm_schedules = schedules;
   options.cuda_graphs = graphs;
   options.device = device;
@@ -148,6 +164,7 @@ struct ModelCase {
   bool tiles = false;     // CudaBackend::Options::attention_tiles
   bool mma = false;       // CudaBackend::Options::attention_mma
   bool cublas = false;    // CudaBackend::Options::cublas_products
+  bool streamed = false;  // every weight unit streamed (CudaBackend::Options::streamed_units)
 };
 void PrintTo(const ModelCase& c, std::ostream* os) {
   *os << c.name;
@@ -169,6 +186,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
     ASSERT_FALSE(dir.empty());
     checkpoint_ = openModel(dir);
     ASSERT_NE(checkpoint_, nullptr);
+    if (GetParam().streamed) streamed_units = everyUnit(*checkpoint_);
     backend_ = cudaBackend(checkpoint_);
     ASSERT_NE(backend_, nullptr);
     vocab_ = backend_->limits().vocab_size;
@@ -177,6 +195,7 @@ class CudaBackendModels : public testing::TestWithParam<ModelCase> {
   void TearDown() override {
     residual_in_products = norm_in_products = silu_in_products = rope_in_attention =
         attention_tiles = attention_mma = cublas_products = false;
+    streamed_units.clear();
   }
 
   std::shared_ptr<const Checkpoint> checkpoint_;
@@ -242,6 +261,52 @@ test::Rows decodeThree(CudaBackend& b, uint32_t vocab) {
   }
   EXPECT_TRUE(b.registerOutputs({}).ok());
   return rows;
+}
+
+// Weights streamed from host memory through staging slots give the resident weights' logits, bit
+// for bit: every unit streamed through one slot (each copy waits for the product before it) and
+// through three, and a budget just under the model's weights (part of it streamed); prompts
+// prefilled in chunks (uncaptured steps) and decoded as graphs.
+TEST_P(CudaBackendModels, StreamedWeightsGiveTheResidentLogits) {
+  const std::vector<std::string> as_cased = streamed_units;
+  streamed_units.clear();
+  auto resident = cudaBackend(checkpoint_);
+  ASSERT_NE(resident, nullptr);
+  const uint64_t all = resident->limits().resident_weight_bytes;
+  ASSERT_EQ(resident->limits().streamed_weight_bytes, 0u);
+  const auto tokens = randomTokens(30, vocab_, 7);
+  const test::Rows decoded = decodeThree(*resident, vocab_);
+  test::BackendDriver resident_driver(*resident);
+  const test::Rows prefilled = resident_driver.runAlone(1, tokens, 7);
+  EXPECT_EQ(resident->streamedSteps(), 0u);
+  struct Way {
+    std::vector<std::string> units;
+    uint32_t slots;
+    uint64_t budget;
+    std::string name;
+  };
+  const Way ways[] = {{everyUnit(*checkpoint_), 1, 0, "every unit through one slot"},
+                      {everyUnit(*checkpoint_), 3, 0, "every unit through three slots"},
+                      {{}, 1, all - 1, "a budget just under the weights"}};
+  for (const Way& way : ways) {
+    streamed_units = way.units;
+    staging_slots = way.slots;
+    weight_budget = way.budget;
+    auto streamed = cudaBackend(checkpoint_);
+    streamed_units = as_cased;
+    staging_slots = 2;
+    weight_budget = 0;
+    ASSERT_NE(streamed, nullptr) << way.name;
+    EXPECT_GT(streamed->limits().streamed_weight_bytes, 0u) << way.name;
+    EXPECT_EQ(streamed->limits().resident_weight_bytes + streamed->limits().streamed_weight_bytes,
+              all)
+        << way.name;
+    expectIdentical(decoded, decodeThree(*streamed, vocab_), way.name + ", decoded");
+    EXPECT_GT(streamed->graphLaunches(), 0u) << way.name;
+    test::BackendDriver driver(*streamed);
+    expectIdentical(prefilled, driver.runAlone(1, tokens, 7), way.name + ", prefilled");
+    EXPECT_GT(streamed->streamedSteps(), 0u) << way.name;
+  }
 }
 
 TEST_P(CudaBackendModels, GraphsDoNotChangeLogits) {
@@ -805,7 +870,18 @@ INSTANTIATE_TEST_SUITE_P(
         // cuBLAS products, checked by the arithmetic check alone.
         ModelCase{"fixture_qwen2_cublas", "", false, false, false, false, false, false, true},
         ModelCase{"qwen7b_layer_cublas", "qwen2.5-7b-layer", false, false, false, false, true,
-                  false, true}),
+                  false, true},
+        // Every product's weights streamed from host memory through staging slots.
+        ModelCase{"fixture_qwen2_streamed", "", false, false, false, false, false, false, false,
+                  true},
+        ModelCase{"llama_untied_streamed", "tiny-llama", false, false, false, false, false, false,
+                  false, true},
+        ModelCase{"qwen7b_layer_streamed", "qwen2.5-7b-layer", false, false, false, false, false,
+                  false, false, true},
+        ModelCase{"qwen05_layer_fused_rope_streamed", "qwen2.5-0.5b-layer", true, true, true, true,
+                  false, false, false, true},
+        ModelCase{"qwen7b_layer_cublas_streamed", "qwen2.5-7b-layer", false, false, false, false,
+                  true, false, true, true}),
     [](const testing::TestParamInfo<ModelCase>& info) { return info.param.name; });
 
 }  // namespace
