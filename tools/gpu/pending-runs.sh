@@ -24,6 +24,8 @@
 #   memcheck the product's tests on the small shapes under compute-sanitizer (memcheck, then
 #           racecheck for the cluster's shared memory)
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
+#   stream  the GPU tests of weights streamed from host memory, then bench-engine on both shapes
+#           with every weight resident and under device budgets (--weight-budget)
 #   times   bench-engine --kernel-times on both shapes at batch 1 and 32: where a step's
 #           device time goes, launch by launch, with and without the checks
 #   prefill-times bench-engine --kernel-times on both shapes with one 2,048-token prompt a
@@ -296,6 +298,25 @@ for group in "$@"; do
           --batch 1,8,32,64 --json "$out/bench-engine-$shape.json"
         run "bench-engine-$shape-serial" 120 "$bh" bench-engine --model "$m" \
           --backend cuda --batch 1,32,64 --no-compare --programmatic-launch off
+      done
+      ;;
+    stream)
+      # Weights streamed from host memory: the GPU tests that stream (every model case's tests
+      # with every unit streamed, and streamed against resident bit for bit), then bench-engine
+      # on both shapes with every weight resident and under device budgets (decode at 1 and 8
+      # rows; the streamed GB/s beside 55 GB/s pinned host-to-device).
+      run gpu-tests-streamed 300 "$bundle/gpu_tests" --gtest_filter='*streamed*:*Streamed*'
+      m=$(model qwen2.5-7b)
+      for budget in "" 12GiB 8GiB; do
+        run "bench-engine-7b-budget-${budget:-none}" 200 "$bh" bench-engine --model "$m" \
+          --backend cuda --batch 1,8 --steps 16 --prompt 32 --no-compare \
+          ${budget:+--weight-budget $budget}
+      done
+      m=$(model qwen2.5-0.5b)
+      for budget in "" 600MiB; do
+        run "bench-engine-05b-budget-${budget:-none}" 120 "$bh" bench-engine --model "$m" \
+          --backend cuda --batch 1,8 --steps 32 --prompt 32 --no-compare \
+          ${budget:+--weight-budget $budget}
       done
       ;;
     times)
