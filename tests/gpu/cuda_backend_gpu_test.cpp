@@ -154,6 +154,38 @@ TEST(CudaBackendGpu, FixtureLogitsMatchTransformers) {
   }
 }
 
+// DESIGN.md's residency lesson: every residency policy gives the same tokens, so streaming each
+// unit alone is a regression test. On the fixture (tied lm_head) and an untied llama: each
+// product's weights streamed alone give the resident weights' rows bit for bit, run in chunks of
+// five tokens and token by token (StreamedWeightsGiveTheResidentLogits covers graphs).
+TEST(CudaBackendGpu, EachUnitStreamedAloneGivesTheResidentRows) {
+  if (!test::haveDevice()) GTEST_SKIP() << "no CUDA device";
+  for (const std::string& dir : {test::fixtureDir("tiny-qwen2"), madeModel("tiny-llama")}) {
+    ASSERT_FALSE(dir.empty());
+    const auto ckpt = openModel(dir);
+    ASSERT_NE(ckpt, nullptr);
+    auto resident = cudaBackend(ckpt);
+    ASSERT_NE(resident, nullptr);
+    const uint32_t vocab = resident->limits().vocab_size;
+    const auto tokens = randomTokens(24, vocab, 31);
+    test::BackendDriver resident_driver(*resident);
+    const test::Rows want = resident_driver.runAlone(1, tokens, 5);
+    const test::Rows want_one = resident_driver.runAlone(2, tokens, 1);
+    for (const std::string& unit : everyUnit(*ckpt)) {
+      streamed_units = {unit};
+      auto streamed = cudaBackend(ckpt);
+      streamed_units.clear();
+      ASSERT_NE(streamed, nullptr) << unit;
+      EXPECT_GT(streamed->limits().streamed_weight_bytes, 0u) << unit;
+      test::BackendDriver driver(*streamed);
+      expectIdentical(want, driver.runAlone(1, tokens, 5), dir + ": " + unit + " streamed alone");
+      expectIdentical(want_one, driver.runAlone(2, tokens, 1),
+                      dir + ": " + unit + " streamed alone, token by token");
+      EXPECT_GT(streamed->streamedSteps(), 0u) << unit;
+    }
+  }
+}
+
 struct ModelCase {
   std::string name;
   std::string shape;      // empty: the golden fixture
