@@ -123,6 +123,7 @@ Result<Broker> startBroker(const ChaosOptions& o, uint32_t workers, const std::s
     args.push_back("--pipeline-sample-share");
     args.push_back(std::to_string(*o.pipeline_sample_share));
   }
+  for (const std::string& a : o.worker_args) args.push_back("--worker-arg=" + a);
   auto child = ChildProcess::spawn(args);
   if (!child.ok()) return child.status();
   const auto deadline = Clock::now() + std::chrono::seconds(120);

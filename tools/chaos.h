@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "shared/status.h"
 
@@ -30,6 +31,7 @@ struct ChaosOptions {
   // With several workers: faults injected into the single-worker comparison run (the same
   // schedule's first ones; unset: as many as --faults; 0: no comparison run).
   std::optional<uint32_t> baseline_faults;
+  std::vector<std::string> worker_args;  // extra worker flags, through the broker's --worker-arg
   std::string report_path;
 };
 

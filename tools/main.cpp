@@ -314,6 +314,9 @@ int main(int argc, char** argv) {
                     "the report compares (default: as many as --faults; 0: none)");
   chaos->add_option("--pipeline-sample-share", chaos_opts.pipeline_sample_share,
                     "The broker's --pipeline-sample-share (0: two steps in flight throughout)");
+  chaos->add_option("--worker-arg", chaos_opts.worker_args,
+                    "Extra worker flag, passed on by the broker (repeatable, e.g. "
+                    "--worker-arg=--cuda-weight-budget=600MiB)");
   chaos->add_option("--broker", chaos_opts.broker_path,
                     "bulkhead-broker executable (default: next to this one)");
 

@@ -25,7 +25,8 @@
 #           racecheck for the cluster's shared memory)
 #   engine  bench-engine on qwen2.5-0.5b and qwen2.5-7b, with and without programmatic launch
 #   stream  the GPU tests of weights streamed from host memory, then bench-engine on both shapes
-#           with every weight resident and under device budgets (--weight-budget)
+#           with every weight resident and under device budgets (--weight-budget), then chaos
+#           against a 0.5B worker streaming part of its weights
 #   times   bench-engine --kernel-times on both shapes at batch 1 and 32: where a step's
 #           device time goes, launch by launch, with and without the checks
 #   prefill-times bench-engine --kernel-times on both shapes with one 2,048-token prompt a
@@ -190,7 +191,7 @@ declare -A times_run
 # Seconds a group is expected to take on a 16-core host, with room to spare: cpu (two runs took
 # 115 s) and tests (four shards in about 50 s) from earlier calls, the others estimates; the
 # first group that makes the 7B model takes about a minute more.
-declare -A usual=([cpu]=90 [engine]=200 [serve]=240 [tests]=80 [start]=240 [gpu-spin]=270 [stream]=250)
+declare -A usual=([cpu]=90 [engine]=200 [serve]=240 [tests]=80 [start]=240 [gpu-spin]=270 [stream]=330)
 first_out=$out
 for group in "$@"; do
   if [ -n "${PENDING_BUDGET_S:-}" ] && (( SECONDS + ${usual[$group]:-0} > PENDING_BUDGET_S )); then
@@ -318,6 +319,9 @@ for group in "$@"; do
           --backend cuda --batch 1,8 --steps 32 --prompt 32 --no-compare \
           ${budget:+--weight-budget $budget}
       done
+      # Every fault class against a worker streaming part of its weights.
+      run chaos-cuda-05b-streamed 240 "$bh" chaos --model "$m" --backend cuda --faults 30 \
+        --seed 5 --worker-arg=--cuda-weight-budget=600MiB --report "$out/chaos-streamed.json"
       ;;
     times)
       for shape in qwen2.5-0.5b qwen2.5-7b; do
