@@ -92,6 +92,7 @@ struct CudaState {
   // landing (staged) and of its products being launched after it (freed); fork and join tie the
   // copy stream into a step's launches (and so into its graph).
   PinnedMemory streamed_host;
+  std::byte* streamed_device = nullptr;  // streamed_host's address on the device
   DeviceMemory staging;
   cuda::Stream copy_stream;
   std::vector<cuda::Event> staged, freed;
@@ -268,23 +269,14 @@ Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string&
   return okStatus();
 }
 
-Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
-  const ModelTensors& t = checkpoint_->tensors();
-  CudaState& d = *d_;
-  used_ = checkpoint_->usedTensors();
-  auto indexOf = [&](const TensorView* m) {
-    return size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
-  };
-  // The products' weights as units a step reads in turn (worker/weight_residency.h), each laid
-  // out as its slots are on the device, so a streamed group is one matrix in its staging slot
-  // as it is resident.
-  std::vector<WeightUnit> units;
-  std::vector<std::vector<const TensorView*>> members;
+// Each unit laid out as its slots are on the device (so a streamed group is one matrix in its
+// staging slot, as it is resident).
+std::vector<CudaBackend::UnitTensors> CudaBackend::weightUnits(const ModelTensors& t) {
+  std::vector<UnitTensors> units;
   auto unit = [&](std::string name, std::vector<const TensorView*> tensors, size_t layer) {
     Layout laid;
     for (const TensorView* m : tensors) laid.add(m->data.size());
-    units.push_back({std::move(name), laid.bytes, uint32_t(layer)});
-    members.push_back(std::move(tensors));
+    units.push_back({{std::move(name), laid.bytes, uint32_t(layer)}, std::move(tensors)});
   };
   for (size_t l = 0; l < t.layers.size(); ++l) {
     const LayerTensors& L = t.layers[l];
@@ -295,41 +287,27 @@ Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
     unit(p + "down", {L.down}, l);
   }
   if (t.lm_head != t.embed) unit("lm_head", {t.lm_head}, t.layers.size());
-  unit_of_.assign(used_.size(), -1);
-  Layout fixed;
+  return units;
+}
+
+Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
+  const ModelTensors& t = checkpoint_->tensors();
+  CudaState& d = *d_;
+  used_ = checkpoint_->usedTensors();
+  const std::vector<UnitTensors> units = weightUnits(t);
+  std::vector<WeightUnit> sizes;
+  Layout fixed;  // the weights outside units, laid out as in the resident allocation
   for (const TensorView* m : used_) fixed.add(m->data.size());
-  for (const WeightUnit& u : units) fixed.bytes -= u.bytes;  // each unit's Layout as in `fixed`
+  for (const UnitTensors& u : units) {
+    sizes.push_back(u.unit);
+    fixed.bytes -= u.unit.bytes;
+  }
   ResidencyRequest request;
   request.budget = options.weight_budget;
   request.streamed = options.streamed_units;
   request.staging_slots = options.staging_slots;
-  BULKHEAD_ASSIGN_OR_RETURN(const ResidencyPlan plan, planResidency(units, fixed.bytes, request));
-
-  // Streamed units: one pinned host copy, unit after unit in step order, and the staging slots.
-  Layout host;
-  std::vector<size_t> host_offset(used_.size()), unit_base;
-  for (size_t u = 0; u < units.size(); ++u) {
-    if (!plan.streamed[u]) continue;
-    const size_t base = host.add(units[u].bytes);
-    Layout within;
-    for (const TensorView* m : members[u]) {
-      const size_t i = indexOf(m);
-      unit_of_[i] = int(streamed_.size());
-      host_offset[i] = base + within.add(m->data.size());
-    }
-    streamed_.push_back({nullptr, units[u].bytes});
-    unit_base.push_back(base);
-  }
-  staging_slots_ = plan.staging_slots;
-  slot_bytes_ = plan.slot_bytes;
-  BULKHEAD_ASSIGN_OR_RETURN(d.streamed_host, PinnedMemory::allocate(host.bytes));
-  BULKHEAD_ASSIGN_OR_RETURN(d.staging, DeviceMemory::allocate(staging_slots_ * slot_bytes_));
-  std::byte* host_device = nullptr;  // the host copy's address on the device
-  if (host.bytes > 0)
-    BULKHEAD_CUDA_RETURN_IF_ERROR(
-        cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_device), d.streamed_host.get(), 0));
-  for (size_t j = 0; j < streamed_.size(); ++j)
-    streamed_[j].host = d.streamed_host.get<std::byte>() + unit_base[j];
+  BULKHEAD_ASSIGN_OR_RETURN(const ResidencyPlan plan, planResidency(sizes, fixed.bytes, request));
+  BULKHEAD_RETURN_IF_ERROR(layOutStreamed(units, plan));
 
   // Resident slots in one allocation. Each layer's q, k and v slots come one after another, and
   // its gate and up slots, so each group is one weight matrix to the product that reads it (when
@@ -343,25 +321,16 @@ Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
   std::vector<size_t> offsets(used_.size());
   uint64_t resident_bytes = 0;
   for (const TensorView* m : order) {
-    const size_t index = indexOf(m);
+    const auto index = size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
     if (unit_of_[index] >= 0) continue;
     offsets[index] = arena.add(m->data.size());
     resident_bytes += m->data.size();
   }
   BULKHEAD_ASSIGN_OR_RETURN(d.weights, DeviceMemory::allocate(arena.bytes));
   std::vector<Upload> uploads;
-  std::vector<size_t> streamed_tensors;
-  host_at_.assign(used_.size(), nullptr);
-  staged_at_.assign(used_.size(), nullptr);
   for (size_t i = 0; i < used_.size(); ++i) {
-    if (unit_of_[i] >= 0) {
-      const int j = unit_of_[i];
-      const size_t within = host_offset[i] - unit_base[size_t(j)];
-      host_at_[i] = d.streamed_host.get<std::byte>() + host_offset[i];
-      staged_at_[i] =
-          d.staging.get<std::byte>() + size_t(j % int(staging_slots_)) * slot_bytes_ + within;
-      d.slots.push_back(host_device + host_offset[i]);
-      streamed_tensors.push_back(i);
+    if (unit_of_[i] >= 0) {  // its host copy, as the device addresses it
+      d.slots.push_back(d.streamed_device + (host_at_[i] - d.streamed_host.get<std::byte>()));
       continue;
     }
     std::byte* slot = d.weights.get<std::byte>() + offsets[i];
@@ -370,34 +339,78 @@ Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
     d.slots.push_back(slot);
   }
   BULKHEAD_RETURN_IF_ERROR(uploadStaged(uploads, d.stream.get()));
-  // The streamed tensors into their host copies, on every core, in pieces of a few MiB.
+  fillHostCopies();
+  if (!streamed_.empty())
+    spdlog::info(
+        "weights: {} MiB resident, {} MiB in {} units streamed every step through {} "
+        "staging slots of {} MiB",
+        resident_bytes >> 20, plan.streamed_bytes >> 20, streamed_.size(), staging_slots_,
+        slot_bytes_ >> 20);
+  return resident_bytes;
+}
+
+Status CudaBackend::layOutStreamed(std::span<const UnitTensors> units, const ResidencyPlan& plan) {
+  CudaState& d = *d_;
+  // One pinned host copy, unit after unit in step order, each unit laid out as its staging slot.
+  Layout host;
+  std::vector<size_t> host_offset(used_.size()), unit_base;
+  unit_of_.assign(used_.size(), -1);
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (!plan.streamed[u]) continue;
+    const size_t base = host.add(units[u].unit.bytes);
+    Layout within;
+    for (const TensorView* m : units[u].tensors) {
+      const auto i = size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
+      unit_of_[i] = int(streamed_.size());
+      host_offset[i] = base + within.add(m->data.size());
+    }
+    streamed_.push_back({nullptr, units[u].unit.bytes});
+    unit_base.push_back(base);
+  }
+  if (streamed_.empty()) return okStatus();
+  staging_slots_ = plan.staging_slots;
+  slot_bytes_ = plan.slot_bytes;
+  BULKHEAD_ASSIGN_OR_RETURN(d.streamed_host, PinnedMemory::allocate(host.bytes));
+  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(
+      reinterpret_cast<void**>(&d.streamed_device), d.streamed_host.get(), 0));
+  BULKHEAD_ASSIGN_OR_RETURN(d.staging, DeviceMemory::allocate(staging_slots_ * slot_bytes_));
+  auto* const host_base = d.streamed_host.get<std::byte>();
+  for (size_t j = 0; j < streamed_.size(); ++j) streamed_[j].host = host_base + unit_base[j];
+  host_at_.assign(used_.size(), nullptr);
+  staged_at_.assign(used_.size(), nullptr);
+  for (size_t i = 0; i < used_.size(); ++i) {
+    const int j = unit_of_[i];
+    if (j < 0) continue;
+    host_at_[i] = host_base + host_offset[i];
+    staged_at_[i] = d.staging.get<std::byte>() + size_t(j) % staging_slots_ * slot_bytes_ +
+                    (host_offset[i] - unit_base[size_t(j)]);
+  }
+  BULKHEAD_ASSIGN_OR_RETURN(d.copy_stream, cuda::Stream::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.fork, cuda::Event::create());
+  BULKHEAD_ASSIGN_OR_RETURN(d.join, cuda::Event::create());
+  for (uint32_t r = 0; r < staging_slots_; ++r) {
+    BULKHEAD_ASSIGN_OR_RETURN(cuda::Event staged, cuda::Event::create());
+    BULKHEAD_ASSIGN_OR_RETURN(cuda::Event freed, cuda::Event::create());
+    d.staged.push_back(std::move(staged));
+    d.freed.push_back(std::move(freed));
+  }
+  return okStatus();
+}
+
+void CudaBackend::fillHostCopies() {
+  // The streamed tensors' bytes into their host copies, on every core, in pieces of a few MiB.
   constexpr size_t kPiece = size_t(8) << 20;
   std::vector<std::pair<size_t, size_t>> pieces;  // (tensor, offset)
-  for (const size_t i : streamed_tensors)
-    for (size_t at = 0; at < used_[i]->data.size(); at += kPiece) pieces.push_back({i, at});
+  for (size_t i = 0; i < used_.size(); ++i)
+    if (unit_of_[i] >= 0)
+      for (size_t at = 0; at < used_[i]->data.size(); at += kPiece) pieces.push_back({i, at});
+  if (pieces.empty()) return;
   WorkPool pool;
   pool.parallelFor(pieces.size(), [&](size_t p) {
     const auto [i, at] = pieces[p];
     const size_t n = std::min(kPiece, used_[i]->data.size() - at);
     std::memcpy(host_at_[i] + at, used_[i]->data.data() + at, n);
   });
-  if (!streamed_.empty()) {
-    BULKHEAD_ASSIGN_OR_RETURN(d.copy_stream, cuda::Stream::create());
-    BULKHEAD_ASSIGN_OR_RETURN(d.fork, cuda::Event::create());
-    BULKHEAD_ASSIGN_OR_RETURN(d.join, cuda::Event::create());
-    for (uint32_t r = 0; r < staging_slots_; ++r) {
-      BULKHEAD_ASSIGN_OR_RETURN(cuda::Event staged, cuda::Event::create());
-      BULKHEAD_ASSIGN_OR_RETURN(cuda::Event freed, cuda::Event::create());
-      d.staged.push_back(std::move(staged));
-      d.freed.push_back(std::move(freed));
-    }
-    spdlog::info(
-        "weights: {} MiB resident, {} MiB in {} units streamed every step through {} "
-        "staging slots of {} MiB",
-        resident_bytes >> 20, plan.streamed_bytes >> 20, streamed_.size(), staging_slots_,
-        slot_bytes_ >> 20);
-  }
-  return resident_bytes;
 }
 
 Status CudaBackend::bindRoles() {

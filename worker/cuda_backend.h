@@ -23,6 +23,7 @@
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
 #include "worker/slot_tags.h"
+#include "worker/weight_residency.h"
 
 namespace bulkhead {
 
@@ -189,6 +190,17 @@ class CudaBackend final : public Backend {
   // them; the products' column sums; what each folded weight must fold to (with in-step checks);
   // the KV cache (returns its blocks); the RoPE tables.
   Result<uint64_t> uploadWeights(const Options& options);
+  // A weight unit (worker/weight_residency.h) and its tensors, laid out one after another.
+  struct UnitTensors {
+    WeightUnit unit;
+    std::vector<const TensorView*> tensors;
+  };
+  // The products' weights as units a step reads in turn.
+  static std::vector<UnitTensors> weightUnits(const ModelTensors& t);
+  // Which used tensors stream (unit_of_) and where: their host copies, their staging addresses,
+  // the copy stream and the staging events. Nothing when the plan streams nothing.
+  Status layOutStreamed(std::span<const UnitTensors> units, const ResidencyPlan& plan);
+  void fillHostCopies();
   Status bindRoles();
   Status computeColumnSums();
   void expectFolds();
