@@ -46,6 +46,8 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
       BULKHEAD_ASSIGN_OR_RETURN(cuda.weight_budget, parseByteSize(options.cuda_weight_budget));
     }
     cuda.streamed_units = options.cuda_streamed_units;
+    BULKHEAD_ASSIGN_OR_RETURN(cuda.stream_larger_than,
+                              parseByteSize(options.cuda_stream_larger_than));
     cuda.staging_slots = options.cuda_staging_slots;
     if (!options.cuda_gemm_shape_schedules.empty()) {
       BULKHEAD_ASSIGN_OR_RETURN(cuda.gemm_shape_schedules,

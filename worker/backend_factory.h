@@ -39,6 +39,7 @@ struct BackendOptions {
   // CudaBackend::Options::weight_budget, as parseByteSize reads it ("0": no limit).
   std::string cuda_weight_budget = "0";
   std::vector<std::string> cuda_streamed_units;  // CudaBackend::Options::streamed_units
+  std::string cuda_stream_larger_than = "0";     // CudaBackend::Options::stream_larger_than
   uint32_t cuda_staging_slots = 2;               // CudaBackend::Options::staging_slots
 };
 

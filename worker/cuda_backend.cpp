@@ -305,6 +305,7 @@ Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
   ResidencyRequest request;
   request.budget = options.weight_budget;
   request.streamed = options.streamed_units;
+  request.stream_larger_than = options.stream_larger_than;
   request.staging_slots = options.staging_slots;
   BULKHEAD_ASSIGN_OR_RETURN(const ResidencyPlan plan, planResidency(sizes, fixed.bytes, request));
   BULKHEAD_RETURN_IF_ERROR(layOutStreamed(units, plan));

@@ -112,6 +112,7 @@ class CudaBackend final : public Backend {
     // are the same. 0: every weight resident.
     uint64_t weight_budget = 0;
     std::vector<std::string> streamed_units;  // units streamed whatever the budget (by name)
+    uint64_t stream_larger_than = 0;          // units of more bytes streamed whatever the budget
     uint32_t staging_slots = 2;
   };
 

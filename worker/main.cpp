@@ -89,19 +89,24 @@ int main(int argc, char** argv) {
                "the step: a flipped bit inside its tolerance changes tokens until the scrubber "
                "finds it. Other numbers than without it, so the worker names its backend "
                "cuda-cublas and canary records made without it do not apply");
+  const auto byteSize = [](const std::string& v) {
+    const auto size = parseByteSize(v);
+    return size.ok() ? std::string() : std::string(size.status().message());
+  };
   app.add_option("--cuda-weight-budget", backend_options.cuda_weight_budget,
                  "CUDA backend: device memory for the weights (such as 40GiB; 0: no limit). The "
                  "products' weights beyond it stay in pinned host memory and are copied in every "
                  "step through staging slots (a step then takes at least the streamed bytes over "
                  "the host-to-device bandwidth); the logits are the same")
-      ->check([](const std::string& v) {
-        const auto size = bulkhead::parseByteSize(v);
-        return size.ok() ? std::string() : std::string(size.status().message());
-      });
+      ->check(byteSize);
   std::string streamed_units;
   app.add_option("--cuda-streamed", streamed_units,
                  "CUDA backend: weight units to stream whatever the budget (layers.N.qkv, "
                  "layers.N.o, layers.N.gate_up, layers.N.down, lm_head; comma-separated)");
+  app.add_option("--cuda-stream-larger-than", backend_options.cuda_stream_larger_than,
+                 "CUDA backend: stream every weight unit larger than this (such as 200MiB; 0: "
+                 "none by size), whatever the budget")
+      ->check(byteSize);
   app.add_option("--cuda-staging-slots", backend_options.cuda_staging_slots,
                  "CUDA backend: device slots streamed weights are copied into, each the size of "
                  "the largest streamed unit (more let copies run further ahead)")

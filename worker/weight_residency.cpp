@@ -74,14 +74,20 @@ Result<ResidencyPlan> planResidency(std::span<const WeightUnit> units, uint64_t 
     forced[size_t(at - units.begin())] = true;
     forced_slot = std::max(forced_slot, at->bytes);
   }
+  for (size_t i = 0; i < units.size(); ++i)
+    if (request.stream_larger_than > 0 && units[i].bytes > request.stream_larger_than) {
+      forced[i] = true;
+      forced_slot = std::max(forced_slot, units[i].bytes);
+    }
   const uint32_t slots = request.staging_slots;
   ResidencyPlan least = planOf(units, fixed_bytes, forced, slots);
   if (request.budget == 0 || least.deviceBytes() <= request.budget) return least;
 
-  // Candidates for the staging slots' size: each unit size from the forced units' largest up.
+  // Candidates for the largest unit the budget streams: each unit size (the staging slots then
+  // hold that or the forced units' largest, whichever is larger).
   std::vector<uint64_t> sizes;
   for (const WeightUnit& u : units)
-    if (u.bytes >= forced_slot && u.bytes > 0) sizes.push_back(u.bytes);
+    if (u.bytes > 0) sizes.push_back(u.bytes);
   std::sort(sizes.begin(), sizes.end());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   uint32_t layers = 0;
@@ -94,7 +100,7 @@ Result<ResidencyPlan> planResidency(std::span<const WeightUnit> units, uint64_t 
   uint64_t needed = std::numeric_limits<uint64_t>::max();  // the least budget any size allows
   for (const uint64_t size : sizes) {
     std::vector<size_t> order;
-    uint64_t all_streamed = fixed_bytes + uint64_t(slots) * size;
+    uint64_t all_streamed = fixed_bytes + uint64_t(slots) * std::max(size, forced_slot);
     for (size_t i = 0; i < units.size(); ++i) {
       if (forced[i]) continue;
       if (units[i].bytes <= size)

@@ -27,6 +27,8 @@ struct ResidencyRequest {
   uint64_t budget = 0;
   // Units streamed whatever the budget (by name); the budget may stream more.
   std::vector<std::string> streamed;
+  // Units larger than this many bytes streamed whatever the budget (0: none by size).
+  uint64_t stream_larger_than = 0;
   // Staging slots: while a product reads one, the next streamed units copy into the others.
   uint32_t staging_slots = 2;
 };
@@ -42,11 +44,12 @@ struct ResidencyPlan {
 };
 
 // The plan for `units` (in step order) beside `fixed_bytes` of weights that always stay resident
-// (embedding, norms, biases, a tied lm_head). Within the budget, it streams the fewest bytes a
-// step: for each unit size as the staging slots' size, the largest units up to it first, layers
-// spread over the model (so copies overlap the resident layers between them), and keeps the
-// cheapest. Fails, saying the least budget that could work, when none fits; fails on an unknown
-// name in request.streamed.
+// (embedding, norms, biases, a tied lm_head). Units named in request.streamed or larger than
+// request.stream_larger_than stream whatever the budget. Within the budget it looks for the
+// fewest bytes a step: for each unit size as the largest it streams, it streams the largest
+// units up to that size first, layers spread over the model (so copies overlap the resident
+// layers between them), until the budget holds, and keeps the plan that streams least. Fails,
+// saying the least budget that could work, when none fits; fails on an unknown name.
 Result<ResidencyPlan> planResidency(std::span<const WeightUnit> units, uint64_t fixed_bytes,
                                     const ResidencyRequest& request);
 

@@ -124,6 +124,25 @@ TEST(PlanResidency, NamedUnitsStreamWhateverTheBudget) {
   EXPECT_FALSE(planResidency(units, 0, request(0, {"lm_head"}, 0)).ok());
 }
 
+TEST(PlanResidency, UnitsLargerThanAThresholdStreamWhateverTheBudget) {
+  const auto units = modelUnits(3);
+  ResidencyRequest r = request(0);
+  r.stream_larger_than = 100ull << 20;  // gate/up (271 MiB), down (136) and lm_head (1,090)
+  auto plan = planResidency(units, 0, r);
+  ASSERT_TRUE(plan.ok()) << plan.status().toString();
+  for (size_t i = 0; i < units.size(); ++i)
+    EXPECT_EQ(plan->streamed[i], units[i].bytes > (100ull << 20)) << units[i].name;
+  EXPECT_EQ(plan->slot_bytes, 1090ull << 20);
+  // A budget then streams more, from the units the threshold left (the forced slots hold any of
+  // them): 40 MiB to shed, two 25 MiB o units (50) rather than two 33 MiB q/k/v ones (66).
+  r.budget = plan->deviceBytes() - (40ull << 20);
+  plan = planResidency(units, 0, r);
+  ASSERT_TRUE(plan.ok()) << plan.status().toString();
+  EXPECT_LE(plan->deviceBytes(), r.budget);
+  EXPECT_EQ(plan->streamedCount(), 3u * 2 + 1 + 2);
+  EXPECT_EQ(plan->streamed_bytes, (3ull * (271 + 136) + 1090 + 2 * 25) << 20);
+}
+
 TEST(PlanResidency, ABudgetTooSmallSaysTheLeastThatWorks) {
   const auto units = modelUnits(4, /*lm_head=*/false);
   const uint64_t fixed = 500ull << 20;
