@@ -371,6 +371,7 @@ Status CudaBackend::layOutStreamed(std::span<const UnitTensors> units, const Res
   if (streamed_.empty()) return okStatus();
   staging_slots_ = plan.staging_slots;
   slot_bytes_ = plan.slot_bytes;
+  ring_ = StagingRing(streamed_.size(), staging_slots_);
   BULKHEAD_ASSIGN_OR_RETURN(d.streamed_host, PinnedMemory::allocate(host.bytes));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(
       reinterpret_cast<void**>(&d.streamed_device), d.streamed_host.get(), 0));
@@ -1377,53 +1378,57 @@ Status CudaBackend::beginStaging() {
   // are free then, since the step before has finished.
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.fork.get(), d.stream.get()));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d.copy_stream.get(), d.fork.get(), 0));
-  next_copy_ = 0;
-  for (uint32_t r = 0; r < staging_slots_ && next_copy_ < streamed_.size(); ++r)
-    BULKHEAD_RETURN_IF_ERROR(copyNextUnit());
-  return okStatus();
-}
-
-// Unit j into staging slot j % slots, once the products of unit j - slots, which read that slot,
-// have run. Events are reused slot by slot: each wait is issued before the next record of its
-// event, so it waits for the record meant.
-Status CudaBackend::copyNextUnit() {
-  CudaState& d = *d_;
-  const size_t j = next_copy_++;
-  const size_t slot = j % staging_slots_;
-  cudaStream_t copy = d.copy_stream.get();
-  if (j >= staging_slots_)
-    BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy, d.freed[slot].get(), 0));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.staging.get<std::byte>() + slot * slot_bytes_,
-                                                streamed_[j].host, streamed_[j].bytes,
-                                                cudaMemcpyHostToDevice, copy));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.staged[slot].get(), copy));
-  return okStatus();
+  return issueStaging(ring_.begin());
 }
 
 Status CudaBackend::awaitStaged(const Weight& w) {
   const int j = unit_of_[w.tensor_index];
   if (j < 0) return okStatus();
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaStreamWaitEvent(d_->stream.get(), d_->staged[size_t(j) % staging_slots_].get(), 0));
-  return okStatus();
+  BULKHEAD_ASSIGN_OR_RETURN(const std::vector<StagingRing::Op> ops, ring_.before(size_t(j)));
+  return issueStaging(ops);
 }
 
 Status CudaBackend::releaseStaged(const Weight& w) {
   const int j = unit_of_[w.tensor_index];
   if (j < 0) return okStatus();
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaEventRecord(d_->freed[size_t(j) % staging_slots_].get(), d_->stream.get()));
-  return next_copy_ < streamed_.size() ? copyNextUnit() : okStatus();
+  BULKHEAD_ASSIGN_OR_RETURN(const std::vector<StagingRing::Op> ops, ring_.after(size_t(j)));
+  return issueStaging(ops);
 }
 
 Status CudaBackend::endStaging() {
   if (streamed_.empty()) return okStatus();
   CudaState& d = *d_;
-  if (next_copy_ != streamed_.size())
-    return internalError("a step copied " + std::to_string(next_copy_) + " of its " +
-                         std::to_string(streamed_.size()) + " streamed weight units");
+  BULKHEAD_RETURN_IF_ERROR(ring_.end());
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.join.get(), d.copy_stream.get()));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(d.stream.get(), d.join.get(), 0));
+  return okStatus();
+}
+
+Status CudaBackend::issueStaging(std::span<const StagingRing::Op> ops) {
+  CudaState& d = *d_;
+  cudaStream_t copy = d.copy_stream.get(), compute = d.stream.get();
+  for (const StagingRing::Op& op : ops) {
+    cudaEvent_t staged = d.staged[op.slot].get(), freed = d.freed[op.slot].get();
+    switch (op.kind) {
+      case StagingRing::Op::kCopyWaitsFreed:
+        BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy, freed, 0));
+        break;
+      case StagingRing::Op::kCopy:
+        BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+            d.staging.get<std::byte>() + op.slot * slot_bytes_, streamed_[op.unit].host,
+            streamed_[op.unit].bytes, cudaMemcpyHostToDevice, copy));
+        break;
+      case StagingRing::Op::kRecordStaged:
+        BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(staged, copy));
+        break;
+      case StagingRing::Op::kComputeWaits:
+        BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, staged, 0));
+        break;
+      case StagingRing::Op::kRecordFreed:
+        BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(freed, compute));
+        break;
+    }
+  }
   return okStatus();
 }
 

@@ -23,6 +23,7 @@
 #include "shared/checkpoint.h"
 #include "worker/backend.h"
 #include "worker/slot_tags.h"
+#include "worker/staging_ring.h"
 #include "worker/weight_residency.h"
 
 namespace bulkhead {
@@ -280,15 +281,16 @@ class CudaBackend final : public Backend {
   // a tile for each KV head. Returns how many.
   int mmaTiles(std::span<const SequenceStep> batch, uint32_t* tiles) const;
   Status collectLaunchTimes();
-  // Streamed weights within a step's launches: beginStaging() starts the copies of the first
-  // units (one a staging slot); a product of a streamed unit first waits for its copy
-  // (awaitStaged), and once launched frees its slot for the next unit's copy (releaseStaged);
-  // endStaging() joins the copy stream back. Nothing for resident weights.
+  // Streamed weights within a step's launches, in the order ring_ gives (worker/staging_ring.h):
+  // beginStaging() forks the copy stream from the step and starts the first copies; a product of
+  // a streamed unit first waits for its copy (awaitStaged), and once launched frees its slot for
+  // a later unit's copy (releaseStaged); endStaging() joins the copy stream back. Nothing for
+  // resident weights.
   Status beginStaging();
   Status awaitStaged(const Weight& w);
   Status releaseStaged(const Weight& w);
   Status endStaging();
-  Status copyNextUnit();
+  Status issueStaging(std::span<const StagingRing::Op> ops);
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   BackendLimits limits_;
@@ -333,7 +335,7 @@ class CudaBackend final : public Backend {
   std::vector<std::byte*> host_at_, staged_at_;
   uint32_t staging_slots_ = 0;
   size_t slot_bytes_ = 0;
-  size_t next_copy_ = 0;  // the next streamed unit to copy, while a step is being launched
+  StagingRing ring_{0, 1};  // the copies and waits of the step being launched
   Weight embed_, lm_head_, final_norm_;
   std::vector<Layer> layers_;
   std::vector<Weight*> weights_;  // every role, for slot checks and fault injection
