@@ -65,8 +65,9 @@ struct WorkerStatus {
   int pid = 0;
   std::string backend;
   uint32_t kv_blocks_total = 0, kv_blocks_free = 0;
-  uint32_t kv_block_size = 0;  // positions a block; 0 until a worker was ready
-  uint64_t weight_bytes = 0;   // resident in the worker's memory
+  uint32_t kv_block_size = 0;          // positions a block; 0 until a worker was ready
+  uint64_t weight_bytes = 0;           // resident in the worker's memory
+  uint64_t streamed_weight_bytes = 0;  // in host memory, copied to the device every step
   // Scrub progress: the newest step the worker computed, and the newest its scrubber has
   // verified every resident weight after.
   uint64_t last_step = 0, scrub_clean_through = 0;

@@ -137,6 +137,9 @@ std::string renderMetrics(const SchedulerStats& s, const std::vector<WorkerView>
             [](const WorkerView& v) { return v.status.kv_blocks_free; });
   perWorker("bulkhead_weight_resident_bytes", "Weight bytes resident in the worker's memory.",
             [](const WorkerView& v) { return v.status.weight_bytes; });
+  perWorker("bulkhead_weight_streamed_bytes",
+            "Weight bytes the worker keeps in host memory and copies to its device every step.",
+            [](const WorkerView& v) { return v.status.streamed_weight_bytes; });
   perWorker("bulkhead_last_step_id", "The newest step the worker completed.",
             [](const WorkerView& v) { return v.status.last_step; });
   perWorker("bulkhead_scrub_clean_through_step_id",

@@ -317,6 +317,7 @@ WorkerFailure WorkerClient::handshake(SteadyTime deadline) {
     hello_.max_step_tokens = h.getMaxStepTokens();
     hello_.arena_slots = h.getArenaSlots();
     hello_.weight_bytes = h.getWeightBytes();
+    hello_.streamed_weight_bytes = h.getStreamedWeightBytes();
     hello_.weight_digest = h.getWeightDigest();
     hello_.fault_injection = h.getFaultInjection();
     for (uint32_t id : h.getEosTokenIds()) hello_.eos_token_ids.push_back(id);

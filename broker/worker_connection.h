@@ -54,7 +54,8 @@ struct WorkerHello {
   std::string backend, architecture, model_dir;
   uint32_t vocab_size = 0, max_context = 0, kv_block_size = 0, kv_block_count = 0;
   uint32_t max_step_tokens = 0, arena_slots = 0;
-  uint64_t weight_bytes = 0, weight_digest = 0;
+  uint64_t weight_bytes = 0, weight_digest = 0;  // every weight, resident or streamed
+  uint64_t streamed_weight_bytes = 0;            // of weight_bytes, copied in every step
   bool fault_injection = false;
   std::vector<uint32_t> eos_token_ids;
   uint64_t model_identity = 0;

@@ -3,6 +3,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include <spdlog/spdlog.h>
@@ -69,7 +70,8 @@ bool WorkerSlot::start() {
     w.backend = h.backend;
     w.kv_blocks_total = h.kv_block_count - reservedBlocks();  // the canary holds the rest
     w.kv_block_size = h.kv_block_size;
-    w.weight_bytes = h.weight_bytes;
+    w.weight_bytes = h.weight_bytes - std::min(h.weight_bytes, h.streamed_weight_bytes);
+    w.streamed_weight_bytes = h.streamed_weight_bytes;
     w.last_step = w.scrub_clean_through = 0;
   });
   callbacks_.serving(true);

@@ -39,6 +39,9 @@ struct Hello {
   # to large batches (a GPU reading its weights once a step): two half steps then cost no more
   # than one whole, and the broker overlaps sampling with compute sooner.
   computeGrowsWithRows @20 :Bool;
+  # Of weightBytes, those kept in host memory and copied to the device every step (a CUDA
+  # worker's weight budget); the rest are resident.
+  streamedWeightBytes @21 :UInt64;
 }
 
 struct WeightCorruption {

@@ -190,6 +190,7 @@ Status WorkerServer::sendHello(int fd) {
   hello.setKvBlockCount(limits.kv_block_count);
   hello.setMaxStepTokens(limits.max_step_tokens);
   hello.setWeightBytes(limits.resident_weight_bytes + limits.streamed_weight_bytes);
+  hello.setStreamedWeightBytes(limits.streamed_weight_bytes);
   hello.setWeightDigest(weight_digest_);
   hello.setArenaName(arena_->name());
   hello.setArenaSlots(arena_->slots());

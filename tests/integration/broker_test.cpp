@@ -589,6 +589,7 @@ TEST(BrokerMetricsTest, ScrapedAfterTrafficAndAWorkerKill) {
   EXPECT_GT(m.at("bulkhead_step_duration_seconds_count"), 0);
   EXPECT_EQ(m.at("bulkhead_step_batch_size_count"), m.at("bulkhead_step_duration_seconds_count"));
   EXPECT_GT(m.at("bulkhead_weight_resident_bytes{worker=\"worker-0\"}"), 0);
+  EXPECT_EQ(m.at("bulkhead_weight_streamed_bytes{worker=\"worker-0\"}"), 0);  // a CPU worker
   EXPECT_GT(m.at("bulkhead_last_step_id{worker=\"worker-0\"}"), 0);
   EXPECT_LE(m.at("bulkhead_scrub_clean_through_step_id{worker=\"worker-0\"}"),
             m.at("bulkhead_last_step_id{worker=\"worker-0\"}"));
