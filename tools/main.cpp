@@ -292,6 +292,11 @@ int main(int argc, char** argv) {
   sample_bench->add_flag("--peaked", sample_opts.peaked,
                          "Rows as trained models give them (a few likely tokens) instead of "
                          "near-flat ones");
+  sample_bench
+      ->add_option("--lanes", sample_opts.lanes,
+                   "16: AVX-512 passes where the processor has them; 8: the 8-lane ones (the "
+                   "same results)")
+      ->check(CLI::IsMember({8u, 16u}));
   sample_bench->add_option("--json", sample_opts.json_path, "Also write the results as JSON");
 
   ChaosOptions chaos_opts;

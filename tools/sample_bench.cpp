@@ -35,12 +35,12 @@ constexpr Mode kModes[] = {
 Status benchPool(const SampleBenchOptions& o, unsigned threads, const std::vector<float>& block,
                  const std::vector<uint64_t>& checksums, nlohmann::json& results) {
   WorkPool pool(threads);
-  RowSampler sampler(pool);
+  const bool wide = o.lanes == 16 && RowSampler::sixteenLanes();
+  RowSampler sampler(pool, wide);
   std::printf(
       "sample-bench: vocab %u, %s rows, %u threads, %u iterations, %d-lane passes; "
       "microseconds per call\n",
-      o.vocab, o.peaked ? "peaked" : "near-flat", pool.threads(), o.iterations,
-      RowSampler::sixteenLanes() ? 16 : 8);
+      o.vocab, o.peaked ? "peaked" : "near-flat", pool.threads(), o.iterations, wide ? 16 : 8);
   std::printf("%6s", "rows");
   for (const Mode& m : kModes) std::printf(" %18s", (std::string(m.name) + " p50/p99").c_str());
   std::printf("\n");
@@ -117,6 +117,7 @@ Status runSampleBench(const SampleBenchOptions& o) {
   nlohmann::json report = {{"vocab", o.vocab},
                            {"iterations", o.iterations},
                            {"rows_kind", o.peaked ? "peaked" : "flat"},
+                           {"lanes", o.lanes == 16 && RowSampler::sixteenLanes() ? 16 : 8},
                            {"results", nlohmann::json::array()}};
   for (const unsigned threads : o.threads)
     BULKHEAD_RETURN_IF_ERROR(benchPool(o, threads, block, checksums, report["results"]));

@@ -18,6 +18,9 @@ struct SampleBenchOptions {
   std::vector<unsigned> threads = {0};  // pool sizes, a table each; 0: hardware concurrency
   uint32_t iterations = 200;
   bool peaked = false;  // rows with a few likely tokens instead of near-flat ones
+  // 16: the 16-lane (AVX-512) passes where the processor has them; 8: the 8-lane ones (the same
+  // results; which is faster differs between processors).
+  unsigned lanes = 16;
   std::string json_path;
 };
 

@@ -210,6 +210,9 @@ for group in "$@"; do
       lscpu | grep -E "^Model name|^Socket|^Core|^Thread|^NUMA node\(s\)|^L3" | tee "$out/host.txt"
       run sample-bench 90 "$bh" sample-bench --vocab 152064 --rows 1,32,64 --iterations 100 \
         --threads 4,8,16
+      # The 8-lane passes (the same results): whether this processor runs them faster.
+      run sample-bench-8-lanes 60 "$bh" sample-bench --vocab 152064 --rows 1,32,64 \
+        --iterations 100 --threads 16 --lanes 8
       run step-bench-cpu 150 "$bh" step-bench --model "$m" --batches 1,32,64 --iterations 200
       run step-bench-cpu-no-reply-spin 150 "$bh" step-bench --model "$m" --batches 1,32,64 \
         --iterations 200 --reply-spin-us 0
