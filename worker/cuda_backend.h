@@ -1,13 +1,11 @@
 // The CUDA backend: every weight resident in its own tagged device slot (or, for products' weights
 // beyond a device budget, streamed from pinned host memory through staging slots every step), a
-// paged bf16 KV cache,
-// and a forward pass of our own kernels (cuda/), every product on the invariant tensor-core
-// kernel (cuda/gemm.cuh), launched on one stream (decode steps as a graph) by enqueueStep() and
-// waited for in waitStep(). Logits rows go straight into the
-// host-registered arena with their checksum and finite flag computed on the device, and every
-// step checks itself: slot tags before it runs, the folded words of every weight its kernels
-// load (the products' included), and the arithmetic check of every product (DESIGN.md,
-// "Integrity").
+// paged bf16 KV cache, and a forward pass of our own kernels (cuda/), every product on the
+// invariant tensor-core kernel (cuda/gemm.cuh), launched on one stream (decode steps as a graph)
+// by enqueueStep() and waited for in waitStep(). Logits rows go straight into the host-registered
+// arena with their checksum and finite flag computed on the device, and every step checks itself:
+// slot tags before it runs, the folded words of every weight its kernels load (the products'
+// included), and the arithmetic check of every product (DESIGN.md, "Integrity").
 #pragma once
 
 #include <initializer_list>
