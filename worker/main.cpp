@@ -177,6 +177,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   clock.phase("backend load");
+  if (!(*backend)->name().starts_with("cuda") &&
+      (backend_options.cuda_weight_budget != "0" || !backend_options.cuda_streamed_units.empty() ||
+       backend_options.cuda_stream_larger_than != "0"))
+    spdlog::warn(
+        "the {} backend keeps every weight in its own memory: the CUDA options for "
+        "streamed weights do nothing here",
+        (*backend)->name());
   // A GPU worker's threads wait while the device computes, so watching the socket costs no
   // compute; a step's request then needs no wake-up, and the next launch runs on a core kept
   // busy (0.5B on an H100: b1 compute 1.19 -> 0.88 ms in step-bench, c1 911.7 -> 999.2 tokens/s).
