@@ -269,6 +269,8 @@ Status runEngineBench(const EngineBenchOptions& o) {
     return invalidArgument("bench-engine needs batch sizes, a prompt and steps");
   if (o.kernel_times && o.backend != "cuda")
     return invalidArgument("--kernel-times times the CUDA backend's launches (--backend cuda)");
+  if (!o.weight_budget.empty() && o.backend != "cuda")
+    return invalidArgument("--weight-budget streams the CUDA backend's weights (--backend cuda)");
   BULKHEAD_ASSIGN_OR_RETURN(Checkpoint opened, Checkpoint::open(o.model_dir));
   auto ckpt = std::make_shared<const Checkpoint>(std::move(opened));
 
