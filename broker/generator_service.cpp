@@ -368,6 +368,8 @@ grpc::ServerUnaryReactor* AdminService::ListWorkers(grpc::CallbackServerContext*
     info->set_tokens_generated(view.stats.tokens_generated);
     info->set_steps(view.stats.steps);
     info->set_migrated_sequences(view.stats.migrated_sequences);
+    info->set_resident_weight_bytes(w.weight_bytes);
+    info->set_streamed_weight_bytes(w.streamed_weight_bytes);
   }
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -252,17 +252,20 @@ Status runAdmin(const AdminCommand& command) {
   if (command.action == "workers") {
     v1::ListWorkersResponse r;
     if (grpc::Status s = admin->ListWorkers(&context, {}, &r); !s.ok()) return fromGrpc(s);
-    std::printf("%-10s %-9s %18s %8s %-8s %13s %8s %8s %12s %10s %9s %6s  %s\n", "worker", "state",
-                "incarnation", "pid", "backend", "kv_free/total", "running", "waiting", "tokens",
-                "steps", "restarts", "moved", "last_failure");
+    std::printf("%-10s %-9s %18s %8s %-8s %13s %15s %8s %8s %12s %10s %9s %6s  %s\n", "worker",
+                "state", "incarnation", "pid", "backend", "kv_free/total", "weights_MiB/str",
+                "running", "waiting", "tokens", "steps", "restarts", "moved", "last_failure");
     for (const v1::WorkerInfo& w : r.workers()) {
       const std::string kv =
           std::to_string(w.kv_blocks_free()) + "/" + std::to_string(w.kv_blocks_total());
+      // Resident MiB, then the MiB streamed from host memory every step.
+      const std::string weights = std::to_string(w.resident_weight_bytes() >> 20) + "/" +
+                                  std::to_string(w.streamed_weight_bytes() >> 20);
       std::printf(
-          "%-10s %-9s %18llx %8d %-8s %13s %8u %8u %12llu %10llu %9u %6llu  %s\n", w.name().c_str(),
-          w.state().c_str(), static_cast<unsigned long long>(w.incarnation()), w.pid(),
-          w.backend().c_str(), kv.c_str(), w.requests_running(), w.requests_waiting(),
-          static_cast<unsigned long long>(w.tokens_generated()),
+          "%-10s %-9s %18llx %8d %-8s %13s %15s %8u %8u %12llu %10llu %9u %6llu  %s\n",
+          w.name().c_str(), w.state().c_str(), static_cast<unsigned long long>(w.incarnation()),
+          w.pid(), w.backend().c_str(), kv.c_str(), weights.c_str(), w.requests_running(),
+          w.requests_waiting(), static_cast<unsigned long long>(w.tokens_generated()),
           static_cast<unsigned long long>(w.steps()), w.restarts(),
           static_cast<unsigned long long>(w.migrated_sequences()), w.last_failure().c_str());
     }

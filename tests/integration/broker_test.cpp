@@ -344,6 +344,8 @@ TEST_F(BrokerTest, HealthAndReflectionAreServed) {
   EXPECT_EQ(w.state(), "ready");
   EXPECT_GT(w.incarnation(), 0u);
   EXPECT_EQ(w.backend(), "cpu");
+  EXPECT_GT(w.resident_weight_bytes(), 0u);
+  EXPECT_EQ(w.streamed_weight_bytes(), 0u);  // the CPU backend keeps every weight
 }
 
 TEST(BrokerQueueTest, FullQueueIsResourceExhausted) {
