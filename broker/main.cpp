@@ -134,10 +134,9 @@ int main(int argc, char** argv) {
       "caller counted (0: by host: an eighth of the cores beside a CPU worker, a quarter "
       "beside a GPU one, every thread below 8 cores)");
   std::vector<std::string> worker_args;
-  app.add_option("--worker-arg", worker_args,
-                 "A flag passed on to every worker the broker starts (repeatable; e.g. "
-                 "--worker-arg=--cpu-threads=8)")
-      ->allow_extra_args(false);
+  config_file.addList(app, "--worker-arg", worker_args,
+                      "A flag passed on to every worker the broker starts (repeatable; e.g. "
+                      "--worker-arg=--cpu-threads=8)");
   std::string tls_cert, tls_key, tls_client_ca, token_file, admin_token_file;
   app.add_option("--tls-cert", tls_cert, "PEM certificate chain: serve gRPC over TLS");
   app.add_option("--tls-key", tls_key, "PEM private key of --tls-cert");
@@ -154,10 +153,9 @@ int main(int argc, char** argv) {
                  "sequences move to the others at once")
       ->check(CLI::Range(1u, 64u));
   std::vector<std::string> workers_from;
-  app.add_option("--workers-from", workers_from,
-                 "Attach to the worker systemd runs on this socket instead of spawning one "
-                 "(repeatable: one worker per socket)")
-      ->allow_extra_args(false);
+  config_file.addList(app, "--workers-from", workers_from,
+                      "Attach to the worker systemd runs on this socket instead of spawning one "
+                      "(repeatable: one worker per socket)");
   uint32_t attach_timeout_s = 600;
   app.add_option("--attach-timeout-s", attach_timeout_s,
                  "How long to wait for an attached worker to listen (it loads its model first)");
@@ -167,7 +165,7 @@ int main(int argc, char** argv) {
                  "empty: none)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   config_file.addOptions(app);
-  if (auto stop = ConfigFile::parse(app, argc, argv)) return *stop;
+  if (auto stop = config_file.parse(app, argc, argv)) return *stop;
   if (config_file.printed(app)) return 0;
   configureLogging("broker", log_level);
   if (reply_spin_us < 0) reply_spin_us = defaultReplySpin().count();
@@ -260,8 +258,6 @@ int main(int argc, char** argv) {
   }
   // Set on SIGTERM before the scheduler stops: an attach still waiting for a worker gives up.
   auto stopping = std::make_unique<std::atomic<bool>>(false);
-  // (A config file's workers-from="" names no socket.)
-  std::erase(workers_from, std::string());
   // Several CPU workers on one host share its cores.
   const bool has_cpu_threads =
       std::any_of(worker_args.begin(), worker_args.end(),

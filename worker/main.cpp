@@ -99,10 +99,9 @@ int main(int argc, char** argv) {
                  "step through staging slots (a step then takes at least the streamed bytes over "
                  "the host-to-device bandwidth); the logits are the same")
       ->check(byteSize);
-  std::string streamed_units;
-  app.add_option("--cuda-streamed", streamed_units,
-                 "CUDA backend: weight units to stream whatever the budget (layers.N.qkv, "
-                 "layers.N.o, layers.N.gate_up, layers.N.down, lm_head; comma-separated)");
+  config_file.addList(app, "--cuda-streamed", backend_options.cuda_streamed_units,
+                      "CUDA backend: a weight unit to stream whatever the budget (layers.N.qkv, "
+                      "layers.N.o, layers.N.gate_up, layers.N.down, lm_head; repeatable)");
   app.add_option("--cuda-stream-larger-than", backend_options.cuda_stream_larger_than,
                  "CUDA backend: stream every weight unit larger than this (such as 200MiB; 0: "
                  "none by size), whatever the budget")
@@ -129,7 +128,7 @@ int main(int argc, char** argv) {
                  "products all check out)");
   app.add_option("--log-level", log_level, "trace | debug | info | warn | error");
   config_file.addOptions(app);
-  if (auto stop = ConfigFile::parse(app, argc, argv)) return *stop;
+  if (auto stop = config_file.parse(app, argc, argv)) return *stop;
   if (config_file.printed(app)) return 0;
 
   configureLogging("worker %P", log_level);
@@ -151,12 +150,6 @@ int main(int argc, char** argv) {
   ::pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   backend_options.check_weight_reads = !no_in_step_checks;
-  for (size_t at = 0; at < streamed_units.size();) {
-    const size_t comma = std::min(streamed_units.find(',', at), streamed_units.size());
-    if (comma > at)
-      backend_options.cuda_streamed_units.push_back(streamed_units.substr(at, comma - at));
-    at = comma + 1;
-  }
   backend_options.cuda_graphs = !no_cuda_graphs;
   backend_options.cuda_programmatic_launch = !no_programmatic_launch;
   if (backend_options.attention_scale_factor != 1.0f && !options.enable_fault_injection) {

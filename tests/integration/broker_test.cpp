@@ -377,6 +377,24 @@ TEST(BrokerQueueTest, FullQueueIsResourceExhausted) {
   EXPECT_GE(ok, 1);
 }
 
+// A config file's empty lists, as --print-config writes them (and as it wrote them before, "[]"),
+// pass nothing to the workers: the broker's worker starts and serves.
+TEST(BrokerConfigTest, EmptyListsInAConfigFilePassNoWorkerFlags) {
+  for (const char* empty : {"\"\"", "\"[]\""}) {
+    test::TempDir dir;
+    test::writeFile(dir.file("broker.toml"),
+                    std::string("worker-arg = ") + empty + "\nworkers-from = " + empty + "\n");
+    test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"),
+                               {"--config", dir.file("broker.toml")});
+    ASSERT_TRUE(broker.ok()) << empty;
+    auto r = request({1, 2, 3}, 4);
+    r.set_ignore_eos(true);
+    const test::Generation g = generate(*broker.channel(), r);
+    EXPECT_TRUE(g.status.ok()) << empty << ": " << g.status.error_message();
+    EXPECT_EQ(g.tokens.size(), 4u) << empty;
+  }
+}
+
 TEST(BrokerDrainTest, DrainFinishesRunningRequestsThenReportsNotServing) {
   test::BrokerProcess broker(test::fixtureDir("tiny-qwen2"));
   ASSERT_TRUE(broker.ok());

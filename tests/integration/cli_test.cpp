@@ -160,6 +160,16 @@ TEST(Cli, ConfigFilesGiveEveryOptionAndFlagsWin) {
                                         {"--config", dir.file("defaults.toml"), "--print-config"});
   ASSERT_EQ(defaults_again.exit_code, 0) << defaults_again.err;
   EXPECT_EQ(defaults_again.out, defaults.out);
+  // An empty list prints as "" (read back as no item; CLI11's own "[]" read back as that string),
+  // and a list's items read back as given.
+  EXPECT_NE(defaults.out.find("worker-arg=\"\"\n"), std::string::npos) << defaults.out;
+  test::writeFile(dir.file("list.toml"),
+                  "model = \"m\"\nworker-arg = [\"--cpu-threads=2\", \"--spin-us=0\"]\n");
+  auto list = test::runBinary(dir, "bulkhead-broker",
+                              {"--config", dir.file("list.toml"), "--print-config"});
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  EXPECT_NE(list.out.find("worker-arg=[\"--cpu-threads=2\", \"--spin-us=0\"]"), std::string::npos)
+      << list.out;
 
   test::writeFile(dir.file("worker.toml"),
                   "model = \"m\"\nsocket = \"/run/w.sock\"\nbackend = \"cuda\"\n");
