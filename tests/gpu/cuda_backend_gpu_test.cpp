@@ -771,6 +771,53 @@ TEST_P(CudaBackendModels, AFaultyMultiplyFailsTheArithmeticCheckOfThatStepOnly) 
   }
 }
 
+// One step of `count` sequences of `tokens_each` tokens fresh from position 0 (sequences
+// `first` on), each one's last row asked for; returns its verdict.
+WeightReadVerdict verdictOfSequences(Backend& backend, uint32_t count, size_t tokens_each,
+                                     uint64_t first) {
+  const uint32_t vocab = backend.limits().vocab_size;
+  std::vector<std::vector<uint32_t>> tokens, blocks;
+  std::vector<uint32_t> last(count, uint32_t(tokens_each - 1));
+  std::vector<SequenceStep> steps;
+  for (uint32_t i = 0; i < count; ++i) {
+    tokens.push_back(randomTokens(tokens_each, vocab, uint32_t(first + i)));
+    blocks.push_back({i});
+  }
+  for (uint32_t i = 0; i < count; ++i)
+    steps.push_back({.sequence_id = first + i,
+                     .start_position = 0,
+                     .tokens = tokens[i],
+                     .kv_blocks = blocks[i],
+                     .logits_rows = {&last[i], 1}});
+  std::vector<float> rows(size_t(count) * vocab);
+  std::vector<RowCheck> checks(count);
+  std::vector<RowOutput> out;
+  for (uint32_t i = 0; i < count; ++i) out.push_back({rows.data() + size_t(i) * vocab, &checks[i]});
+  WeightReadVerdict verdict;
+  EXPECT_TRUE(backend.enqueueStep(steps, out).ok());
+  EXPECT_TRUE(backend.waitStep(verdict).ok());
+  EXPECT_TRUE(verdict.checked);
+  return verdict;
+}
+
+// Steps whose rows are all asked for (decode steps) and steps of which half are: the logits
+// kernel counts their checks itself, each grid row's last block its own row and the one past
+// the logits rows. A faulty multiply on any row fails that step's check, and the next step passes.
+TEST_P(CudaBackendModels, AFaultyMultiplyFailsTheCheckOfAStepOfAskedRows) {
+  for (uint64_t i = 0; i < 24; ++i) {
+    const size_t tokens_each = 1 + i % 2;
+    const uint64_t selector = i * 7919 + i * i * 104729 + 3;
+    auto role = backend_->computeFault(selector);
+    ASSERT_TRUE(role.ok());
+    const auto faulty = verdictOfSequences(*backend_, 5, tokens_each, 100 * i + 1);
+    EXPECT_EQ(faulty.failed_tensor, *role)
+        << "selector " << selector << ", " << tokens_each << " tokens a sequence";
+    EXPECT_EQ(faulty.failed_check, WeightCheck::kArithmetic) << faulty.why;
+    const auto next = verdictOfSequences(*backend_, 5, tokens_each, 100 * i + 50);
+    EXPECT_TRUE(next.failed_tensor.empty()) << next.failed_tensor << ": " << next.why;
+  }
+}
+
 TEST_P(CudaBackendModels, AStaleSlotFailsItsSlotTagBeforeComputing) {
   auto role = backend_->staleSlot(5);
   ASSERT_TRUE(role.ok());
