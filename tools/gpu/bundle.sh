@@ -4,6 +4,9 @@
 # that host: LD_LIBRARY_PATH=.gpu/lib .gpu/<binary>. Usage: tools/gpu/bundle.sh [BUILD_DIR
 # [OUT_DIR]]; OUT_DIR may lie in another worktree of the repository (a branch's build bundled
 # into the checkout that runs it). The bundle gets this checkout's tools/gpu/pending-runs.sh.
+# BUNDLE_AB="NAME=PATH ...": other builds' bulkhead executables for pending-runs.sh's ab groups
+# (NAME base, or ab-SOMETHING), stripped and packed together with xz into variants.tar.xz (which
+# pending-runs.sh unpacks), since each would take 8 MB of what a run may carry.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$root/build}
@@ -25,4 +28,12 @@ cp "$root/tools/gpu/pending-runs.sh" "$out/"
 # Debug information would take the bundle past what a run may carry.
 strip --strip-debug "$out"/bulkhead* "$out"/lib/* 2>/dev/null || true
 [ -x "$out/gpu_tests" ] && strip --strip-debug "$out/gpu_tests"
+if [ -n "${BUNDLE_AB:-}" ]; then
+  variants=$(mktemp -d)
+  for pair in $BUNDLE_AB; do
+    strip -o "$variants/bulkhead-${pair%%=*}" "${pair#*=}"
+  done
+  tar cf - -C "$variants" . | xz -T2 -6 > "$out/variants.tar.xz"
+  rm -rf "$variants"
+fi
 du -sh "$out"
