@@ -139,7 +139,9 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
   constexpr int kAheadPieces = kAhead ? HD / 8 : 1;
   uint4 key_ahead[kAheadPieces], value_ahead[kAheadPieces];
   auto loadAhead = [&](size_t row_at, uint32_t chunk_begin) {
-    if (chunk_begin + uint32_t(t) >= end) return;
+    // Not the row's own position with rope_in: another block of this launch writes it.
+    const uint32_t p = chunk_begin + uint32_t(t);
+    if (p >= end || (kRope && p == fresh)) return;
     const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + row_at),
                 *v = reinterpret_cast<const uint4*>(a.v_cache + row_at);
 #pragma unroll
