@@ -155,9 +155,10 @@ TEST(ServiceNotify, WorkerWithACanaryRecordIsReadyOnlyWhenItsCanaryPasses) {
     ExitInfo exit;
     ASSERT_TRUE(worker->waitExit(deadline, &exit));
     EXPECT_EQ(exit.exit_code, matches ? 0 : 1) << exit.describe();
-    if (!matches)
+    if (!matches) {
       EXPECT_FALSE(contains(notify.until("READY=1", std::chrono::steady_clock::now()), "READY=1"))
           << "READY=1 from a worker whose canary failed";
+    }
   }
 }
 

@@ -65,7 +65,9 @@ grpc::Status generateWith(const std::shared_ptr<grpc::Channel>& channel,
   uint32_t tokens = 0;
   while (reader->Read(&response)) tokens += uint32_t(response.token_ids_size());
   grpc::Status status = reader->Finish();
-  if (status.ok()) EXPECT_EQ(tokens, 4u);
+  if (status.ok()) {
+    EXPECT_EQ(tokens, 4u);
+  }
   return status;
 }
 
