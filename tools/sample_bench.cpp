@@ -32,10 +32,15 @@ constexpr Mode kModes[] = {
     {"T=0.8,top_p=0.9", false, 0.8f, 0.9f, false}, {"top_p+logprobs", false, 0.8f, 0.9f, true}};
 
 // One table: every row count and mode on a pool of `threads` threads (0: every core).
+// Whether the passes run 16 lanes wide: asked for, and the processor has them.
+bool wideLanes(const SampleBenchOptions& o) {
+  return o.lanes == 16 && RowSampler::sixteenLanes();
+}
+
 Status benchPool(const SampleBenchOptions& o, unsigned threads, const std::vector<float>& block,
                  const std::vector<uint64_t>& checksums, nlohmann::json& results) {
   WorkPool pool(threads);
-  const bool wide = o.lanes == 16 && RowSampler::sixteenLanes();
+  const bool wide = wideLanes(o);
   RowSampler sampler(pool, wide);
   std::printf(
       "sample-bench: vocab %u, %s rows, %u threads, %u iterations, %d-lane passes; "
@@ -117,7 +122,7 @@ Status runSampleBench(const SampleBenchOptions& o) {
   nlohmann::json report = {{"vocab", o.vocab},
                            {"iterations", o.iterations},
                            {"rows_kind", o.peaked ? "peaked" : "flat"},
-                           {"lanes", o.lanes == 16 && RowSampler::sixteenLanes() ? 16 : 8},
+                           {"lanes", wideLanes(o) ? 16 : 8},
                            {"results", nlohmann::json::array()}};
   for (const unsigned threads : o.threads)
     BULKHEAD_RETURN_IF_ERROR(benchPool(o, threads, block, checksums, report["results"]));

@@ -255,6 +255,10 @@ CudaBackend::~CudaBackend() {
   cuda::setProgrammaticLaunch(d_->stream.get(), false);  // a later stream may reuse the handle
 }
 
+size_t CudaBackend::usedIndex(const TensorView* tensor) const {
+  return size_t(std::find(used_.begin(), used_.end(), tensor) - used_.begin());
+}
+
 Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string& role) {
   w.tensor = tensor;
   w.role = role;
@@ -262,7 +266,7 @@ Status CudaBackend::bind(Weight& w, const TensorView* tensor, const std::string&
   if (tensor->dtype != DType::kBF16)
     return unimplemented("the CUDA backend computes from bf16 weights; " + tensor->name + " is " +
                          std::string(dtypeName(tensor->dtype)));
-  w.tensor_index = uint32_t(std::find(used_.begin(), used_.end(), tensor) - used_.begin());
+  w.tensor_index = uint32_t(usedIndex(tensor));
   const bool streamed = unit_of_[w.tensor_index] >= 0;
   w.ptr = streamed ? staged_at_[w.tensor_index] : d_->slots[w.tensor_index];
   w.generation = streamed ? 0 : slot_tags_.generation(w.ptr);
@@ -324,7 +328,7 @@ Result<uint64_t> CudaBackend::uploadWeights(const Options& options) {
   std::vector<size_t> offsets(used_.size());
   uint64_t resident_bytes = 0;
   for (const TensorView* m : order) {
-    const auto index = size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
+    const size_t index = usedIndex(m);
     if (unit_of_[index] >= 0) continue;
     offsets[index] = arena.add(m->data.size());
     resident_bytes += m->data.size();
@@ -363,7 +367,7 @@ Status CudaBackend::layOutStreamed(std::span<const UnitTensors> units, const Res
     const size_t base = host.add(units[u].unit.bytes);
     Layout within;
     for (const TensorView* m : units[u].tensors) {
-      const auto i = size_t(std::find(used_.begin(), used_.end(), m) - used_.begin());
+      const size_t i = usedIndex(m);
       unit_of_[i] = int(streamed_.size());
       host_offset[i] = base + within.add(m->data.size());
     }

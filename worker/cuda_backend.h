@@ -206,6 +206,8 @@ class CudaBackend final : public Backend {
   void expectFolds();
   Result<uint32_t> allocateKvCache(const Options& options);
   Status uploadRopeTables();
+  // The index of a used tensor (checkpoint_->usedTensors()) in used_.
+  size_t usedIndex(const TensorView* tensor) const;
   Status bind(Weight& w, const TensorView* tensor, const std::string& role);
   Status allocateStep(const Options& options);
   Status warmCublas(int max_rows);
