@@ -170,9 +170,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   clock.phase("backend load");
+  const auto bytesGiven = [](const std::string& v) {
+    const auto size = parseByteSize(v);
+    return size.ok() && *size > 0;
+  };
   if (!(*backend)->name().starts_with("cuda") &&
-      (backend_options.cuda_weight_budget != "0" || !backend_options.cuda_streamed_units.empty() ||
-       backend_options.cuda_stream_larger_than != "0"))
+      (bytesGiven(backend_options.cuda_weight_budget) ||
+       !backend_options.cuda_streamed_units.empty() ||
+       bytesGiven(backend_options.cuda_stream_larger_than)))
     spdlog::warn(
         "the {} backend keeps every weight in its own memory: the CUDA options for "
         "streamed weights do nothing here",
