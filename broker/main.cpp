@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-running", options.max_running, "Sequences decoding at once");
   app.add_option("--max-waiting", options.max_waiting, "Queued requests before RESOURCE_EXHAUSTED");
   app.add_option("--pipeline-sample-share", options.pipeline_sample_share,
-                 "Two steps in flight once sampling takes this share of compute (negative: never)");
+                 "Two steps in flight once sampling takes this share of compute (beside a CPU "
+                 "worker: whichever mode runs faster; negative: never; 0: always)");
   uint32_t max_message_bytes = 16 << 20;
   app.add_option("--max-message-bytes", max_message_bytes,
                  "Largest gRPC message received or sent (larger: RESOURCE_EXHAUSTED)")

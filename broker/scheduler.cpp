@@ -195,6 +195,7 @@ void Scheduler::run() {
     if (worked || !incoming_.empty() || !adopted_.empty() || stopping_) continue;
     lock.unlock();
     last_reply_.reset();  // the next step follows a wait for work, not this one's reply
+    pace_from_.reset();   // nor does its pace
     sleepUntilWork();
   }
   // Shutting down: every open request ends.

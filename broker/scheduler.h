@@ -59,10 +59,11 @@ struct SchedulerOptions {
   // and sampling a step's rows takes at least this share of the worker's compute time (and again
   // one at a time below half of it). Halving a GPU batch costs compute (the weights are read once
   // a step, whatever its rows): on the H200 two 32-row 0.5B steps took 25% longer than one of 64,
-  // so below ~40% the halves lose more than the overlap wins. A worker whose compute grows with
-  // its rows (the CPU: two half steps cost one whole) gets a quarter of this share. Once decode
-  // steps of the whole and the half size have been seen, their measured costs decide instead
-  // (StepCosts). Negative: always one at a time; 0: always two.
+  // so below ~40% the halves lose more than the overlap wins. Once decode steps of the whole and
+  // the half size have been seen, their measured costs decide instead (StepCosts). Beside a worker
+  // whose compute grows with its rows (the CPU, whose cores the sampling shares) neither decides:
+  // each mode is run in turn and its realised pace measured, and the faster is kept
+  // (StepCosts::fasterPace). Negative: always one at a time; 0: always two.
   double pipeline_sample_share = 0.4;
   // Beside a CPU worker (which leaves WorkPool::coresBesideCpuWorker of the host's cores), rows
   // sampled while the worker computes another step are sampled on this many threads only, so
@@ -196,6 +197,14 @@ class Scheduler {
     bool ride = false;  // the canary's row follows the batch's rows
     uint32_t first_slot = 0;
     std::chrono::steady_clock::time_point sent;
+    bool halves = false;  // sent while two steps go at a time
+  };
+  // A used reply, where the pace to the next one starts (StepCosts::recordPace): when, in which
+  // mode, and how many sequences were running then.
+  struct PaceFrom {
+    std::chrono::steady_clock::time_point at;
+    bool halves = false;
+    uint32_t running = 0;
   };
   static bool gated(const WorkerConnection& worker);
   size_t stepDepth(const WorkerConnection& worker) const;
@@ -205,8 +214,13 @@ class Scheduler {
   bool sendStep(WorkerConnection& worker, size_t depth);
   void completeStep(WorkerConnection& worker);
   // Records a completed step's costs and decides whether the next steps go two at a time.
-  void choosePipelining(const WorkerConnection& worker, const InFlightStep& step, double compute_ms,
+  void choosePipelining(const WorkerConnection& worker, const InFlightStep& step,
+                        const std::optional<PaceFrom>& from,
+                        std::chrono::steady_clock::time_point done, double compute_ms,
                         double trip_ms, double sample_ms);
+  // Beside a worker whose compute grows with its rows: the two modes' paces decide.
+  void choosePipeliningByPace(const InFlightStep& step, const std::optional<PaceFrom>& from,
+                              std::chrono::steady_clock::time_point done);
   // Takes every step in flight (before anything but a step is sent to the worker).
   void drainSteps();
   // The worker is gone (or every sequence requeued): its steps in flight never come back.
@@ -288,7 +302,9 @@ class Scheduler {
   bool pipelining_ = false;             // see SchedulerOptions::pipeline_sample_share
   StepCosts step_costs_;                // decode steps by row count: whether halves pay
   uint32_t halves_unmeasured_ = 0;      // half steps taken while a whole one's cost is unknown
-  bool beside_cpu_worker_ = false;      // see SchedulerOptions::cpu_worker_sampling_threads
+  std::optional<PaceFrom> pace_from_;   // the last used reply's
+  uint32_t steps_in_mode_ = 0;      // steps completed since the pace choice last changed the mode
+  bool beside_cpu_worker_ = false;  // see SchedulerOptions::cpu_worker_sampling_threads
 };
 
 }  // namespace bulkhead

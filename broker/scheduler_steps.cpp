@@ -17,11 +17,6 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 namespace {
-// A worker whose step time grows with its rows loses nothing by halving a batch, so overlapping
-// sampling with compute pays once sampling is a small share of compute: on a 2-core host with the
-// CPU backend (tiny-v152k, 64 streams, greedy; sampling ~18% of compute) a quarter of the share
-// took end-to-end tokens/s from 78-79% of the compute ceiling to 87-89% (three runs each).
-constexpr double kLinearCostShareFactor = 0.25;
 // Half steps taken, on the share heuristic alone, before whole steps are taken to see their cost.
 constexpr uint32_t kHalvesBeforeWhole = 8;
 
@@ -100,7 +95,8 @@ bool Scheduler::sendStep(WorkerConnection& worker, size_t depth) {
                     .chunks = plan.chunks,
                     .ride = ride != nullptr,
                     .first_slot = first_slot,
-                    .sent = Clock::now()};
+                    .sent = Clock::now(),
+                    .halves = depth > 1};
   if (last_reply_ && in_flight_.empty()) board_.addBetweenSteps(msBetween(*last_reply_, step.sent));
   last_reply_.reset();
   if (WorkerFailure f = worker.sendStep(step.step_id, request.steps, first_slot, timeout);
@@ -119,6 +115,9 @@ bool Scheduler::sendStep(WorkerConnection& worker, size_t depth) {
 void Scheduler::completeStep(WorkerConnection& worker) {
   InFlightStep step = std::move(in_flight_.front());
   in_flight_.pop_front();
+  // A pace runs from one used reply to the next: a failed or discarded step ends it here (a used
+  // one starts the next in choosePipelining).
+  const std::optional<PaceFrom> pace_from = std::exchange(pace_from_, std::nullopt);
   for (Sequence* s : step.batch) s->in_flight = false;
   auto reply = worker.awaitStep();
   const auto step_done = Clock::now();
@@ -145,9 +144,10 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   const double compute_ms = double(reply->compute_micros) / 1000.0;
   board_.addStepTimes(msBetween(step.sent, step_done), compute_ms, sample_ms, step.batch.size());
   if (in_flight_.empty()) last_reply_ = step_done;
-  choosePipelining(worker, step, compute_ms,
+  choosePipelining(worker, step, pace_from, step_done, compute_ms,
                    std::max(0.0, msBetween(step.sent, step_done) - compute_ms), sample_ms);
   if (!bad.ok()) {
+    pace_from_.reset();
     handleStepFailure(bad, step.batch);
     return;
   }
@@ -178,6 +178,7 @@ void Scheduler::completeStep(WorkerConnection& worker) {
 }
 
 void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightStep& step,
+                                 const std::optional<PaceFrom>& from, Clock::time_point done,
                                  double compute_ms, double trip_ms, double sample_ms) {
   const bool decode_only =
       !step.ride && std::all_of(step.chunks.begin(), step.chunks.end(),
@@ -187,6 +188,7 @@ void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightS
     pipelining_ = options_.pipeline_sample_share == 0;
     return;
   }
+  if (worker.hello().compute_grows_with_rows) return choosePipeliningByPace(step, from, done);
   // Once steps of both sizes have been seen, what they cost decides.
   const uint32_t running = uint32_t(queues_.running().size());
   if (std::optional<bool> pays = step_costs_.halvesPay(running); pays) {
@@ -203,10 +205,39 @@ void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightS
   // Until then: two steps in flight pay when sampling takes a fair share of compute, each half's
   // rows then sampled while the worker computes the other half
   // (SchedulerOptions::pipeline_sample_share).
-  const double share = options_.pipeline_sample_share *
-                       (worker.hello().compute_grows_with_rows ? kLinearCostShareFactor : 1.0);
+  const double share = options_.pipeline_sample_share;
   if (sample_ms >= share * compute_ms) pipelining_ = true;
   if (sample_ms < 0.5 * share * compute_ms) pipelining_ = false;
+}
+
+// Beside a CPU worker the step costs mislead: a half step computed while the other half is sampled
+// shares the host's cores with that sampling. So the realised pace of each mode decides: the mode
+// in use until kPaceSettling paces of it are known, then the other to measure it, then the faster
+// (StepCosts::fasterPace); a pace gone stale is measured again the same way.
+void Scheduler::choosePipeliningByPace(const InFlightStep& step,
+                                       const std::optional<PaceFrom>& from,
+                                       Clock::time_point done) {
+  const uint32_t running = uint32_t(queues_.running().size());
+  pace_from_ = PaceFrom{done, step.halves, running};
+  if (running < 2) {  // one sequence cannot be halved
+    pipelining_ = false;
+    return;
+  }
+  if (from && from->halves == step.halves && !step.batch.empty() &&
+      std::max(from->running, running) - std::min(from->running, running) <= running / 8)
+    step_costs_.recordPace(running, step.halves,
+                           msBetween(from->at, done) / double(step.batch.size()));
+  ++steps_in_mode_;
+  if (std::optional<bool> faster = step_costs_.fasterPace(running, pipelining_); faster) {
+    if (*faster != pipelining_) steps_in_mode_ = 0;
+    pipelining_ = *faster;
+    return;
+  }
+  // The other mode's pace is unknown here: once this one's is known, try the other.
+  if (step_costs_.knowsPace(running, pipelining_) && steps_in_mode_ >= StepCosts::kPaceSettling) {
+    pipelining_ = !pipelining_;
+    steps_in_mode_ = 0;
+  }
 }
 
 void Scheduler::drainSteps() {
@@ -215,6 +246,7 @@ void Scheduler::drainSteps() {
 }
 
 void Scheduler::forgetInFlight() {
+  pace_from_.reset();
   for (const InFlightStep& step : in_flight_)
     for (Sequence* s : step.batch) s->in_flight = false;
   in_flight_.clear();

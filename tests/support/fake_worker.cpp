@@ -102,6 +102,7 @@ FakeWorker::FakeWorker(std::shared_ptr<FakeWorkerControl> control, uint64_t inca
   hello_.weight_bytes = 1 << 20;
   hello_.scrubbing = true;
   hello_.in_step_checks = c.in_step_checks;
+  hello_.compute_grows_with_rows = c.compute_grows_with_rows;
   hello_.model_identity = 42;
   kv_.assign(size_t(c.blocks) * c.block_size, UINT32_MAX);
   std::lock_guard lock(control_->mu_);
@@ -136,11 +137,15 @@ WorkerFailure FakeWorker::sendStep(uint64_t step_id, std::span<const SequenceSte
   for (const SequenceStep& s : batch) rows += s.logits_rows.size();
   if (first_slot + rows > hello_.arena_slots) {
     replies_.push_back(workerFailure(WorkerFailure::Kind::kRejected, "rows past the arena"));
+    ready_.push_back(std::chrono::steady_clock::now());
     return {};
   }
   rows_.emplace_back();
   if (rows_.size() > kMaxStepsInFlight + 1) rows_.pop_front();
   replies_.push_back(compute(step_id, batch, rows_.back()));
+  free_at_ = std::max(free_at_, std::chrono::steady_clock::now()) +
+             (control_->compute_wall ? control_->compute_wall(rows) : std::chrono::microseconds(0));
+  ready_.push_back(free_at_);
   std::lock_guard lock(control_->mu_);
   control_->max_in_flight_ = std::max(control_->max_in_flight_, replies_.size());
   return {};
@@ -151,6 +156,8 @@ WorkerResult<StepReply> FakeWorker::awaitStep() {
     return workerFailure(WorkerFailure::Kind::kProtocolViolation, "no step in flight");
   WorkerResult<StepReply> reply = std::move(replies_.front());
   replies_.pop_front();
+  std::this_thread::sleep_until(ready_.front());  // the step's compute (compute_wall)
+  ready_.pop_front();
   return reply;
 }
 

@@ -55,7 +55,14 @@ class FakeWorkerControl {
   // The compute time a step of this many logits rows reports (the fake computes at once);
   // unset: 0. Set before the scheduler starts.
   std::function<uint64_t(size_t rows)> compute_micros;
+  // What Hello says of the worker's compute (a CPU worker's grows with its rows), and the wall
+  // time a step of this many logits rows takes: its reply is ready that long after the worker is
+  // free for it (steps one after another, in order, as a worker computes them), and awaiting it
+  // waits until then. Unset: ready at once. Set before the scheduler starts.
+  bool compute_grows_with_rows = false;
+  std::function<std::chrono::microseconds(size_t rows)> compute_wall;
   // StepDone vouches for steps up to (this step - lag); 0: every step at once.
+
   uint64_t scrub_lag = 0;
   // The worker says it checks every step's weight reads: its tokens need no scrubber's word, and
   // the broker may send it two steps at once.
@@ -126,6 +133,8 @@ class FakeWorker final : public WorkerConnection {
   // Replies sent but not awaited, and each step's rows (the newest kMaxStepsInFlight + 1 kept).
   std::deque<WorkerResult<StepReply>> replies_;
   std::deque<std::vector<std::vector<float>>> rows_;
+  std::deque<std::chrono::steady_clock::time_point> ready_;  // with replies_ (compute_wall)
+  std::chrono::steady_clock::time_point free_at_{};          // the last step's ready time
   uint64_t last_step_ = 0;
   WorkerFailure broken_;
   bool miscompute_ = false;

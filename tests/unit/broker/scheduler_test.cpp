@@ -302,6 +302,33 @@ TEST_F(SchedulerTest, TwoHalfStepsFollowCostsWhileTheBatchShrinks) {
   EXPECT_GT(linear, 0.75) << "halves that cost half a step each were given up";
 }
 
+// Beside a worker whose compute grows with its rows (a CPU, whose cores the sampling shares) the
+// realised pace decides: both ways are run, and the faster kept. The fake worker spends the
+// compute time here for real, one step after another.
+TEST_F(SchedulerTest, BesideACpuWorkerBothWaysAreTriedAndTheFasterKept) {
+  auto overlappedShare = [&](std::function<std::chrono::microseconds(size_t)> wall) {
+    control_ = std::make_shared<test::FakeWorkerControl>();
+    control_->in_step_checks = true;  // two steps may be in flight
+    control_->compute_grows_with_rows = true;
+    control_->compute_wall = std::move(wall);
+    start(SchedulerOptions{}, /*run=*/false);
+    auto runs = submit(16, 80);
+    scheduler_->start();
+    expectAllExact(runs, 80);
+    const SchedulerStats s = scheduler_->stats();
+    scheduler_->stop();
+    return double(s.steps_overlapped) / double(s.steps);
+  };
+  // A step costs the same whatever its rows: two halves take twice as long a round.
+  const double flat = overlappedShare([](size_t) { return std::chrono::microseconds(2000); });
+  // A step's cost grows faster than its rows: two halves of 8 take half as long as 16 at once.
+  const double steep =
+      overlappedShare([](size_t rows) { return std::chrono::microseconds(8 * rows * rows); });
+  EXPECT_GT(flat, 0.0) << "halves were never tried";
+  EXPECT_LT(flat, 0.25) << "halves that take twice as long a round kept going";
+  EXPECT_GT(steep, 0.75) << "halves that take half as long a round were given up";
+}
+
 TEST_F(SchedulerTest, TwoStepsInFlightGiveTheSameTokens) {
   control_->in_step_checks = true;
   SchedulerOptions o;
