@@ -219,7 +219,8 @@ class Scheduler {
                         std::chrono::steady_clock::time_point done, double compute_ms,
                         double trip_ms, double sample_ms);
   // Beside a worker whose compute grows with its rows: the two modes' paces decide.
-  void choosePipeliningByPace(const InFlightStep& step, const std::optional<PaceFrom>& from,
+  void choosePipeliningByPace(const InFlightStep& step, bool decode_only,
+                              const std::optional<PaceFrom>& from,
                               std::chrono::steady_clock::time_point done);
   // Takes every step in flight (before anything but a step is sent to the worker).
   void drainSteps();
@@ -303,8 +304,7 @@ class Scheduler {
   StepCosts step_costs_;                // decode steps by row count: whether halves pay
   uint32_t halves_unmeasured_ = 0;      // half steps taken while a whole one's cost is unknown
   std::optional<PaceFrom> pace_from_;   // the last used reply's
-  uint32_t steps_in_mode_ = 0;      // steps completed since the pace choice last changed the mode
-  bool beside_cpu_worker_ = false;  // see SchedulerOptions::cpu_worker_sampling_threads
+  bool beside_cpu_worker_ = false;      // see SchedulerOptions::cpu_worker_sampling_threads
 };
 
 }  // namespace bulkhead

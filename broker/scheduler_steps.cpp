@@ -115,8 +115,8 @@ bool Scheduler::sendStep(WorkerConnection& worker, size_t depth) {
 void Scheduler::completeStep(WorkerConnection& worker) {
   InFlightStep step = std::move(in_flight_.front());
   in_flight_.pop_front();
-  // A pace runs from one used reply to the next: a failed or discarded step ends it here (a used
-  // one starts the next in choosePipelining).
+  // A pace runs from one used reply to the next: a failed or discarded step ends it (a used one
+  // starts the next in choosePipelining).
   const std::optional<PaceFrom> pace_from = std::exchange(pace_from_, std::nullopt);
   for (Sequence* s : step.batch) s->in_flight = false;
   auto reply = worker.awaitStep();
@@ -144,7 +144,7 @@ void Scheduler::completeStep(WorkerConnection& worker) {
   const double compute_ms = double(reply->compute_micros) / 1000.0;
   board_.addStepTimes(msBetween(step.sent, step_done), compute_ms, sample_ms, step.batch.size());
   if (in_flight_.empty()) last_reply_ = step_done;
-  choosePipelining(worker, step, pace_from, step_done, compute_ms,
+  choosePipelining(worker, step, bad.ok() ? pace_from : std::nullopt, step_done, compute_ms,
                    std::max(0.0, msBetween(step.sent, step_done) - compute_ms), sample_ms);
   if (!bad.ok()) {
     pace_from_.reset();
@@ -188,7 +188,8 @@ void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightS
     pipelining_ = options_.pipeline_sample_share == 0;
     return;
   }
-  if (worker.hello().compute_grows_with_rows) return choosePipeliningByPace(step, from, done);
+  if (worker.hello().compute_grows_with_rows)
+    return choosePipeliningByPace(step, decode_only, from, done);
   // Once steps of both sizes have been seen, what they cost decides.
   const uint32_t running = uint32_t(queues_.running().size());
   if (std::optional<bool> pays = step_costs_.halvesPay(running); pays) {
@@ -212,9 +213,10 @@ void Scheduler::choosePipelining(const WorkerConnection& worker, const InFlightS
 
 // Beside a CPU worker the step costs mislead: a half step computed while the other half is sampled
 // shares the host's cores with that sampling. So the realised pace of each mode decides: the mode
-// in use until kPaceSettling paces of it are known, then the other to measure it, then the faster
-// (StepCosts::fasterPace); a pace gone stale is measured again the same way.
-void Scheduler::choosePipeliningByPace(const InFlightStep& step,
+// in use until its pace is known, then the other until its pace is, then the faster
+// (StepCosts::fasterPace); a pace gone stale is measured again the same way. Only decode steps
+// without the canary's row make paces (a prefill chunk is many tokens in one row).
+void Scheduler::choosePipeliningByPace(const InFlightStep& step, bool decode_only,
                                        const std::optional<PaceFrom>& from,
                                        Clock::time_point done) {
   const uint32_t running = uint32_t(queues_.running().size());
@@ -223,21 +225,15 @@ void Scheduler::choosePipeliningByPace(const InFlightStep& step,
     pipelining_ = false;
     return;
   }
-  if (from && from->halves == step.halves && !step.batch.empty() &&
-      std::max(from->running, running) - std::min(from->running, running) <= running / 8)
+  if (decode_only && from && from->halves == step.halves &&
+      std::max(from->running, running) - std::min(from->running, running) <=
+          std::max(1u, running / 8))
     step_costs_.recordPace(running, step.halves,
                            msBetween(from->at, done) / double(step.batch.size()));
-  ++steps_in_mode_;
-  if (std::optional<bool> faster = step_costs_.fasterPace(running, pipelining_); faster) {
-    if (*faster != pipelining_) steps_in_mode_ = 0;
+  if (std::optional<bool> faster = step_costs_.fasterPace(running); faster)
     pipelining_ = *faster;
-    return;
-  }
-  // The other mode's pace is unknown here: once this one's is known, try the other.
-  if (step_costs_.knowsPace(running, pipelining_) && steps_in_mode_ >= StepCosts::kPaceSettling) {
-    pipelining_ = !pipelining_;
-    steps_in_mode_ = 0;
-  }
+  else if (step_costs_.knowsPace(running, pipelining_))
+    pipelining_ = !pipelining_;  // the other's pace is unknown here: measure it
 }
 
 void Scheduler::drainSteps() {

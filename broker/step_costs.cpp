@@ -47,27 +47,27 @@ const StepCosts::Cost* StepCosts::near(uint32_t rows) const {
 }
 
 void StepCosts::recordPace(uint32_t running, bool halves, double ms_per_row) {
+  ++pace_records_;
   if (running == 0) return;
   std::vector<Pace>& paces = paces_[halves];
-  // Into the nearest pace still being kept within max(1, running / 8), so that a count that moves
-  // by a sequence or two between steps still settles one pace.
-  const Pace* kept = nearest(paces, running, [&](const Pace& p) {
-    return p.seen > 0 && pace_records_ - p.at < kPaceStale;
-  });
+  auto fresh = [&](const Pace& p) { return p.seen > 0 && pace_records_ - p.at <= kPaceStale; };
+  const Pace* kept = nearest(paces, running, fresh);
   if (kept == nullptr && paces.size() <= running) paces.resize(running + 1);
   Pace& p = kept != nullptr ? paces[size_t(kept - paces.data())] : paces[running];
-  if (kept == nullptr) p = Pace{};  // new, or stale: measured again from scratch
-  if (p.seen < kPaceSettling)
-    p.ms_per_row += (ms_per_row - p.ms_per_row) / double(p.seen + 1);
-  else
-    p.ms_per_row += kNewest * (std::min(ms_per_row, kClip * p.ms_per_row) - p.ms_per_row);
-  ++p.seen;
-  p.at = ++pace_records_;
+  if (kept == nullptr) p = Pace{};    // new, or stale: measured again from scratch
+  if (p.seen == kPaceWindow) return;  // complete: it stands until it is stale
+  p.window[p.seen++] = ms_per_row;
+  p.at = pace_records_;
+  if (p.seen < kPaceWindow) return;
+  double sorted[kPaceWindow];
+  std::copy(std::begin(p.window), std::end(p.window), sorted);
+  std::sort(std::begin(sorted), std::end(sorted));
+  p.ms_per_row = (sorted[kPaceWindow / 2 - 1] + sorted[kPaceWindow / 2]) / 2;
 }
 
 const StepCosts::Pace* StepCosts::nearPace(uint32_t running, bool halves) const {
   return nearest(paces_[halves], running, [&](const Pace& p) {
-    return p.seen >= kPaceSettling && pace_records_ - p.at < kPaceStale;
+    return p.seen == kPaceWindow && pace_records_ - p.at < kPaceStale;
   });
 }
 
@@ -75,11 +75,11 @@ bool StepCosts::knowsPace(uint32_t running, bool halves) const {
   return nearPace(running, halves) != nullptr;
 }
 
-std::optional<bool> StepCosts::fasterPace(uint32_t running, bool halves_now) const {
-  const Pace* now = nearPace(running, halves_now);
-  const Pace* other = nearPace(running, !halves_now);
-  if (now == nullptr || other == nullptr) return std::nullopt;
-  return other->ms_per_row < now->ms_per_row * (1.0 - kPaceMargin) ? !halves_now : halves_now;
+std::optional<bool> StepCosts::fasterPace(uint32_t running) const {
+  const Pace* whole = nearPace(running, false);
+  const Pace* halves = nearPace(running, true);
+  if (whole == nullptr || halves == nullptr) return std::nullopt;
+  return halves->ms_per_row < whole->ms_per_row;
 }
 
 std::optional<bool> StepCosts::halvesPay(uint32_t rows) const {

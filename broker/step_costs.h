@@ -40,21 +40,18 @@ class StepCosts {
   // next's (both steps sent in that mode), per row of the later step. Unlike the costs above it
   // counts what the modes do to each other: beside a CPU worker, the worker's compute and the
   // broker's sampling share the host's cores, so a half step's cost measured while the other half
-  // is sampled is not the cost the model above assumes. A pace goes to the nearest one of its mode
-  // being kept within an eighth of `running` (else a new one at `running`); its first
-  // kPaceSettling steps are averaged evenly, later ones as the costs are; a pace last recorded
-  // kPaceStale pace records ago starts over.
+  // is sampled is not the cost the model above assumes. A mode's pace at a count is the median of
+  // kPaceWindow paces in a row, recorded at counts within an eighth of the first (sequences come
+  // and go between steps); once complete it stands as it is, and kPaceStale pace records after its
+  // last it is stale, and measured again from scratch.
   void recordPace(uint32_t running, bool halves, double ms_per_row);
-  // Whether `halves` (or one at a time) has kPaceSettling paces at about `running` that are not
-  // stale.
+  // Whether `halves` (or one at a time) has a complete pace at about `running` that is not stale.
   bool knowsPace(uint32_t running, bool halves) const;
-  // Once both modes' paces are known at about `running`: true for halves, false for one at a time.
-  // The mode in use (halves_now) stays unless the other is faster by more than kPaceMargin, so
-  // that noise between two near-equal modes does not flip the choice step after step.
-  std::optional<bool> fasterPace(uint32_t running, bool halves_now) const;
-  static constexpr uint32_t kPaceSettling = 8;
+  // Once both modes' paces are known at about `running`: true for halves, false for one at a time,
+  // whichever is faster.
+  std::optional<bool> fasterPace(uint32_t running) const;
+  static constexpr uint32_t kPaceWindow = 16;
   static constexpr uint64_t kPaceStale = 512;
-  static constexpr double kPaceMargin = 0.03;
 
  private:
   struct Cost {
@@ -69,11 +66,13 @@ class StepCosts {
   uint64_t records_ = 0;
 
   struct Pace {
-    double ms_per_row = 0;
-    uint32_t seen = 0;
-    uint64_t at = 0;  // pace_records_ when last recorded
+    double window[kPaceWindow] = {};
+    uint32_t seen = 0;      // paces in the window
+    double ms_per_row = 0;  // the window's median, once it is complete
+    uint64_t at = 0;        // pace_records_ when the last was recorded
   };
-  // The known pace (see knowsPace) nearest `running`, within max(1, running / 8); nullptr if none.
+  // The complete pace (see knowsPace) nearest `running`, within max(1, running / 8); nullptr if
+  // none.
   const Pace* nearPace(uint32_t running, bool halves) const;
   std::vector<Pace> paces_[2];  // [halves] by running count
   uint64_t pace_records_ = 0;

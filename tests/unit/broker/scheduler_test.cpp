@@ -311,19 +311,20 @@ TEST_F(SchedulerTest, BesideACpuWorkerBothWaysAreTriedAndTheFasterKept) {
     control_->in_step_checks = true;  // two steps may be in flight
     control_->compute_grows_with_rows = true;
     control_->compute_wall = std::move(wall);
+    control_->blocks = 1024;  // room for all 16 to the end: none preempted, the count stays
     start(SchedulerOptions{}, /*run=*/false);
-    auto runs = submit(16, 80);
+    auto runs = submit(16, 120);
     scheduler_->start();
-    expectAllExact(runs, 80);
+    expectAllExact(runs, 120);
     const SchedulerStats s = scheduler_->stats();
     scheduler_->stop();
     return double(s.steps_overlapped) / double(s.steps);
   };
   // A step costs the same whatever its rows: two halves take twice as long a round.
-  const double flat = overlappedShare([](size_t) { return std::chrono::microseconds(2000); });
+  const double flat = overlappedShare([](size_t) { return std::chrono::microseconds(4000); });
   // A step's cost grows faster than its rows: two halves of 8 take half as long as 16 at once.
   const double steep =
-      overlappedShare([](size_t rows) { return std::chrono::microseconds(8 * rows * rows); });
+      overlappedShare([](size_t rows) { return std::chrono::microseconds(32 * rows * rows); });
   EXPECT_GT(flat, 0.0) << "halves were never tried";
   EXPECT_LT(flat, 0.25) << "halves that take twice as long a round kept going";
   EXPECT_GT(steep, 0.75) << "halves that take half as long a round were given up";

@@ -119,70 +119,64 @@ TEST(StepCostsTest, ACostSeenLongAgoNoLongerDecides) {
   EXPECT_TRUE(costs.halvesPay(64).has_value());
 }
 
-// Paces (wall ms a row between used replies) of the two modes: no choice until each has
-// kPaceSettling of them at about the running count, then the faster, with the mode in use kept
-// against one faster by no more than kPaceMargin.
-TEST(StepCostsTest, ThePaceChoiceWaitsForBothModesThenKeepsTheFaster) {
+// Paces (wall ms a row between used replies) of the two modes: no choice until each has a
+// complete window of them at about the running count, then the faster.
+TEST(StepCostsTest, ThePaceChoiceWaitsForBothModesThenTakesTheFaster) {
   StepCosts costs;
-  for (uint32_t i = 0; i + 1 < StepCosts::kPaceSettling; ++i) costs.recordPace(64, false, 0.2);
-  EXPECT_FALSE(costs.knowsPace(64, false)) << "one pace short of settled";
+  for (uint32_t i = 0; i + 1 < StepCosts::kPaceWindow; ++i) costs.recordPace(64, false, 0.2);
+  EXPECT_FALSE(costs.knowsPace(64, false)) << "one pace short of a window";
   costs.recordPace(64, false, 0.2);
   EXPECT_TRUE(costs.knowsPace(64, false));
   EXPECT_FALSE(costs.knowsPace(64, true));
-  EXPECT_FALSE(costs.fasterPace(64, false).has_value()) << "halves never ran";
-  for (uint32_t i = 0; i < StepCosts::kPaceSettling; ++i) costs.recordPace(64, true, 0.15);
-  ASSERT_TRUE(costs.fasterPace(64, false).has_value());
-  EXPECT_TRUE(*costs.fasterPace(64, false)) << "0.15 ms a row in halves against 0.2 at once";
-  EXPECT_TRUE(*costs.fasterPace(64, true));
-  EXPECT_FALSE(costs.fasterPace(16, true).has_value()) << "no pace near 16 sequences";
-
-  StepCosts close;
-  for (uint32_t i = 0; i < StepCosts::kPaceSettling; ++i) {
-    close.recordPace(32, false, 0.200);
-    close.recordPace(32, true, 0.196);
-  }
-  EXPECT_FALSE(*close.fasterPace(32, false)) << "2% faster: one at a time stays";
-  EXPECT_TRUE(*close.fasterPace(32, true)) << "2% slower: halves stay";
+  EXPECT_FALSE(costs.fasterPace(64).has_value()) << "halves never ran";
+  for (uint32_t i = 0; i < StepCosts::kPaceWindow; ++i) costs.recordPace(64, true, 0.15);
+  ASSERT_TRUE(costs.fasterPace(64).has_value());
+  EXPECT_TRUE(*costs.fasterPace(64)) << "0.15 ms a row in halves against 0.2 at once";
+  EXPECT_FALSE(costs.fasterPace(16).has_value()) << "no pace near 16 sequences";
+  // A complete pace stands as it is: later paces of that mode change nothing until it is stale.
+  for (uint32_t i = 0; i < 100; ++i) costs.recordPace(64, true, 0.5);
+  EXPECT_TRUE(*costs.fasterPace(64));
 }
 
-// Sequences come and go between steps: paces at counts within an eighth of the first settle one
-// pace, averaged evenly while it settles.
-TEST(StepCostsTest, PacesAtNearbyCountsSettleOnePace) {
+// A pace is the median of its window, so a few stalled steps do not decide; paces at counts
+// within an eighth of the window's first go into the same window (sequences come and go).
+TEST(StepCostsTest, APaceIsItsWindowsMedianOverNearbyCounts) {
   StepCosts costs;
   const uint32_t counts[] = {64, 62, 63, 66, 60, 64, 61, 65};
-  static_assert(std::size(counts) == StepCosts::kPaceSettling);
-  double ms = 0.10;
-  for (uint32_t n : counts) {
-    costs.recordPace(n, false, ms);
-    ms += 0.02;  // 0.10 ... 0.24: an even average of 0.17
+  for (uint32_t i = 0; i < StepCosts::kPaceWindow; ++i) {
+    // One at a time: 0.20 a row, but three steps stalled at 2 ms a row.
+    costs.recordPace(counts[i % 8], false, i % 5 == 0 ? 2.0 : 0.20);
+    costs.recordPace(counts[(i + 3) % 8], true, 0.22);
   }
-  EXPECT_TRUE(costs.knowsPace(64, false));
-  for (uint32_t i = 0; i < StepCosts::kPaceSettling; ++i) costs.recordPace(64, true, 0.168);
-  EXPECT_FALSE(*costs.fasterPace(64, false)) << "0.168 is within the margin of 0.17";
-  StepCosts faster;
-  ms = 0.10;
-  for (uint32_t n : counts) {
-    faster.recordPace(n, false, ms);
-    ms += 0.02;
-  }
-  for (uint32_t i = 0; i < StepCosts::kPaceSettling; ++i) faster.recordPace(64, true, 0.16);
-  EXPECT_TRUE(*faster.fasterPace(64, false)) << "0.16 is faster than 0.17 by more than the margin";
+  ASSERT_TRUE(costs.fasterPace(64).has_value());
+  EXPECT_FALSE(*costs.fasterPace(64)) << "0.20 a row at once (its median) against 0.22 in halves";
+  EXPECT_FALSE(costs.knowsPace(56, false)) << "64 is further than an eighth of 56 away";
 }
 
-// A mode not run for kPaceStale pace records no longer decides, and is measured again from
-// scratch rather than blended with what it cost long ago.
+// A complete pace decides for kPaceStale pace records after its last; then that mode is measured
+// again from scratch (and then the other, whose pace went stale meanwhile), so a host that
+// changed is followed.
 TEST(StepCostsTest, APaceSeenLongAgoIsMeasuredAgainFromScratch) {
   StepCosts costs;
-  for (uint32_t i = 0; i < StepCosts::kPaceSettling; ++i) costs.recordPace(64, false, 0.30);
-  for (uint64_t i = 0; i + 1 < StepCosts::kPaceStale; ++i) costs.recordPace(64, true, 0.20);
-  EXPECT_TRUE(costs.fasterPace(64, true).has_value()) << "one at a time seen kPaceStale - 1 ago";
+  const uint32_t w = StepCosts::kPaceWindow;
+  for (uint32_t i = 0; i < w; ++i) costs.recordPace(64, false, 0.30);
+  for (uint32_t i = 0; i < w; ++i) costs.recordPace(64, true, 0.20);
+  ASSERT_TRUE(costs.fasterPace(64).has_value());
+  EXPECT_TRUE(*costs.fasterPace(64));
+  // Halves kept: their later paces change nothing, but count.
+  for (uint64_t i = 0; i + w + 1 < StepCosts::kPaceStale; ++i) costs.recordPace(64, true, 0.20);
+  EXPECT_TRUE(costs.knowsPace(64, false)) << "one at a time last seen kPaceStale - 1 ago";
   costs.recordPace(64, true, 0.20);
-  EXPECT_FALSE(costs.fasterPace(64, true).has_value()) << "one at a time seen kPaceStale ago";
-  EXPECT_FALSE(costs.knowsPace(64, false));
-  // The host changed meanwhile: one at a time now takes 0.1 ms a row.
-  for (uint32_t i = 0; i < StepCosts::kPaceSettling; ++i) costs.recordPace(64, false, 0.10);
-  ASSERT_TRUE(costs.fasterPace(64, true).has_value());
-  EXPECT_FALSE(*costs.fasterPace(64, true)) << "0.10 a row now, not a blend with the old 0.30";
+  EXPECT_FALSE(costs.knowsPace(64, false)) << "one at a time last seen kPaceStale ago";
+  EXPECT_FALSE(costs.fasterPace(64).has_value());
+  EXPECT_TRUE(costs.knowsPace(64, true));
+  // The host changed meanwhile: one at a time now takes 0.1 ms a row, halves 0.15.
+  for (uint32_t i = 0; i < w; ++i) costs.recordPace(64, false, 0.10);
+  EXPECT_TRUE(costs.knowsPace(64, false)) << "nothing of the old 0.30 in it";
+  EXPECT_FALSE(costs.knowsPace(64, true)) << "halves went stale as one at a time was measured";
+  for (uint32_t i = 0; i < w; ++i) costs.recordPace(64, true, 0.15);
+  ASSERT_TRUE(costs.fasterPace(64).has_value());
+  EXPECT_FALSE(*costs.fasterPace(64)) << "0.10 a row at once against 0.15 in halves";
 }
 
 }  // namespace
