@@ -62,7 +62,6 @@ class FakeWorkerControl {
   bool compute_grows_with_rows = false;
   std::function<std::chrono::microseconds(size_t rows)> compute_wall;
   // StepDone vouches for steps up to (this step - lag); 0: every step at once.
-
   uint64_t scrub_lag = 0;
   // The worker says it checks every step's weight reads: its tokens need no scrubber's word, and
   // the broker may send it two steps at once.
