@@ -47,11 +47,13 @@ const StepCosts::Cost* StepCosts::near(uint32_t rows) const {
 }
 
 void StepCosts::recordPace(uint32_t running, bool halves, double ms_per_row) {
+  std::vector<Pace>& paces = paces_[halves];
+  // Stale as nearPace has it, before this record counts.
+  const Pace* kept = nearest(paces, running, [&](const Pace& p) {
+    return p.seen > 0 && pace_records_ - p.at < kPaceStale;
+  });
   ++pace_records_;
   if (running == 0) return;
-  std::vector<Pace>& paces = paces_[halves];
-  auto fresh = [&](const Pace& p) { return p.seen > 0 && pace_records_ - p.at <= kPaceStale; };
-  const Pace* kept = nearest(paces, running, fresh);
   if (kept == nullptr && paces.size() <= running) paces.resize(running + 1);
   Pace& p = kept != nullptr ? paces[size_t(kept - paces.data())] : paces[running];
   if (kept == nullptr) p = Pace{};    // new, or stale: measured again from scratch

@@ -31,12 +31,12 @@ constexpr Mode kModes[] = {
     {"greedy+logprobs", false, 0.0f, 1.0f, true},  {"T=0.8", false, 0.8f, 1.0f, false},
     {"T=0.8,top_p=0.9", false, 0.8f, 0.9f, false}, {"top_p+logprobs", false, 0.8f, 0.9f, true}};
 
-// One table: every row count and mode on a pool of `threads` threads (0: every core).
 // Whether the passes run 16 lanes wide: asked for, and the processor has them.
 bool wideLanes(const SampleBenchOptions& o) {
   return o.lanes == 16 && RowSampler::sixteenLanes();
 }
 
+// One table: every row count and mode on a pool of `threads` threads (0: every core).
 Status benchPool(const SampleBenchOptions& o, unsigned threads, const std::vector<float>& block,
                  const std::vector<uint64_t>& checksums, nlohmann::json& results) {
   WorkPool pool(threads);

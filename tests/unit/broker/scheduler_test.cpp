@@ -64,6 +64,17 @@ class SchedulerTest : public ::testing::Test {
       EXPECT_EQ(r.sink->tokens(), expectedGreedy(r.prompt, tokens, control_->vocab));
     }
   }
+  // Runs `n` requests of `tokens` tokens (all submitted before the first step), each checked
+  // exactly; returns the share of steps sent while another was in flight.
+  double overlappedShareOf(const SchedulerOptions& o, int n, uint32_t tokens) {
+    start(o, /*run=*/false);
+    auto runs = submit(n, tokens);
+    scheduler_->start();
+    expectAllExact(runs, tokens);
+    const SchedulerStats s = scheduler_->stats();
+    scheduler_->stop();
+    return double(s.steps_overlapped) / double(s.steps);
+  }
   // Sequences a later incarnation recomputed from position 0 although an earlier one had them.
   size_t replayedOnNewIncarnation() const {
     std::map<uint64_t, uint64_t> first_incarnation;
@@ -245,13 +256,7 @@ TEST_F(SchedulerTest, TwoHalfStepsGoInFlightOnlyWhereTheyCostLess) {
     SchedulerOptions o;
     // Far below any sampling time: the heuristic tries halves at once, so both sizes are seen.
     o.pipeline_sample_share = 1e-9;
-    start(o, /*run=*/false);
-    auto runs = submit(16, 40);
-    scheduler_->start();
-    expectAllExact(runs, 40);
-    const SchedulerStats s = scheduler_->stats();
-    scheduler_->stop();
-    return double(s.steps_overlapped) / double(s.steps);
+    return overlappedShareOf(o, 16, 40);
   };
   // The fake worker reports these compute times without spending them; they are large beside
   // the trips and sampling the broker measures, which a busy host stretches.
@@ -312,13 +317,7 @@ TEST_F(SchedulerTest, BesideACpuWorkerBothWaysAreTriedAndTheFasterKept) {
     control_->compute_grows_with_rows = true;
     control_->compute_wall = std::move(wall);
     control_->blocks = 1024;  // room for all 16 to the end: none preempted, the count stays
-    start(SchedulerOptions{}, /*run=*/false);
-    auto runs = submit(16, 120);
-    scheduler_->start();
-    expectAllExact(runs, 120);
-    const SchedulerStats s = scheduler_->stats();
-    scheduler_->stop();
-    return double(s.steps_overlapped) / double(s.steps);
+    return overlappedShareOf(SchedulerOptions{}, 16, 120);
   };
   // A step costs the same whatever its rows: two halves take twice as long a round.
   const double flat = overlappedShare([](size_t) { return std::chrono::microseconds(4000); });
