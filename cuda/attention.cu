@@ -132,24 +132,6 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
                                                  size_t at, uint32_t fresh) {
   constexpr int kParts = kThreads / HD;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
-  // Head sizes up to 64 load a chunk's key and value rows into registers while the chunk before
-  // is worked on (its softmax and weighted sum); larger ones, whose rows the registers would not
-  // hold beside the rest, load each chunk when they reach it.
-  constexpr bool kAhead = HD <= 64;
-  constexpr int kAheadPieces = kAhead ? HD / 8 : 1;
-  uint4 key_ahead[kAheadPieces], value_ahead[kAheadPieces];
-  auto loadAhead = [&](size_t row_at, uint32_t chunk_begin) {
-    // Not the row's own position with rope_in: another block of this launch writes it.
-    const uint32_t p = chunk_begin + uint32_t(t);
-    if (p >= end || (kRope && p == fresh)) return;
-    const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + row_at),
-                *v = reinterpret_cast<const uint4*>(a.v_cache + row_at);
-#pragma unroll
-    for (int i = 0; i < kAheadPieces; ++i) key_ahead[i] = k[i];
-#pragma unroll
-    for (int i = 0; i < kAheadPieces; ++i) value_ahead[i] = v[i];
-  };
-  if constexpr (kAhead) loadAhead(at, begin);
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
   for (uint32_t chunk = begin; chunk < end; chunk += kChunk) {
     const uint32_t count = min(uint32_t(kChunk), end - chunk);
@@ -166,18 +148,11 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
           pieces[i] = sh.fresh_k[i];
           sh.values[t][i ^ (t % (HD / 8))] = sh.fresh_v[i];
         }
-      } else if constexpr (kAhead) {
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-          pieces[i] = key_ahead[i];
-          sh.values[t][i ^ (t % (HD / 8))] = value_ahead[i];
-        }
       } else {
         loadKeyStageValue(a, at, sh, pieces);
       }
       score = scoreOf<HD>(sh.q[0], pieces, a.scale);
     }
-    if constexpr (kAhead) loadAhead(next_at, chunk + kChunk);
     const float wmax = warpMax(score);
     if (t % 32 == 0) sh.warp_values[0][t / 32] = wmax;
     __syncthreads();

@@ -23,27 +23,6 @@ __device__ void account(float v, uint32_t index, unsigned long long& sum, unsign
   produced[1] += double(v) * double(v);
 }
 
-// The last block of grid row r to finish (a.count): the step's rows r, r + rows, ... counted, and
-// the fold totals from grid row 0's.
-__device__ void countAfterRow(const LogitsArgs& a, int r) {
-  __shared__ bool last;
-  __threadfence();  // this block's adds, before its ticket
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(a.tickets + r, 1u) == gridDim.x - 1;
-    if (last) a.tickets[r] = 0;  // zero for the next launch
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other blocks' adds, before the reads
-  const CheckCount& c = a.count;
-  for (int row = r; row < c.rows; row += int(gridDim.y))
-    for (int role = int(threadIdx.x); role < c.roles; role += kThreads)
-      countProductCheck(c, row * c.roles + role);
-  if (r == 0)
-    for (int i = int(threadIdx.x); i < c.fold_count; i += kThreads) totalFold(c, i);
-}
-
 __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
   __shared__ double scratch[2 * kWarps];
   __shared__ unsigned long long sum_scratch[kWarps];
@@ -86,7 +65,6 @@ __global__ void __launch_bounds__(kThreads) logitsKernel(LogitsArgs a) {
       atomicAdd(&p.produced_sq, produced[1]);
     }
   }
-  if (a.count.products != nullptr) countAfterRow(a, r);
 }
 
 }  // namespace
@@ -95,8 +73,6 @@ Status launchLogits(const LogitsArgs& a, cudaStream_t stream) {
   if (a.rows < 0 || a.vocab <= 0)
     return invalidArgument("logits of " + std::to_string(a.rows) + " rows of " +
                            std::to_string(a.vocab));
-  if (a.count.products != nullptr && (a.tickets == nullptr || a.check_row != 0))
-    return invalidArgument("logits that count the step's checks need tickets and every row");
   if (a.rows == 0) return okStatus();
   const unsigned blocks = unsigned((a.vocab + kPerBlock - 1) / kPerBlock);
   BULKHEAD_CUDA_RETURN_IF_ERROR(

@@ -27,12 +27,6 @@ struct LogitsArgs {
   // The product already stored the rows to dst (GemmResidual::rows_to): only their checksums,
   // finite flags and produced sums, from `logits` (the same values).
   bool rows_written = false;
-  // The step's check count (CheckCount), done here rather than by a launch of its own after this
-  // one: the last block of grid row r to finish counts the step's rows r, r + rows, ... (row r's
-  // lm_head sums are then complete, and the step's other rows have none). For a launch of every
-  // logits row (check_row 0); `tickets` holds `rows` zeroed counters, left zero.
-  CheckCount count;
-  unsigned int* tickets = nullptr;
 };
 
 // Device memory (dst may be mapped host memory), asynchronous on `stream`.

@@ -256,50 +256,13 @@ struct FoldTotal {
   unsigned long long words;
 };
 
-// The end of a step's checks: its `rows` x roles product checks counted into `counts` and zeroed
-// for the next step, and each of the `fold_count` accounts' slots added up into fold_totals (so
-// that the host reads 16 bytes a weight, not the slots).
-struct CheckCount {
-  ProductCheck* products = nullptr;  // null: nothing to count
-  int rows = 0, roles = 0;
-  const ProductScale* scales = nullptr;
-  ProductCounts counts;
-  const FoldAccount* folds = nullptr;
-  int fold_count = 0;
-  FoldTotal* fold_totals = nullptr;
-};
-
-#ifdef __CUDACC__
-
-// Counts product check i (row i / roles) and zeroes it. Read through the L2 cache: the launch that
-// counts may have added to it from other blocks.
-__device__ inline void countProductCheck(const CheckCount& c, int i) {
-  double2* at = reinterpret_cast<double2*>(c.products + i);
-  const double2 a = __ldcg(at), b = __ldcg(at + 1);
-  const ProductCheck p{a.x, a.y, b.x, b.y};
-  c.products[i] = ProductCheck{};                                        // zero for the next step
-  if (p.bound == 0.0 && p.expected == 0.0 && p.produced == 0.0) return;  // not computed
-  const int role = i % c.roles;
-  atomicAdd(c.counts.checked + role, 1u);
-  // The bound covers rounding; a tiny absolute term covers products of subnormal size.
-  const double off = fabs(p.produced - p.expected);
-  if (!(off <= p.bound + 1e-30)) {
-    atomicAdd(c.counts.failed + role, 1u);
-    return;
-  }
-  const ProductScale s = c.scales[role];
-  const double usual = s.spread * (sqrt(p.produced_sq) + fabs(p.produced)) + s.colsum * p.bound;
-  if (off > usual + 1e-30) atomicAdd(c.counts.strayed + role, 1u);
-}
-
-// Adds up fold account i's slots into fold_totals[i].
-__device__ inline void totalFold(const CheckCount& c, int i) {
-  c.fold_totals[i] = {c.folds[i].sum(), c.folds[i].words()};
-}
-
-#endif
-
-Status launchCountFailedProducts(const CheckCount& count, cudaStream_t stream);
+// After a step: counts the `rows` x roles product checks into `counts`, and zeroes them for the
+// next step; and adds up each of the `fold_count` accounts' slots into fold_totals (so that the
+// host reads 16 bytes a weight, not the slots).
+Status launchCountFailedProducts(ProductCheck* products, int rows, int roles,
+                                 const ProductScale* scales, ProductCounts counts,
+                                 const FoldAccount* folds, int fold_count, FoldTotal* fold_totals,
+                                 cudaStream_t stream);
 
 // Fault injection (a faulty multiplier): flips the highest exponent bit of y[index].
 Status launchFlipExponentBit(float* y, size_t index, cudaStream_t stream);

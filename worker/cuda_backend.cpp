@@ -144,8 +144,6 @@ struct CudaState {
   // Attention's splits side by side (cuda/attention.cuh): partials and counts.
   DeviceMemory split_partials, split_counts;
   int max_splits = 0;
-  // The logits kernel's counters when it counts the step's checks (kLogitsChunk, zero).
-  DeviceMemory count_tickets;
   // Scrubbing: ranges and their sums, on the scrub stream.
   // Pinned, so that a granule's copies are plain DMA: a pageable copy stages through the driver
   // and waits on the host for the whole copy.
@@ -724,12 +722,9 @@ Status CudaBackend::allocateStep(const Options& options) {
       d.split_partials,
       DeviceMemory::allocate(split_rows * size_t(d.max_splits) * size_t(c.head_dim + 2) * 4));
   BULKHEAD_ASSIGN_OR_RETURN(d.split_counts, DeviceMemory::allocate(split_rows * 4));
-  BULKHEAD_ASSIGN_OR_RETURN(d.count_tickets, DeviceMemory::allocate(kLogitsChunk * 4));
   // Zero before any step, on the step stream (which does not wait for the legacy one).
   BULKHEAD_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(d.split_counts.get(), 0, split_rows * 4, d.stream.get()));
-  BULKHEAD_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(d.count_tickets.get(), 0, kLogitsChunk * 4, d.stream.get()));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(d.stream.get()));
 
   // Inputs, with room for 4 block ids a token row at first (grown when a step needs more).
@@ -1289,22 +1284,6 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
   BULKHEAD_RETURN_IF_ERROR(cuda::launchRmsNorm(normBefore(layers_.size(), n), stream));
   BULKHEAD_RETURN_IF_ERROR(mark("norm (final)"));
 
-  cuda::CheckCount count;
-  if (checks) {
-    count.products = d.view.products;
-    count.rows = n;
-    count.roles = product_roles_;
-    count.scales = d.product_scales.get<cuda::ProductScale>();
-    count.counts = {d.result<unsigned int>(d.res.failed), d.result<unsigned int>(d.res.strayed),
-                    d.result<unsigned int>(d.res.checked)};
-    count.folds = d.view.folds;
-    count.fold_count = int(folds_.size());
-    count.fold_totals = d.result<cuda::FoldTotal>(d.res.folds);
-  }
-  // The logits kernel counts the checks where one launch has every logits row and its last
-  // blocks have few rows each to count (decode steps); otherwise a launch of its own does.
-  const bool count_in_logits = checks && m > 0 && m <= kLogitsChunk && n <= 2 * m;
-
   const int vocab = c.vocab_size;
   auto* const* dst = d.input<float*>(d.in.dst);
   auto* const* dst_host = d.inputHost<float*>(d.in.dst);
@@ -1328,10 +1307,6 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
     la.check_row = first;
     la.checks = d.view;
     la.rows_written = in_product;
-    if (count_in_logits) {
-      la.count = count;
-      la.tickets = d.count_tickets.get<unsigned int>();
-    }
     BULKHEAD_RETURN_IF_ERROR(cuda::launchLogits(la, stream));
     BULKHEAD_RETURN_IF_ERROR(mark("logits rows out"));
     // Rows not in the registered arena went to the fallback buffer: copy them out in order.
@@ -1344,10 +1319,13 @@ Status CudaBackend::launchOutput(int n, int m, bool aligned) {
     }
   }
   BULKHEAD_RETURN_IF_ERROR(releaseStaged(lm_head_));
-  if (checks && !count_in_logits) {
-    BULKHEAD_RETURN_IF_ERROR(cuda::launchCountFailedProducts(count, stream));
-    BULKHEAD_RETURN_IF_ERROR(mark("count product checks"));
-  }
+  if (checks)
+    BULKHEAD_RETURN_IF_ERROR(cuda::launchCountFailedProducts(
+        d.view.products, n, product_roles_, d.product_scales.get<cuda::ProductScale>(),
+        {d.result<unsigned int>(d.res.failed), d.result<unsigned int>(d.res.strayed),
+         d.result<unsigned int>(d.res.checked)},
+        d.view.folds, int(folds_.size()), d.result<cuda::FoldTotal>(d.res.folds), stream));
+  BULKHEAD_RETURN_IF_ERROR(mark("count product checks"));
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.results_host.get(), d.results.get(),
                                                 d.res.fold_slots, cudaMemcpyDeviceToHost, stream));
   return mark("results read-back");
