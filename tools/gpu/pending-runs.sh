@@ -127,7 +127,7 @@ export LD_LIBRARY_PATH=$bundle/lib BULKHEAD_FIXTURES_DIR=$bundle/fixtures
 # Other builds for the ab groups, packed by bundle.sh (BUNDLE_AB).
 [ -f "$bundle/variants.tar.xz" ] && tar xJf "$bundle/variants.tar.xz" -C "$bundle"
 # BULKHEAD_BIN: another build's bulkhead beside the bundle's (the same libraries), to compare two
-# builds on one card in one session: BULKHEAD_BIN=BUNDLE/bulkhead-main pending-runs.sh ...
+# builds on one card in one call: BULKHEAD_BIN=BUNDLE/bulkhead-main pending-runs.sh ...
 bh=${BULKHEAD_BIN:-$bundle/bulkhead}
 model() {  # model SHAPE: made once per host
   local m=/tmp/bulkhead-$1
