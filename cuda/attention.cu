@@ -124,19 +124,21 @@ __device__ __forceinline__ float scoreOf(const float (&q)[HD], const uint4 (&pie
 }
 
 // The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
-// begin. Every thread of the block calls it, with chunkRow(rows, begin, end) (looked up early by
-// the caller); the result's total is valid in the threads of part 0.
+// begin. Every thread of the block calls it, with `at` = chunkRow(rows, begin, end) (looked up
+// early by the caller); `at` is left as chunkRow(rows, end, ahead), the first chunk of the split
+// that follows when ahead reaches past end (its table entries load during this split's last
+// chunk, not after it). The result's total is valid in the threads of part 0.
 template <int HD, bool kRope>
 __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const CacheRows& rows,
                                                  Shared<HD, 1>& sh, uint32_t begin, uint32_t end,
-                                                 size_t at, uint32_t fresh) {
+                                                 uint32_t ahead, size_t& at, uint32_t fresh) {
   constexpr int kParts = kThreads / HD;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
   float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
   for (uint32_t chunk = begin; chunk < end; chunk += kChunk) {
     const uint32_t count = min(uint32_t(kChunk), end - chunk);
     // The next chunk's block table entries load while this chunk is worked on.
-    const size_t next_at = chunkRow(rows, chunk + kChunk, end);
+    const size_t next_at = chunkRow(rows, chunk + kChunk, ahead);
     float score = -INFINITY;
     if (uint32_t(t) < count) {
       uint4 pieces[HD / 8];
@@ -193,13 +195,13 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
 // end[j]) for row j (nothing where end[j] <= begin): each chunk's keys and values load once for
 // all of them. Each row's operations and their order are attendRow's for that row alone (the
 // same expressions; a chunk past a row's end is skipped for it), so the same bits. Every thread
-// of the block calls it, with chunkRow(rows, begin, the largest end); the totals are valid in
-// the threads of part 0.
+// of the block calls it, with `at` = chunkRow(rows, begin, the largest end), which it leaves
+// looked up `ahead` as attendRow does; the totals are valid in the threads of part 0.
 template <int HD, int kRows>
 __device__ __forceinline__ void attendTile(const AttentionArgs& a, const CacheRows& rows,
                                            Shared<HD, kRows>& sh, uint32_t begin,
-                                           const uint32_t (&end)[kRows], size_t at,
-                                           SplitResult (&out)[kRows]) {
+                                           const uint32_t (&end)[kRows], uint32_t ahead,
+                                           size_t& at, SplitResult (&out)[kRows]) {
   constexpr int kParts = kThreads / HD;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
   uint32_t last_end = end[0];
@@ -219,7 +221,7 @@ __device__ __forceinline__ void attendTile(const AttentionArgs& a, const CacheRo
       count[j] = end[j] > chunk ? min(uint32_t(kChunk), end[j] - chunk) : 0;
     const uint32_t loaded = min(uint32_t(kChunk), last_end - chunk);
     // The next chunk's block table entries load while this chunk is worked on.
-    const size_t next_at = chunkRow(rows, chunk + kChunk, last_end);
+    const size_t next_at = chunkRow(rows, chunk + kChunk, ahead);
     float score[kRows];
 #pragma unroll
     for (int j = 0; j < kRows; ++j) score[j] = -INFINITY;
@@ -495,17 +497,20 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
     sh.q[0][t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
   __syncthreads();
   const uint32_t fresh_position = len - 1;
-  auto range = [&](uint32_t s) {
-    const uint32_t begin = s * kAttentionSplit;
-    return attendRow<HD, kRope>(
-        a, rows, sh, begin, splitEnd(s),
-        s == uint32_t(first) ? first_at : chunkRow(rows, begin, splitEnd(s)), fresh_position);
-  };
   if (!kParallel || splits == 1) {
-    SplitResult folded = range(0);
-    for (uint32_t s = 1; s < splits; ++s) foldSplit(folded, range(s));
+    // The splits in turn: each one's last chunk looks up the next one's first.
+    size_t at = first_at;
+    SplitResult folded = attendRow<HD, kRope>(a, rows, sh, 0, splitEnd(0), len, at, fresh_position);
+    for (uint32_t s = 1; s < splits; ++s)
+      foldSplit(folded, attendRow<HD, kRope>(a, rows, sh, s * kAttentionSplit, splitEnd(s), len,
+                                             at, fresh_position));
     return finish<HD>(a, r, folded);
   }
+  auto range = [&](uint32_t s) {
+    const uint32_t begin = s * kAttentionSplit;
+    size_t at = s == uint32_t(first) ? first_at : chunkRow(rows, begin, splitEnd(s));
+    return attendRow<HD, kRope>(a, rows, sh, begin, splitEnd(s), splitEnd(s), at, fresh_position);
+  };
   // Side by side: each split's result to the partials; the block that completes the row's last
   // split folds them all, in split order.
   float* partials = a.split_partials + (size_t(r) * a.heads + h) * a.max_splits * (HD + 2);
@@ -550,12 +555,13 @@ __global__ void __launch_bounds__(kThreads) attentionTileKernel(AttentionArgs a)
   const uint32_t tile = a.tiles[blockIdx.y];
   const int first_row = int(tile & 0xffffffu), rows_here = int(tile >> 24);
   uint32_t len[kRows];
-  uint32_t splits = 0;  // the tile's most (its last row's)
+  uint32_t longest = 0;  // the tile's (its last row's)
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
     len[j] = j < rows_here ? a.positions[first_row + j] + 1 : 0;
-    splits = max(splits, (len[j] + kAttentionSplit - 1) / kAttentionSplit);
+    longest = max(longest, len[j]);
   }
+  const uint32_t splits = (longest + kAttentionSplit - 1) / kAttentionSplit;
   const CacheRows rows{a.block_tables + a.row_table[first_row], size_t(kvh) * a.block_size * HD,
                        size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
   auto splitEnds = [&](uint32_t s, uint32_t(&end)[kRows]) {
@@ -570,7 +576,7 @@ __global__ void __launch_bounds__(kThreads) attentionTileKernel(AttentionArgs a)
     return last;
   };
   uint32_t end[kRows];
-  const size_t first_at = chunkRow(rows, 0, splitEnds(0, end));
+  size_t at = chunkRow(rows, 0, splitEnds(0, end));  // then each split's last chunk looks ahead
   awaitKernelBefore();
   for (int e = t; e < kRows * HD; e += kThreads) {
     const int j = e / HD;
@@ -580,9 +586,8 @@ __global__ void __launch_bounds__(kThreads) attentionTileKernel(AttentionArgs a)
   __syncthreads();
   SplitResult folded[kRows], result[kRows];
   for (uint32_t s = 0; s < splits; ++s) {
-    const uint32_t last = splitEnds(s, end);
-    attendTile<HD, kRows>(a, rows, sh, s * kAttentionSplit, end,
-                          s == 0 ? first_at : chunkRow(rows, s * kAttentionSplit, last), result);
+    splitEnds(s, end);
+    attendTile<HD, kRows>(a, rows, sh, s * kAttentionSplit, end, longest, at, result);
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
       if (s == 0)
