@@ -78,7 +78,8 @@
 #   timeline-checks the timeline of steps of 1 and 32 rows on both shapes, with bench-engine's
 #           comparison runs (checks off, cuBLAS products) as graphs of their own: what each
 #           kernel's checks cost in the captured steps (a line per kernel and grid, with its
-#           effective time; a checked product's grid has its check blocks past the unchecked one's)
+#           effective time; a checked product's grid has its check blocks past the unchecked one's;
+#           TIMELINE_SHAPES: fewer shapes)
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) and any
 #           BUNDLE/bulkhead-ab-* (more builds) against this bundle's bulkhead, twice each, in turn
 #   ab-checks the same with the checks' and cuBLAS columns
@@ -537,7 +538,7 @@ for group in "$@"; do
       # products): each run's graph apart, so a kernel's time with and without its checks side
       # by side.
       lib=$(timelineLib)
-      for shape in qwen2.5-0.5b qwen2.5-7b; do
+      for shape in ${TIMELINE_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do  # fewer, to fit a call
         m=$(model $shape)
         run "bench-engine-$shape-timeline-checks" 150 env \
           BULKHEAD_TIMELINE="$out/timeline-$shape-checks.csv" LD_PRELOAD="$lib" "$bh" bench-engine \
