@@ -79,7 +79,7 @@
 #           comparison runs (checks off, cuBLAS products) as graphs of their own: what each
 #           kernel's checks cost in the captured steps (a line per kernel and grid, with its
 #           effective time; a checked product's grid has its check blocks past the unchecked one's;
-#           TIMELINE_SHAPES: fewer shapes)
+#           TIMELINE_SHAPES: fewer shapes; TIMELINE_BATCHES: other batch sizes)
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) and any
 #           BUNDLE/bulkhead-ab-* (more builds) against this bundle's bulkhead, twice each, in turn
 #   ab-checks the same with the checks' and cuBLAS columns
@@ -542,7 +542,7 @@ for group in "$@"; do
         m=$(model $shape)
         run "bench-engine-$shape-timeline-checks" 150 env \
           BULKHEAD_TIMELINE="$out/timeline-$shape-checks.csv" LD_PRELOAD="$lib" "$bh" bench-engine \
-          --model "$m" --backend cuda --batch 1,32 --steps 32
+          --model "$m" --backend cuda --batch "${TIMELINE_BATCHES:-1,32}" --steps 32
         run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py \
           "$out/timeline-$shape-checks.csv" --by-grid
       done
