@@ -1,6 +1,6 @@
 // Paged attention: one block of 128 threads per (row, head), compiled per head size, or with
 // parallel splits (few rows, long contexts) several blocks per (row, head), each taking splits
-// z, z + kAttentionSplitBlocks, ... In each chunk of 128 positions, thread t scores position chunk
+// z, z + split_blocks, ... In each chunk of 128 positions, thread t scores position chunk
 // + t; the chunk's maximum and sum go through fixed trees; then thread (part, d) accumulates
 // dimension d over positions part, part + parts, ... in order (from the chunk's value rows, which
 // thread t staged in shared memory with its key row). A split's parts are added in part order;
@@ -200,8 +200,8 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
 template <int HD, int kRows>
 __device__ __forceinline__ void attendTile(const AttentionArgs& a, const CacheRows& rows,
                                            Shared<HD, kRows>& sh, uint32_t begin,
-                                           const uint32_t (&end)[kRows], uint32_t ahead,
-                                           size_t& at, SplitResult (&out)[kRows]) {
+                                           const uint32_t (&end)[kRows], uint32_t ahead, size_t& at,
+                                           SplitResult (&out)[kRows]) {
   constexpr int kParts = kThreads / HD;
   const int t = threadIdx.x, part = t / HD, d = t % HD;
   uint32_t last_end = end[0];
@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   // entries, before the wait for the kernel before (which writes the queries and the cache).
   const uint32_t len = a.positions[r] + 1;
   const uint32_t splits = (len + kAttentionSplit - 1) / kAttentionSplit;
-  const int first = kParallel ? int(blockIdx.z) : 0, step = kParallel ? kAttentionSplitBlocks : 1;
+  const int first = kParallel ? int(blockIdx.z) : 0, step = kParallel ? int(gridDim.z) : 1;
   const CacheRows rows{a.block_tables + a.row_table[r], size_t(kvh) * a.block_size * HD,
                        size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
   auto splitEnd = [&](uint32_t s) { return min(len, (s + 1) * uint32_t(kAttentionSplit)); };
@@ -502,8 +502,8 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
     size_t at = first_at;
     SplitResult folded = attendRow<HD, kRope>(a, rows, sh, 0, splitEnd(0), len, at, fresh_position);
     for (uint32_t s = 1; s < splits; ++s)
-      foldSplit(folded, attendRow<HD, kRope>(a, rows, sh, s * kAttentionSplit, splitEnd(s), len,
-                                             at, fresh_position));
+      foldSplit(folded, attendRow<HD, kRope>(a, rows, sh, s * kAttentionSplit, splitEnd(s), len, at,
+                                             fresh_position));
     return finish<HD>(a, r, folded);
   }
   auto range = [&](uint32_t s) {
@@ -605,7 +605,7 @@ template <int HD, bool kRope>
 cudaError_t launchVariant(const AttentionArgs& a, cudaStream_t stream) {
   if (a.parallel_splits)
     return launchKernel(attentionKernel<HD, true, kRope>,
-                        dim3(unsigned(a.heads), unsigned(a.rows), unsigned(kAttentionSplitBlocks)),
+                        dim3(unsigned(a.heads), unsigned(a.rows), unsigned(a.split_blocks)),
                         kThreads, stream, a);
   return launchKernel(attentionKernel<HD, false, kRope>, dim3(unsigned(a.heads), unsigned(a.rows)),
                       kThreads, stream, a);
@@ -648,10 +648,13 @@ Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
         "splits nor the q/k/v kernel's work");
   if (a.rows == 0) return okStatus();
   if (a.parallel_splits && (a.rows > kAttentionParallelRows || a.split_partials == nullptr ||
-                            a.split_counts == nullptr || a.max_splits <= 0))
+                            a.split_counts == nullptr || a.max_splits <= 0 || a.split_blocks < 2 ||
+                            a.split_blocks > kAttentionSplitBlocks))
     return invalidArgument("attention with parallel splits over " + std::to_string(a.rows) +
                            " rows (at most " + std::to_string(kAttentionParallelRows) +
-                           ", with partials and counts)");
+                           ", with partials and counts) in " + std::to_string(a.split_blocks) +
+                           " blocks a row and head (2 to " + std::to_string(kAttentionSplitBlocks) +
+                           ")");
   cudaError_t launched;
   switch (a.head_dim) {
     case 16:

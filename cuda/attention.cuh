@@ -24,7 +24,7 @@ namespace bulkhead::cuda {
 // Positions per split. A row of at most this many positions is one split. Short enough that a
 // decode step of one row at a context of 2,048 has a block for each (head, split) of its 8 splits.
 constexpr int kAttentionSplit = 256;
-// Blocks per (row, head) with parallel splits, each taking splits z, z + this, ...
+// The most blocks per (row, head) with parallel splits (AttentionArgs::split_blocks).
 constexpr int kAttentionSplitBlocks = 16;
 // Steps of at most this many rows may run a row's splits side by side (parallel_splits).
 constexpr int kAttentionParallelRows = 8;
@@ -63,6 +63,9 @@ struct AttentionArgs : AttentionInputs {
   // finish folding them (the same bits as one after another): for steps of at most
   // kAttentionParallelRows rows.
   bool parallel_splits = false;
+  // With parallel_splits: blocks a (row, head), 2 to kAttentionSplitBlocks, block z taking
+  // splits z, z + split_blocks, ... (a grid no wider than the step's longest row needs).
+  int split_blocks = kAttentionSplitBlocks;
   // The q/k/v kernel's work done here instead (rope_in): for steps whose every row is its
   // sequence's only row (decode steps), where no row attends to another's new key. Each block
   // adds its head's biases and rotates its q from the product's raw output (rope.qkv, which q

@@ -838,6 +838,10 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   pending_.parallel_attention =
       n <= size_t(cuda::kAttentionParallelRows) && splits > 1 && splits <= uint32_t(d.max_splits);
   parallel_attention_steps_ += pending_.parallel_attention;
+  pending_.split_blocks = 1;
+  while (pending_.parallel_attention && pending_.split_blocks < cuda::kAttentionSplitBlocks &&
+         uint32_t(pending_.split_blocks) < splits)
+    pending_.split_blocks *= 2;
   product_stored_row_steps_ += lmHeadStoresRows();
   pending_.decode_rows = n == batch.size();
   pending_.attention_tiles = 0;
@@ -876,8 +880,8 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   // A decode step (a token and its logits row per sequence) runs as a graph, captured the
   // first time its size is seen; the same launches either way, so the same numbers.
   if (graphs_ && fault_role_ < 0 && mapped && size_t(m) == n && n <= kMaxGraphRows) {
-    const std::tuple<int, bool, bool, bool, int> key{
-        m, aligned, pending_.parallel_attention, pending_.decode_rows, pending_.attention_tiles};
+    const std::tuple<int, bool, int, bool, int> key{m, aligned, pending_.split_blocks,
+                                                    pending_.decode_rows, pending_.attention_tiles};
     auto graph = d.graphs.find(key);
     if (graph == d.graphs.end()) {
       const auto capture_start = std::chrono::steady_clock::now();
@@ -1255,12 +1259,13 @@ Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, boo
     cuda::MmaAttentionArgs ma{in};
     ma.tiles = d.input<uint32_t>(d.in.tiles);
     ma.tile_count = pending_.attention_tiles;
-    ma.split_blocks = pending_.parallel_attention ? cuda::kAttentionSplitBlocks : 1;
+    ma.split_blocks = pending_.split_blocks;
     BULKHEAD_RETURN_IF_ERROR(cuda::launchMmaAttention(ma, stream));
     return mark("attention");
   }
   cuda::AttentionArgs aa{in};
   aa.parallel_splits = pending_.parallel_attention;
+  aa.split_blocks = pending_.split_blocks;
   aa.rope_in = rope_in;
   aa.rope = qa;
   if (pending_.attention_tiles > 0) {

@@ -355,6 +355,9 @@ class CudaBackend final : public Backend {
     bool aligned = true;  // every logits destination 16-byte aligned
     // Few rows, one over a long context: attention runs each row's splits side by side.
     bool parallel_attention = false;
+    // Blocks a (row, head) then: the longest row's splits rounded up to a power of two, at most
+    // cuda::kAttentionSplitBlocks (1 when not side by side).
+    int split_blocks = 1;
     // Every row is its sequence's only row (a decode step): no row attends to another's key.
     bool decode_rows = false;
     // Attention tiles in the inputs (attention_tiles in prefill steps, or attention_mma's in
