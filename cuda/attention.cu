@@ -64,19 +64,22 @@ __device__ __forceinline__ void foldSplit(SplitResult& into, const SplitResult& 
 // of row t at slot i ^ (t % pieces), so that neither the stores (eight rows at a time) nor the
 // reads (one row, consecutive dimensions) fall in the same banks.
 // kRows query rows of one sequence share each chunk's loads (a prefill tile); each row gets the
-// same operations in the same order as alone.
-template <int HD, int kRows = 1>
+// same operations in the same order as alone. kChunks: chunks staged at once (paired chunks, one
+// row), probs and warp_values then per chunk.
+template <int HD, int kRows = 1, int kChunks = 1>
 struct Shared {
+  static_assert(kRows == 1 || kChunks == 1, "several rows or several chunks");
   static constexpr int kPieces = HD / 8;
   float q[kRows][HD];
-  float probs[kRows][kChunk];
-  float warp_values[kRows][kWarps];
+  float probs[kRows * kChunks][kChunk];
+  float warp_values[kRows * kChunks][kWarps];
   float partial[kRows][kThreads];
-  uint4 values[kChunk][kPieces];
+  uint4 values[kChunks][kChunk][kPieces];
   uint4 fresh_k[kPieces], fresh_v[kPieces];  // rope_in: the row's own key and value (bf16)
-  __device__ float value(uint32_t position, int d) const {
+  __device__ float value(uint32_t position, int d, int c = 0) const {
     const int slot = (d / 8) ^ int(position % kPieces);
-    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&values[position][slot])[d % 8]);
+    return __bfloat162float(
+        reinterpret_cast<const __nv_bfloat16*>(&values[c][position][slot])[d % 8]);
   }
 };
 
@@ -101,7 +104,7 @@ __device__ __forceinline__ void loadKeyStageValue(const AttentionArgs& a, size_t
 #pragma unroll
   for (int i = 0; i < HD / 8; ++i) values[i] = v[i];
 #pragma unroll
-  for (int i = 0; i < HD / 8; ++i) sh.values[t][i ^ (t % (HD / 8))] = values[i];
+  for (int i = 0; i < HD / 8; ++i) sh.values[0][t][i ^ (t % (HD / 8))] = values[i];
 }
 
 // A query's score against a key row: the dot product in dimension order, then the scale,
@@ -148,7 +151,7 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
 #pragma unroll
         for (int i = 0; i < HD / 8; ++i) {
           pieces[i] = sh.fresh_k[i];
-          sh.values[t][i ^ (t % (HD / 8))] = sh.fresh_v[i];
+          sh.values[0][t][i ^ (t % (HD / 8))] = sh.fresh_v[i];
         }
       } else {
         loadKeyStageValue(a, at, sh, pieces);
@@ -179,6 +182,115 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
     for (uint32_t i = part; i < count; i += kParts) acc = fmaf(sh.probs[0][i], sh.value(i, d), acc);
     __syncthreads();  // probs, values and warp_values are rewritten by the next chunk
     at = next_at;
+  }
+  sh.partial[0][t] = acc;
+  __syncthreads();
+  float total = 0.0f;
+  if (part == 0) {
+    total = sh.partial[0][d];
+    for (int p = 1; p < kParts; ++p) total += sh.partial[0][p * HD + d];
+  }
+  __syncthreads();  // partial is rewritten by the next split
+  return {running_max, running_sum, total};
+}
+
+// attendRow two chunks at a time (paired chunks): both chunks' keys and values load together, and
+// their maxima and sums cross the block's barriers together, so a pair waits on memory and on the
+// barriers once rather than once a chunk. The arithmetic is attendRow's, chunk by chunk in order:
+// the second chunk's maximum, probabilities and rescaling start from the first's running values,
+// the sums and the accumulation (the same threads, parts and order) are the same expressions, so
+// the same bits. `at` holds the pair's two cache rows (chunkRow) and is left as the next pair's,
+// looked up `ahead` as attendRow does.
+template <int HD, bool kRope>
+__device__ __forceinline__ SplitResult attendRowPaired(const AttentionArgs& a,
+                                                       const CacheRows& rows, Shared<HD, 1, 2>& sh,
+                                                       uint32_t begin, uint32_t end, uint32_t ahead,
+                                                       size_t (&at)[2], uint32_t fresh) {
+  constexpr int kParts = kThreads / HD;
+  const int t = threadIdx.x, part = t / HD, d = t % HD;
+  float running_max = -INFINITY, running_sum = 0.0f, acc = 0.0f;
+  for (uint32_t chunk = begin; chunk < end; chunk += 2 * kChunk) {
+    const uint32_t count[2] = {
+        min(uint32_t(kChunk), end - chunk),
+        chunk + kChunk < end ? min(uint32_t(kChunk), end - chunk - kChunk) : 0u};
+    // The next pair's block table entries load while this pair is worked on.
+    const size_t next_at[2] = {chunkRow(rows, chunk + 2 * kChunk, ahead),
+                               chunkRow(rows, chunk + 3 * kChunk, ahead)};
+    float score[2] = {-INFINITY, -INFINITY};
+    // Both chunks' key and value rows loaded before any is used or staged; the row's own position
+    // (rope_in) from shared memory instead, as in attendRow.
+    uint4 pieces[2][HD / 8], values[2][HD / 8];
+    bool own[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      own[c] = kRope && chunk + uint32_t(c * kChunk + t) == fresh;
+      if (uint32_t(t) >= count[c] || own[c]) continue;
+      const uint4 *k = reinterpret_cast<const uint4*>(a.k_cache + at[c]),
+                  *v = reinterpret_cast<const uint4*>(a.v_cache + at[c]);
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) pieces[c][i] = k[i];
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) values[c][i] = v[i];
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (uint32_t(t) >= count[c]) continue;
+#pragma unroll
+      for (int i = 0; i < HD / 8; ++i) {
+        if (own[c]) {
+          pieces[c][i] = sh.fresh_k[i];
+          values[c][i] = sh.fresh_v[i];
+        }
+        sh.values[c][t][i ^ (t % (HD / 8))] = values[c][i];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      if (uint32_t(t) < count[c]) score[c] = scoreOf<HD>(sh.q[0], pieces[c], a.scale);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float wmax = warpMax(score[c]);
+      if (t % 32 == 0) sh.warp_values[c][t / 32] = wmax;
+    }
+    __syncthreads();
+    float chunk_max[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      chunk_max[c] = sh.warp_values[c][0];
+      for (int w = 1; w < kWarps; ++w) chunk_max[c] = fmaxf(chunk_max[c], sh.warp_values[c][w]);
+    }
+    // Chunk by chunk as attendRow: the second from the first's new maximum.
+    float new_max[2], alpha[2], prob[2];
+    new_max[0] = fmaxf(running_max, chunk_max[0]);
+    alpha[0] = expf(running_max - new_max[0]);  // 0 on the first chunk
+    new_max[1] = count[1] > 0 ? fmaxf(new_max[0], chunk_max[1]) : new_max[0];
+    alpha[1] = expf(new_max[0] - new_max[1]);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      prob[c] = uint32_t(t) < count[c] ? expf(score[c] - new_max[c]) : 0.0f;
+      sh.probs[c][t] = prob[c];
+      prob[c] = warpSum(prob[c]);  // the warp's sum from here on
+    }
+    __syncthreads();  // every thread has read warp_values
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      if (t % 32 == 0) sh.warp_values[c][t / 32] = prob[c];
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (count[c] == 0) break;  // the same for the whole block
+      float chunk_sum = 0.0f;
+      for (int w = 0; w < kWarps; ++w) chunk_sum += sh.warp_values[c][w];
+      running_sum = fmaf(running_sum, alpha[c], chunk_sum);
+      acc *= alpha[c];
+#pragma unroll 8
+      for (uint32_t i = part; i < count[c]; i += kParts)
+        acc = fmaf(sh.probs[c][i], sh.value(i, d, c), acc);
+    }
+    running_max = new_max[1];
+    __syncthreads();  // probs, values and warp_values are rewritten by the next pair
+    at[0] = next_at[0];
+    at[1] = next_at[1];
   }
   sh.partial[0][t] = acc;
   __syncthreads();
@@ -393,10 +505,10 @@ __device__ __forceinline__ void freshLoad(const AttentionArgs& a, Fresh<HD>& f, 
 // After the wait: the q/k/v kernel's expressions for this block's items into sh.q, sh.fresh_k
 // and sh.fresh_v (the cache too, from the leader), then the sums and folds. Every thread of the
 // block calls it; the caller syncs before the shared values are read.
-template <int HD>
+template <int HD, int kChunks>
 __device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh<HD>& f,
-                                             Shared<HD>& sh, int r, int h, int kvh, uint32_t p,
-                                             bool owner, bool leader) {
+                                             Shared<HD, 1, kChunks>& sh, int r, int h, int kvh,
+                                             uint32_t p, bool owner, bool leader) {
   constexpr int half = HD / 2;
   const QkvArgs& q = a.rope;
   const int q_dim = a.heads * HD, kv_dim = a.kv_heads * HD;
@@ -468,9 +580,11 @@ __device__ __forceinline__ void freshCompute(const AttentionArgs& a, const Fresh
   atomicAdd(i < 3 ? &pc.produced : &pc.produced_sq, total);
 }
 
-template <int HD, bool kParallel, bool kRope>
+// kPaired: attendRowPaired for attendRow (the same bits).
+template <int HD, bool kParallel, bool kRope, bool kPaired>
 __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
-  __shared__ Shared<HD> sh;
+  constexpr int kChunks = kPaired ? 2 : 1;
+  __shared__ Shared<HD, 1, kChunks> sh;
   __shared__ bool last;
   const int h = blockIdx.x, r = blockIdx.y, t = threadIdx.x, d = t % HD;
   const int kvh = h / (a.heads / a.kv_heads);
@@ -482,34 +596,42 @@ __global__ void __launch_bounds__(kThreads) attentionKernel(AttentionArgs a) {
   const CacheRows rows{a.block_tables + a.row_table[r], size_t(kvh) * a.block_size * HD,
                        size_t(a.kv_heads) * a.block_size * HD, uint32_t(a.block_size), HD};
   auto splitEnd = [&](uint32_t s) { return min(len, (s + 1) * uint32_t(kAttentionSplit)); };
-  const size_t first_at =
-      uint32_t(first) < splits
-          ? chunkRow(rows, uint32_t(first) * kAttentionSplit, splitEnd(uint32_t(first)))
-          : 0;
+  // A split's first chunk's (and with kPaired the second's) cache rows.
+  auto splitRows = [&](uint32_t s, size_t(&at)[2]) {
+    at[0] = chunkRow(rows, s * kAttentionSplit, splitEnd(s));
+    at[1] = kPaired ? chunkRow(rows, s * kAttentionSplit + kChunk, splitEnd(s)) : 0;
+  };
+  size_t first_at[2] = {};
+  if (uint32_t(first) < splits) splitRows(uint32_t(first), first_at);
   const bool owner = first == 0, leader = owner && h % (a.heads / a.kv_heads) == 0;
   Fresh<HD> fresh;
   if (kRope && uint32_t(first) < splits) freshLoad<HD>(a, fresh, len - 1, h, kvh, owner, leader);
   awaitKernelBefore();
   if (uint32_t(first) >= splits) return;  // the whole block: nothing of this row is left
   if (kRope)
-    freshCompute<HD>(a, fresh, sh, r, h, kvh, len - 1, owner, leader);
+    freshCompute<HD, kChunks>(a, fresh, sh, r, h, kvh, len - 1, owner, leader);
   else if (t < HD)
     sh.q[0][t] = a.q[size_t(r) * a.q_stride + size_t(h) * HD + t];
   __syncthreads();
-  const uint32_t fresh_position = len - 1;
+  // Split s, its cache rows looked up `ahead` from its end.
+  auto attend = [&](uint32_t s, uint32_t ahead, size_t(&at)[2]) {
+    if constexpr (kPaired)
+      return attendRowPaired<HD, kRope>(a, rows, sh, s * kAttentionSplit, splitEnd(s), ahead, at,
+                                        len - 1);
+    else
+      return attendRow<HD, kRope>(a, rows, sh, s * kAttentionSplit, splitEnd(s), ahead, at[0],
+                                  len - 1);
+  };
   if (!kParallel || splits == 1) {
     // The splits in turn: each one's last chunk looks up the next one's first.
-    size_t at = first_at;
-    SplitResult folded = attendRow<HD, kRope>(a, rows, sh, 0, splitEnd(0), len, at, fresh_position);
-    for (uint32_t s = 1; s < splits; ++s)
-      foldSplit(folded, attendRow<HD, kRope>(a, rows, sh, s * kAttentionSplit, splitEnd(s), len, at,
-                                             fresh_position));
+    SplitResult folded = attend(0, len, first_at);
+    for (uint32_t s = 1; s < splits; ++s) foldSplit(folded, attend(s, len, first_at));
     return finish<HD>(a, r, folded);
   }
   auto range = [&](uint32_t s) {
-    const uint32_t begin = s * kAttentionSplit;
-    size_t at = s == uint32_t(first) ? first_at : chunkRow(rows, begin, splitEnd(s));
-    return attendRow<HD, kRope>(a, rows, sh, begin, splitEnd(s), splitEnd(s), at, fresh_position);
+    size_t at[2] = {first_at[0], first_at[1]};
+    if (s != uint32_t(first)) splitRows(s, at);
+    return attend(s, splitEnd(s), at);
   };
   // Side by side: each split's result to the partials; the block that completes the row's last
   // split folds them all, in split order.
@@ -601,14 +723,21 @@ __global__ void __launch_bounds__(kThreads) attentionTileKernel(AttentionArgs a)
     if (j < rows_here) finish<HD>(a, first_row + j, folded[j]);
 }
 
-template <int HD, bool kRope>
+template <int HD, bool kRope, bool kPaired>
 cudaError_t launchVariant(const AttentionArgs& a, cudaStream_t stream) {
   if (a.parallel_splits)
-    return launchKernel(attentionKernel<HD, true, kRope>,
+    return launchKernel(attentionKernel<HD, true, kRope, kPaired>,
                         dim3(unsigned(a.heads), unsigned(a.rows), unsigned(a.split_blocks)),
                         kThreads, stream, a);
-  return launchKernel(attentionKernel<HD, false, kRope>, dim3(unsigned(a.heads), unsigned(a.rows)),
-                      kThreads, stream, a);
+  return launchKernel(attentionKernel<HD, false, kRope, kPaired>,
+                      dim3(unsigned(a.heads), unsigned(a.rows)), kThreads, stream, a);
+}
+
+template <int HD, bool kRope>
+cudaError_t launchPairing(const AttentionArgs& a, cudaStream_t stream) {
+  if constexpr (HD <= kAttentionPairedHeads)
+    if (a.paired_chunks) return launchVariant<HD, kRope, true>(a, stream);
+  return launchVariant<HD, kRope, false>(a, stream);
 }
 
 template <int HD>
@@ -616,7 +745,7 @@ cudaError_t launchHeadDim(const AttentionArgs& a, cudaStream_t stream) {
   if (a.tiles != nullptr)
     return launchKernel(attentionTileKernel<HD>, dim3(unsigned(a.heads), unsigned(a.tile_count)),
                         kThreads, stream, a);
-  return a.rope_in ? launchVariant<HD, true>(a, stream) : launchVariant<HD, false>(a, stream);
+  return a.rope_in ? launchPairing<HD, true>(a, stream) : launchPairing<HD, false>(a, stream);
 }
 
 }  // namespace
@@ -642,10 +771,14 @@ Status launchAttention(const AttentionArgs& a, cudaStream_t stream) {
     return invalidArgument(
         "attention with the q/k/v kernel's work: its arguments must be the "
         "attention's heads, positions, cache and block size");
-  if (a.tiles != nullptr && (a.parallel_splits || a.rope_in || a.tile_count <= 0))
+  if (a.tiles != nullptr &&
+      (a.parallel_splits || a.rope_in || a.paired_chunks || a.tile_count <= 0))
     return invalidArgument(
         "attention in prefill tiles needs a tile count, and neither parallel "
-        "splits nor the q/k/v kernel's work");
+        "splits, the q/k/v kernel's work nor paired chunks");
+  if (a.paired_chunks && a.head_dim > kAttentionPairedHeads)
+    return invalidArgument("attention in paired chunks at head size " + std::to_string(a.head_dim) +
+                           " (at most " + std::to_string(kAttentionPairedHeads) + ")");
   if (a.rows == 0) return okStatus();
   if (a.parallel_splits && (a.rows > kAttentionParallelRows || a.split_partials == nullptr ||
                             a.split_counts == nullptr || a.max_splits <= 0 || a.split_blocks < 2 ||

@@ -28,6 +28,9 @@ constexpr int kAttentionSplit = 256;
 constexpr int kAttentionSplitBlocks = 16;
 // Steps of at most this many rows may run a row's splits side by side (parallel_splits).
 constexpr int kAttentionParallelRows = 8;
+// The largest head size whose rows can take their chunks in pairs (paired_chunks): both chunks'
+// keys are held in registers at once.
+constexpr int kAttentionPairedHeads = 64;
 // Rows of one sequence a prefill tile holds (AttentionArgs::tiles), by head size: as many as
 // the block's shared memory holds beside a chunk of value rows.
 BULKHEAD_HOST_DEVICE constexpr int attentionTileRows(int head_dim) {
@@ -66,6 +69,10 @@ struct AttentionArgs : AttentionInputs {
   // With parallel_splits: blocks a (row, head), 2 to kAttentionSplitBlocks, block z taking
   // splits z, z + split_blocks, ... (a grid no wider than the step's longest row needs).
   int split_blocks = kAttentionSplitBlocks;
+  // Each block takes its chunks two at a time (head sizes up to kAttentionPairedHeads; not with
+  // tiles): both chunks' keys and values load together and cross the block's barriers together,
+  // each chunk's arithmetic as alone and in the same order, so the same bits.
+  bool paired_chunks = false;
   // The q/k/v kernel's work done here instead (rope_in): for steps whose every row is its
   // sequence's only row (decode steps), where no row attends to another's new key. Each block
   // adds its head's biases and rotates its q from the product's raw output (rope.qkv, which q

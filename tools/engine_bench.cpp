@@ -138,6 +138,7 @@ Result<std::vector<Measured>> measure(const EngineBenchOptions& o,
   options.cuda_silu_in_products = o.silu_in_products && !v.cublas;
   if (o.rope_in_attention != "auto") options.cuda_rope_in_attention = o.rope_in_attention == "on";
   options.cuda_attention_tiles = o.attention_tiles == "on";
+  options.cuda_attention_paired_rows = o.attention_paired_rows;
   options.cuda_attention_mma = o.attention_mma == "on";
   options.cuda_logits_in_product = o.logits_in_product == "on";
   options.cuda_weight_budget = o.weight_budget;
@@ -297,8 +298,8 @@ Status runEngineBench(const EngineBenchOptions& o) {
       "bench-engine: %s on %s, graphs %s, programmatic launch %s, product schedules %s, "
       "product splits %s, shape schedules %s, "
       "residual in products %s, norms in products %s, silu in products %s, rope in attention %s, "
-      "attention tiles %s, attention on tensor cores %s, logits in product %s, cuBLAS products "
-      "%s (%s), prompt %u, %u decode steps per batch size\n",
+      "attention tiles %s, attention chunks paired up to %u rows, attention on tensor cores %s, "
+      "logits in product %s, cuBLAS products %s (%s), prompt %u, %u decode steps per batch size\n",
       o.model_dir.c_str(), o.backend.c_str(), o.graphs ? "on" : "off",
       o.programmatic_launch ? "on" : "off",
       o.gemm_schedules.empty() ? "default" : o.gemm_schedules.c_str(),
@@ -306,8 +307,9 @@ Status runEngineBench(const EngineBenchOptions& o) {
       o.gemm_shape_schedules.empty() ? "default" : o.gemm_shape_schedules.c_str(),
       o.residual_in_products ? "on" : "off", o.norm_in_products ? "on" : "off",
       o.silu_in_products ? "on" : "off", o.rope_in_attention.c_str(), o.attention_tiles.c_str(),
-      o.attention_mma.c_str(), o.logits_in_product.c_str(), o.cublas_products.c_str(),
-      results[0].empty() ? "" : results[0][0].backend_name.c_str(), o.prompt, o.steps);
+      o.attention_paired_rows, o.attention_mma.c_str(), o.logits_in_product.c_str(),
+      o.cublas_products.c_str(), results[0].empty() ? "" : results[0][0].backend_name.c_str(),
+      o.prompt, o.steps);
   if (read_bytes_per_s > 0)
     std::printf("device read bandwidth (copy kernel, median of 10 passes over 4 GiB): %.0f GB/s\n",
                 read_bytes_per_s / 1e9);
@@ -334,6 +336,7 @@ Status runEngineBench(const EngineBenchOptions& o) {
       {"silu_in_products", o.silu_in_products},
       {"rope_in_attention", o.rope_in_attention},
       {"attention_tiles", o.attention_tiles},
+      {"attention_paired_rows", o.attention_paired_rows},
       {"attention_mma", o.attention_mma},
       {"logits_in_product", o.logits_in_product},
       {"cublas_products", o.cublas_products},

@@ -35,6 +35,7 @@ struct EngineBenchOptions {
   bool silu_in_products = false;           // CudaBackend::Options::silu_in_products (ours only)
   std::string rope_in_attention = "auto";  // CudaBackend::Options::rope_in_attention: on, off
   std::string attention_tiles = "on";      // CudaBackend::Options::attention_tiles: on, off
+  uint32_t attention_paired_rows = 0;      // CudaBackend::Options::attention_paired_rows
   std::string attention_mma = "off";       // CudaBackend::Options::attention_mma: on, off
   std::string logits_in_product = "on";    // CudaBackend::Options::logits_in_product: on, off
   std::string cublas_products = "off";     // CudaBackend::Options::cublas_products: on, off

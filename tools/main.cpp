@@ -251,6 +251,11 @@ int main(int argc, char** argv) {
   engineOnOff("--attention-tiles", engine_opts.attention_tiles,
               "CUDA: in prefill steps attention takes 4-8 rows of a sequence a block, loading "
               "each key and value once for them");
+  engine_bench
+      ->add_option("--attention-paired-rows", engine_opts.attention_paired_rows,
+                   "CUDA: steps of at most this many rows take each row's attention chunks two "
+                   "at a time (head sizes up to 64; the same numbers)")
+      ->capture_default_str();
   engineOnOff("--attention-mma", engine_opts.attention_mma,
               "CUDA: attention on the tensor cores in every step (head sizes 64 and 128); other "
               "numbers than the CUDA-core kernel, each invariant");

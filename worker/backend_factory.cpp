@@ -39,6 +39,7 @@ Result<std::unique_ptr<Backend>> createBackend(const std::string& name,
     cuda.norm_in_products = options.cuda_norm_in_products;
     cuda.silu_in_products = options.cuda_silu_in_products;
     cuda.rope_in_attention = options.cuda_rope_in_attention;
+    cuda.attention_paired_rows = options.cuda_attention_paired_rows;
     cuda.attention_tiles = options.cuda_attention_tiles;
     cuda.attention_mma = options.cuda_attention_mma;
     cuda.logits_in_product = options.cuda_logits_in_product;

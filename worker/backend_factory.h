@@ -34,6 +34,7 @@ struct BackendOptions {
   bool cuda_silu_in_products = false;          // CudaBackend::Options::silu_in_products
   std::optional<bool> cuda_rope_in_attention;  // CudaBackend::Options::rope_in_attention
   bool cuda_attention_tiles = true;            // CudaBackend::Options::attention_tiles
+  uint32_t cuda_attention_paired_rows = 0;     // CudaBackend::Options::attention_paired_rows
   bool cuda_attention_mma = false;             // CudaBackend::Options::attention_mma
   bool cuda_logits_in_product = true;          // CudaBackend::Options::logits_in_product
   // CudaBackend::Options::weight_budget, as parseByteSize reads it ("0": no limit).

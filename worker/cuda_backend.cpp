@@ -232,6 +232,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (b->rope_in_attention_ && b->attention_mma_)
     return invalidArgument("the tensor-core attention does not do the q/k/v kernel's work");
   b->attention_tiles_ = options.attention_tiles;
+  b->attention_paired_rows_ =
+      c.head_dim <= cuda::kAttentionPairedHeads ? options.attention_paired_rows : 0;
   b->logits_in_product_ = options.logits_in_product;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;
@@ -1266,6 +1268,7 @@ Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, boo
   cuda::AttentionArgs aa{in};
   aa.parallel_splits = pending_.parallel_attention;
   aa.split_blocks = pending_.split_blocks;
+  aa.paired_chunks = size_t(n) <= attention_paired_rows_ && pending_.attention_tiles == 0;
   aa.rope_in = rope_in;
   aa.rope = qa;
   if (pending_.attention_tiles > 0) {

@@ -91,6 +91,11 @@ class CudaBackend final : public Backend {
     // AttentionArgs::tiles), instead of a block a row: the same numbers, prefill 2-2.4 times as
     // fast on long prompts (cuda/PERFORMANCE.md).
     bool attention_tiles = true;
+    // In steps of at most this many rows (0: none), the CUDA-core attention takes each row's
+    // chunks of positions two at a time (cuda/attention.cuh AttentionArgs::paired_chunks): both
+    // chunks' keys and values load together, each chunk's arithmetic as alone, so the same
+    // numbers. Head sizes up to cuda::kAttentionPairedHeads; not in prefill tiles.
+    uint32_t attention_paired_rows = 0;
     // Attention on the tensor cores (cuda/attention_mma.cuh) in every step, prefill and decode:
     // tiles of a sequence's rows and one KV head's query heads, scores and values multiplied by
     // mma.sync. Other numbers than the CUDA-core kernel's (each the same whatever the batch,
@@ -302,6 +307,7 @@ class CudaBackend final : public Backend {
   bool silu_in_products_ = false;
   bool rope_in_attention_ = false;
   bool attention_tiles_ = false;
+  uint32_t attention_paired_rows_ = 0;  // Options::attention_paired_rows
   bool attention_mma_ = false;
   bool cublas_products_ = false;  // Options::cublas_products
   bool logits_in_product_ = true;

@@ -571,7 +571,8 @@ TEST_P(CudaBackendModels, AgreesWithTheCpuReferenceEngine) {
 // cuda::kAttentionSplitBlocks splits, so that a block takes several), and close to the CPU
 // reference engine, whose attention is one pass. The parameter is a shape, its context raised to
 // 16,384, and whether attention runs on the tensor cores (attention_mma): tiny (head size 16) on
-// the CUDA cores, the 0.5B's layer (64) on the tensor cores.
+// the CUDA cores, the 0.5B's layer (64) on either. On the CUDA cores the prefill tiles and chunks
+// taken two at a time (attention_paired_rows) give the same rows too.
 class CudaBackendLongContext : public testing::TestWithParam<std::pair<std::string, bool>> {};
 
 TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
@@ -591,10 +592,11 @@ TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   auto checkpoint = openModel(tmp.path());
   ASSERT_NE(checkpoint, nullptr);
   ASSERT_GE(checkpoint->config().max_context, 16384);
-  auto backend = [&](bool programmatic, bool tiles = false) {
+  auto backend = [&](bool programmatic, bool tiles = false, uint32_t paired_rows = 0) {
     CudaBackend::Options options;
     options.programmatic_launch = programmatic;
     options.attention_tiles = tiles;
+    options.attention_paired_rows = paired_rows;
     options.attention_mma = mma;
     options.kv_blocks = 1024;  // 16,384 positions of 16
     options.max_step_tokens = 1024;
@@ -664,6 +666,12 @@ TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
     expectIdentical(serial, run(*tiled, 100), "prefill tiles");
     // Every step there has rows of one sequence only: all of them in tiles.
     EXPECT_EQ(tiled->tiledAttentionSteps(), steps_run);
+    // Chunks taken two at a time, in steps of up to 100 rows (no tiles: the splits one after
+    // another) and of one row (side by side): the same rows.
+    auto paired = backend(true, false, 100);
+    ASSERT_NE(paired, nullptr);
+    expectIdentical(serial, run(*paired, 100), "paired chunks, 100 rows a step");
+    expectIdentical(serial, run(*paired, 1), "paired chunks, 1 row a step");
   }
   for (const bool programmatic : {false, true}) {
     auto other = backend(programmatic);
@@ -688,10 +696,12 @@ TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendLongContext,
                          testing::Values(std::pair<std::string, bool>{"tiny", false},
+                                         std::pair<std::string, bool>{"qwen2.5-0.5b-layer", false},
                                          std::pair<std::string, bool>{"qwen2.5-0.5b-layer", true}),
                          [](const testing::TestParamInfo<std::pair<std::string, bool>>& info) {
-                           return info.param.second ? std::string("qwen05_layer_mma")
-                                                    : std::string("tiny");
+                           return info.param.first == "tiny" ? std::string("tiny")
+                                  : info.param.second        ? std::string("qwen05_layer_mma")
+                                                             : std::string("qwen05_layer");
                          });
 
 TEST_P(CudaBackendModels, RowChecksAreThoseOfTheBytesWritten) {

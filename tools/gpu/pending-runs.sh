@@ -80,6 +80,8 @@
 #           kernel's checks cost in the captured steps (a line per kernel and grid, with its
 #           effective time; a checked product's grid has its check blocks past the unchecked one's;
 #           TIMELINE_SHAPES: fewer shapes; TIMELINE_BATCHES: other batch sizes)
+#   paired-chunks the long-context GPU tests, then bench-engine on the 0.5B with attention's
+#           chunks taken two at a time up to 0 (off), 8 and 64 rows (--attention-paired-rows)
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) and any
 #           BUNDLE/bulkhead-ab-* (more builds) against this bundle's bulkhead, twice each, in turn
 #   ab-checks the same with the checks' and cuBLAS columns
@@ -546,6 +548,12 @@ for group in "$@"; do
         run "timeline-$shape-checks" 60 python3 tools/gpu/timeline.py \
           "$out/timeline-$shape-checks.csv" --by-grid
       done
+      ;;
+    paired-chunks)
+      # Attention's chunks two at a time (head sizes up to 64: the 0.5B) against one at a time:
+      # the long-context tests (the same rows), then bench-engine up to 8 and 64 rows paired.
+      run gpu-tests-long-context 300 "$bundle/gpu_tests" --gtest_filter='*LongContext*'
+      optionVariants paired-chunks --attention-paired-rows 1,8,32,64 qwen2.5-0.5b 0 8 64
       ;;
     ab) alternate "" --no-compare ;;
     ab-checks) alternate -checks ;;  # with the checks' and cuBLAS columns
