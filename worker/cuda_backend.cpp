@@ -232,8 +232,13 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(
   if (b->rope_in_attention_ && b->attention_mma_)
     return invalidArgument("the tensor-core attention does not do the q/k/v kernel's work");
   b->attention_tiles_ = options.attention_tiles;
-  b->attention_paired_rows_ =
-      c.head_dim <= cuda::kAttentionPairedHeads ? options.attention_paired_rows : 0;
+  b->attention_paired_rows_ = options.attention_paired_rows;
+  if (b->attention_paired_rows_ > 0 &&
+      (b->attention_mma_ || c.head_dim > cuda::kAttentionPairedHeads))
+    return invalidArgument(
+        "attention chunks two at a time need the CUDA-core attention and heads "
+        "of at most " +
+        std::to_string(cuda::kAttentionPairedHeads) + " (not " + std::to_string(c.head_dim) + ")");
   b->logits_in_product_ = options.logits_in_product;
   b->graphs_ = options.cuda_graphs && !options.kernel_times;  // a graph times as one launch
   b->gemm_schedules_ = options.gemm_schedules;

@@ -606,6 +606,17 @@ TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   };
   auto gpu = backend(false);
   ASSERT_NE(gpu, nullptr);
+  if (mma) {
+    // Chunks two at a time are the CUDA-core kernel's: asked for beside the tensor cores, the
+    // backend is refused with the reason.
+    CudaBackend::Options options;
+    options.attention_mma = true;
+    options.attention_paired_rows = 8;
+    auto refused = CudaBackend::create(checkpoint, options);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("two at a time"), std::string::npos)
+        << refused.status().toString();
+  }
   const uint32_t vocab = gpu->limits().vocab_size;
   const size_t length = (cuda::kAttentionSplitBlocks + 1) * cuda::kAttentionSplit + 300;
   // Decoded a position a step: [early, early + 900) and the last 300; the rest in steps of 100.
