@@ -4,7 +4,8 @@
 // + t; the chunk's maximum and sum go through fixed trees; then thread (part, d) accumulates
 // dimension d over positions part, part + parts, ... in order (from the chunk's value rows, which
 // thread t staged in shared memory with its key row). A split's parts are added in part order;
-// splits are folded in split order by foldSplit.
+// splits are folded in split order by foldSplit. With paired chunks a block loads two chunks at
+// once and works on them chunk by chunk in that same order.
 #include "cuda/attention.cuh"
 
 #include <string>
