@@ -82,6 +82,8 @@
 #           TIMELINE_SHAPES: fewer shapes; TIMELINE_BATCHES: other batch sizes)
 #   paired-chunks the long-context GPU tests, then bench-engine on the 0.5B with attention's
 #           chunks taken two at a time up to 0 (off), 8 and 64 rows (--attention-paired-rows)
+# After the groups that run builds or options in turn (ab, ab-checks, paired, paired-engine,
+# paired-chunks), tools/gpu/ab-table.py prints their step times side by side.
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) and any
 #           BUNDLE/bulkhead-ab-* (more builds) against this bundle's bulkhead, twice each, in turn
 #   ab-checks the same with the checks' and cuBLAS columns
@@ -620,5 +622,10 @@ for group in "$@"; do
         --report "$out/chaos-cuda-7b.json"
       ;;
     *) echo "unknown group $group" >&2 ;;
+  esac
+  # Builds or options run in turn: their step times side by side.
+  case $group in
+    ab | ab-checks | paired | paired-engine | paired-chunks)
+      python3 tools/gpu/ab-table.py "$out" ;;
   esac
 done
