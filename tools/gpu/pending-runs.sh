@@ -86,7 +86,8 @@
 # paired-chunks), tools/gpu/ab-table.py prints their step times side by side.
 #   ab      bench-engine on both shapes, BUNDLE/bulkhead-base (another build) and any
 #           BUNDLE/bulkhead-ab-* (more builds) against this bundle's bulkhead, twice each, in turn
-#   ab-checks the same with the checks' and cuBLAS columns
+#   ab-checks the same with the checks' and cuBLAS columns (AB_SHAPES: fewer shapes; AB_BUILDS:
+#           fewer builds, by name, e.g. "base ab-s128")
 #   mma     the GPU tests of attention on the tensor cores (the *_mma model cases, the long
 #           context ones), then bench-engine on both shapes with --attention-mma off and on:
 #           decode at prompt 128 and 2,048 (and the 2,048-token prefill), and the 7B at b1 / b64
@@ -157,9 +158,14 @@ timelineLib() {  # the CUPTI kernel timeline to preload: the bundle's, else buil
 alternate() {  # alternate SUFFIX BENCH_ENGINE_FLAGS...: BUNDLE/bulkhead-base (another build's
   # bulkhead), any BUNDLE/bulkhead-ab-* (more builds) and the bundle's own, in turn, twice each on
   # one card, on both shapes
-  local suffix=$1 shape m rep v variants=(-base)
+  local suffix=$1 shape m rep v variants=()
   shift
-  for v in "$bundle"/bulkhead-ab-*; do [ -x "$v" ] && variants+=("${v#"$bundle"/bulkhead}"); done
+  # AB_BUILDS: only these (names such as "base ab-s128"; the bundle's own always runs).
+  for v in "$bundle"/bulkhead-base "$bundle"/bulkhead-ab-*; do
+    [ -x "$v" ] || continue
+    v=${v#"$bundle"/bulkhead-}
+    [ -z "${AB_BUILDS:-}" ] || [[ " $AB_BUILDS " == *" $v "* ]] && variants+=("-$v")
+  done
   variants+=("")
   for shape in ${AB_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do  # AB_SHAPES: fewer, to fit a call
     m=$(model $shape)
