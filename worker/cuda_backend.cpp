@@ -138,9 +138,10 @@ struct CudaState {
   cuda::HostRegistration outputs;
   std::unique_ptr<cuda::Matmul> cublas;  // Options::cublas_products
   // Decode steps captured as graphs, by (rows, whether the destinations are 16-byte aligned,
-  // whether attention runs splits side by side, whether every row is its sequence's only one, and
-  // the attention's prefill tiles).
-  std::map<std::tuple<int, bool, bool, bool, int>, cuda::GraphExec> graphs;
+  // attention's blocks a (row, head) for splits side by side (1: one after another), whether
+  // every row is its sequence's only one, and the attention's prefill tiles).
+  using GraphKey = std::tuple<int, bool, int, bool, int>;
+  std::map<GraphKey, cuda::GraphExec> graphs;
   // Attention's splits side by side (cuda/attention.cuh): partials and counts.
   DeviceMemory split_partials, split_counts;
   int max_splits = 0;
@@ -887,8 +888,8 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   // A decode step (a token and its logits row per sequence) runs as a graph, captured the
   // first time its size is seen; the same launches either way, so the same numbers.
   if (graphs_ && fault_role_ < 0 && mapped && size_t(m) == n && n <= kMaxGraphRows) {
-    const std::tuple<int, bool, int, bool, int> key{m, aligned, pending_.split_blocks,
-                                                    pending_.decode_rows, pending_.attention_tiles};
+    const CudaState::GraphKey key{m, aligned, pending_.split_blocks, pending_.decode_rows,
+                                  pending_.attention_tiles};
     auto graph = d.graphs.find(key);
     if (graph == d.graphs.end()) {
       const auto capture_start = std::chrono::steady_clock::now();
@@ -912,6 +913,7 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
     }
     BULKHEAD_RETURN_IF_ERROR(enqueueForward(int(n), m, aligned, graph->second.get()));
     ++graph_launches_;
+    parallel_graph_launches_ += std::get<2>(graph->first) > 1;
   } else {
     BULKHEAD_RETURN_IF_ERROR(enqueueForward(int(n), m, aligned, nullptr));
   }
@@ -919,6 +921,10 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
   BULKHEAD_CUDA_RETURN_IF_ERROR(cudaEventRecord(d.done.get(), d.stream.get()));
   pending_.queued = true;
   return okStatus();
+}
+
+size_t CudaBackend::capturedGraphs() const {
+  return d_->graphs.size();
 }
 
 long long CudaBackend::faultOutput(uint64_t n, int rows) const {

@@ -143,6 +143,11 @@ class CudaBackend final : public Backend {
   Result<bool> productChecksCleared() const;
   // Steps that ran as a captured graph (tests and stats).
   uint64_t graphLaunches() const { return graph_launches_; }
+  // Of those, the ones whose graph runs attention's splits side by side (as its key says: what
+  // was captured, not what the step asked for).
+  uint64_t parallelGraphLaunches() const { return parallel_graph_launches_; }
+  // Decode steps captured so far, one graph for each key (tests).
+  size_t capturedGraphs() const;
   // Steps whose attention ran a row's splits side by side (tests and stats).
   uint64_t parallelAttentionSteps() const { return parallel_attention_steps_; }
   // Steps whose attention ran in prefill tiles (Options::attention_tiles).
@@ -322,6 +327,7 @@ class CudaBackend final : public Backend {
   int device_ = 0;
   uint64_t graph_launches_ = 0;
   uint64_t parallel_attention_steps_ = 0;
+  uint64_t parallel_graph_launches_ = 0;
   uint64_t tiled_attention_steps_ = 0;
   uint64_t mma_attention_steps_ = 0;
   uint64_t product_stored_row_steps_ = 0;

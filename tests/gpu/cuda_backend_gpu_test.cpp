@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -623,10 +624,18 @@ TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
   const size_t early = cuda::kAttentionSplit - 56, late = length - 300;
   auto decoded = [&](size_t at) { return (at >= early && at < early + 900) || at >= late; };
   size_t decode_steps = 0, parallel_steps = 0;  // decoding side by side: more than one split
+  std::set<int> grids;  // attention's blocks a (row, head) in the decode steps: one graph each
   for (size_t at = 0; at < length; ++at) {
-    decode_steps += decoded(at);
-    parallel_steps += decoded(at) && at + 1 > size_t(cuda::kAttentionSplit);
+    if (!decoded(at)) continue;
+    const size_t splits = (at + cuda::kAttentionSplit) / cuda::kAttentionSplit;
+    int blocks = 1;
+    while (splits > 1 && blocks < cuda::kAttentionSplitBlocks && size_t(blocks) < splits)
+      blocks *= 2;
+    ++decode_steps;
+    parallel_steps += splits > 1;
+    grids.insert(blocks);
   }
+  ASSERT_EQ(grids.size(), 5u) << "grids of 1, 2, 4, 8 and 16 blocks";
   const auto tokens = randomTokens(length, vocab, 13);
   // Rows land in registered memory, as in the arena, so that decode steps run as graphs.
   std::vector<float> output(size_t(100) * ((vocab + 15) & ~15u));
@@ -688,13 +697,21 @@ TEST_P(CudaBackendLongContext, SplitsGiveTheSameRowsWhereverTheyRun) {
     auto other = backend(programmatic);
     ASSERT_NE(other, nullptr);
     for (const size_t rows : {size_t(1), size_t(8)}) {
-      const uint64_t parallel = other->parallelAttentionSteps(), graphs = other->graphLaunches();
+      const uint64_t parallel = other->parallelAttentionSteps(), graphs = other->graphLaunches(),
+                     parallel_graphs = other->parallelGraphLaunches();
+      const size_t captured = other->capturedGraphs();
       expectIdentical(
           serial, run(*other, rows),
           std::to_string(rows) + " rows a step" + (programmatic ? ", programmatic" : ""));
       EXPECT_EQ(other->parallelAttentionSteps() - parallel, parallel_steps)
           << rows << " rows a step";
       EXPECT_GE(other->graphLaunches() - graphs, decode_steps) << rows << " rows a step";
+      // The graphs replayed ran the splits side by side (their keys, as captured), a graph for
+      // each grid at least (a prefill step of up to 64 rows, each asking for its logits, runs as
+      // a graph too).
+      EXPECT_EQ(other->parallelGraphLaunches() - parallel_graphs, parallel_steps)
+          << rows << " rows a step";
+      EXPECT_GE(other->capturedGraphs() - captured, grids.size()) << rows << " rows a step";
     }
   }
   auto cpu = CpuBackend::create(checkpoint, {});
