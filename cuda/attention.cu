@@ -201,7 +201,7 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
 // the second chunk's maximum, probabilities and rescaling start from the first's running values,
 // the sums and the accumulation (the same threads, parts and order) are the same expressions, so
 // the same bits. `at` holds the pair's two cache rows (chunkRow) and is left as the next pair's,
-// looked up `ahead` as attendRow does.
+// looked up `ahead` as attendRow does (the next split's first pair past `end`).
 template <int HD, bool kRope>
 __device__ __forceinline__ SplitResult attendRowPaired(const AttentionArgs& a,
                                                        const CacheRows& rows, Shared<HD, 1, 2>& sh,
@@ -214,9 +214,11 @@ __device__ __forceinline__ SplitResult attendRowPaired(const AttentionArgs& a,
     const uint32_t count[2] = {
         min(uint32_t(kChunk), end - chunk),
         chunk + kChunk < end ? min(uint32_t(kChunk), end - chunk - kChunk) : 0u};
-    // The next pair's block table entries load while this pair is worked on.
-    const size_t next_at[2] = {chunkRow(rows, chunk + 2 * kChunk, ahead),
-                               chunkRow(rows, chunk + 3 * kChunk, ahead)};
+    // The next pair's block table entries load while this pair is worked on: the split's next
+    // pair, or after its last the next split's first (a split of an odd number of chunks ends
+    // with a pair of one).
+    const uint32_t next = chunk + 2 * kChunk < end ? chunk + 2 * kChunk : end;
+    const size_t next_at[2] = {chunkRow(rows, next, ahead), chunkRow(rows, next + kChunk, ahead)};
     float score[2] = {-INFINITY, -INFINITY};
     // Both chunks' key and value rows loaded before any is used or staged; the row's own position
     // (rope_in) from shared memory instead, as in attendRow.

@@ -870,6 +870,9 @@ Status CudaBackend::enqueueStep(std::span<const SequenceStep> batch,
     }
     ++tiled_attention_steps_;
   }
+  pending_.paired_chunks =
+      !attention_mma_ && n <= attention_paired_rows_ && pending_.attention_tiles == 0;
+  paired_attention_steps_ += pending_.paired_chunks;
   pending_.rows.assign(rows.begin(), rows.end());
   if (limits_.checks_weight_reads && !verifySlots().failed_tensor.empty()) {
     // Computes nothing and queues nothing (so no copy still reads the inputs when the next step
@@ -1279,7 +1282,7 @@ Status CudaBackend::launchAttention(const Layer& L, const cuda::QkvArgs& qa, boo
   cuda::AttentionArgs aa{in};
   aa.parallel_splits = pending_.parallel_attention;
   aa.split_blocks = pending_.split_blocks;
-  aa.paired_chunks = size_t(n) <= attention_paired_rows_ && pending_.attention_tiles == 0;
+  aa.paired_chunks = pending_.paired_chunks;
   aa.rope_in = rope_in;
   aa.rope = qa;
   if (pending_.attention_tiles > 0) {

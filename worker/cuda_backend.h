@@ -152,6 +152,8 @@ class CudaBackend final : public Backend {
   uint64_t parallelAttentionSteps() const { return parallel_attention_steps_; }
   // Steps whose attention ran in prefill tiles (Options::attention_tiles).
   uint64_t tiledAttentionSteps() const { return tiled_attention_steps_; }
+  // Steps whose attention took its chunks two at a time (Options::attention_paired_rows).
+  uint64_t pairedAttentionSteps() const { return paired_attention_steps_; }
   // Steps whose attention ran on the tensor cores (Options::attention_mma).
   uint64_t mmaAttentionSteps() const { return mma_attention_steps_; }
   // Steps whose lm_head stored the logits rows itself (Options::logits_in_product).
@@ -328,6 +330,7 @@ class CudaBackend final : public Backend {
   uint64_t graph_launches_ = 0;
   uint64_t parallel_attention_steps_ = 0;
   uint64_t parallel_graph_launches_ = 0;
+  uint64_t paired_attention_steps_ = 0;
   uint64_t tiled_attention_steps_ = 0;
   uint64_t mma_attention_steps_ = 0;
   uint64_t product_stored_row_steps_ = 0;
@@ -375,6 +378,9 @@ class CudaBackend final : public Backend {
     // Attention tiles in the inputs (attention_tiles in prefill steps, or attention_mma's in
     // every step), 0: a block a row.
     int attention_tiles = 0;
+    // The CUDA-core attention takes each row's chunks two at a time (attention_paired_rows): a
+    // function of the rows and the tiles, so a graph's key decides it.
+    bool paired_chunks = false;
     std::vector<RowOutput> rows;
     std::vector<bool> copied_out;    // rows outside the registered arena: through the fallback
     std::vector<uint32_t> gathered;  // token ids, for the embedding's expected fold
