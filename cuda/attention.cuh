@@ -29,7 +29,7 @@ constexpr int kAttentionSplitBlocks = 16;
 // Steps of at most this many rows may run a row's splits side by side (parallel_splits).
 constexpr int kAttentionParallelRows = 8;
 // The largest head size whose rows can take their chunks in pairs (paired_chunks): both chunks'
-// keys are held in registers at once.
+// keys and values are held in registers at once.
 constexpr int kAttentionPairedHeads = 64;
 // Rows of one sequence a prefill tile holds (AttentionArgs::tiles), by head size: as many as
 // the block's shared memory holds beside a chunk of value rows.
