@@ -127,6 +127,23 @@ __device__ __forceinline__ float scoreOf(const float (&q)[HD], const uint4 (&pie
   return __fmul_rn(dot, scale);
 }
 
+// A row's dimension d summed over the block's parts (part order) from each thread's acc: valid
+// in the threads of part 0. Every thread of the block calls it.
+template <int HD, int kChunks>
+__device__ __forceinline__ float partsTotal(Shared<HD, 1, kChunks>& sh, float acc) {
+  constexpr int kParts = kThreads / HD;
+  const int t = threadIdx.x, part = t / HD, d = t % HD;
+  sh.partial[0][t] = acc;
+  __syncthreads();
+  float total = 0.0f;
+  if (part == 0) {
+    total = sh.partial[0][d];
+    for (int p = 1; p < kParts; ++p) total += sh.partial[0][p * HD + d];
+  }
+  __syncthreads();  // partial is rewritten by the next split
+  return total;
+}
+
 // The online softmax over positions [begin, end) of one row and head, in chunks of kChunk from
 // begin. Every thread of the block calls it, with `at` = chunkRow(rows, begin, end) (looked up
 // early by the caller); `at` is left as chunkRow(rows, end, ahead), the first chunk of the split
@@ -184,15 +201,7 @@ __device__ __forceinline__ SplitResult attendRow(const AttentionArgs& a, const C
     __syncthreads();  // probs, values and warp_values are rewritten by the next chunk
     at = next_at;
   }
-  sh.partial[0][t] = acc;
-  __syncthreads();
-  float total = 0.0f;
-  if (part == 0) {
-    total = sh.partial[0][d];
-    for (int p = 1; p < kParts; ++p) total += sh.partial[0][p * HD + d];
-  }
-  __syncthreads();  // partial is rewritten by the next split
-  return {running_max, running_sum, total};
+  return {running_max, running_sum, partsTotal(sh, acc)};
 }
 
 // attendRow two chunks at a time (paired chunks): both chunks' keys and values load together, and
@@ -295,15 +304,7 @@ __device__ __forceinline__ SplitResult attendRowPaired(const AttentionArgs& a,
     at[0] = next_at[0];
     at[1] = next_at[1];
   }
-  sh.partial[0][t] = acc;
-  __syncthreads();
-  float total = 0.0f;
-  if (part == 0) {
-    total = sh.partial[0][d];
-    for (int p = 1; p < kParts; ++p) total += sh.partial[0][p * HD + d];
-  }
-  __syncthreads();  // partial is rewritten by the next split
-  return {running_max, running_sum, total};
+  return {running_max, running_sum, partsTotal(sh, acc)};
 }
 
 // attendRow for kRows rows of one sequence at once (a prefill tile), over positions [begin,
